@@ -1,0 +1,77 @@
+"""Attention-backend interface and the per-step forward context.
+
+A step is one flat, ragged batch: request b contributes ``query_lens[b]`` tokens whose K/V are
+written at ``slot_mapping`` and which attend to the first ``seq_lens[b]`` cached tokens of the
+request (their own included). Tokens of a speculative tree attend among themselves through
+``tree_masks[b]`` instead of the causal rule.
+
+The backend is planned once per step (``plan``) and then run once per layer (``forward``).
+Model code never sees the metadata: it calls ``get_forward_context().attn.forward(...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]  # host copy: tokens per request this step
+    seq_lens: list[int]  # host copy: cached tokens per request after this step's writes
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token (block * block_size + offset)
+    block_tables: torch.Tensor  # [B, max_blocks] int64 block ids per request
+    tree_masks: dict[int, torch.Tensor] | None = None  # b -> bool [q_b, q_b]; row attends column
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+
+class AttentionBackend(ABC):
+    """Owns the KV cache tensors of one model and computes paged attention."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float) -> None:
+        # each cache: [num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scale = scale
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare per-step indices and masks shared by every layer."""
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] (this step's tokens, RoPE applied) -> out [T, H, D].
+
+        Writes k/v into the cache first, so a token attends to itself.
+        """
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionBackend
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError("no forward context: run the model inside specserve.attention.forward_context()")
+    return _CONTEXT
+
+
+@contextlib.contextmanager
+def forward_context(attn: AttentionBackend) -> Iterator[ForwardContext]:
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ForwardContext(attn=attn)
+    try:
+        yield _CONTEXT
+    finally:
+        _CONTEXT = prev

@@ -1,0 +1,182 @@
+"""Configuration dataclasses. Each validates itself on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts of a decoder-only transformer, read from an HF config.json dict."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        n_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=d.get("rope_scaling"),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", arch.startswith("Qwen2")),
+            qk_norm=arch.startswith("Qwen3"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            hidden_act=d.get("hidden_act", "silu"),
+        )
+
+
+SpecAlgorithm = Literal["EAGLE", "EAGLE3"]
+SpecPolicy = Literal["static", "threshold", "adaptive"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """EAGLE drafting settings, named like SGLang's --speculative-* flags."""
+
+    algorithm: SpecAlgorithm = "EAGLE3"
+    draft_model_path: str | None = None
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None  # None: steps + 1 for a chain
+    policy: SpecPolicy = "adaptive"
+    disable_batch_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("EAGLE", "EAGLE3"):
+            raise ValueError(f"speculative_algorithm must be EAGLE or EAGLE3, got {self.algorithm!r}")
+        if self.num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.num_steps}")
+        if self.eagle_topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
+        if self.policy not in ("static", "threshold", "adaptive"):
+            raise ValueError(f"speculative_policy must be static, threshold or adaptive, got {self.policy!r}")
+        if self.policy == "threshold" and self.disable_batch_threshold is None:
+            raise ValueError("speculative_policy=threshold needs speculative_disable_batch_threshold")
+        n = self.resolved_num_draft_tokens
+        if self.eagle_topk == 1 and n != self.num_steps + 1:
+            raise ValueError(
+                f"with speculative_eagle_topk=1 (a chain), speculative_num_draft_tokens must be "
+                f"num_steps + 1 = {self.num_steps + 1}, got {n}"
+            )
+        # root + topk children at step 1 + topk*topk candidates at each later step
+        max_nodes = 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+        if n < 2 or n > max_nodes:
+            raise ValueError(f"speculative_num_draft_tokens={n} must be in [2, {max_nodes}] for these steps/topk")
+
+    @property
+    def resolved_num_draft_tokens(self) -> int:
+        return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
+
+    @property
+    def is_chain(self) -> bool:
+        return self.eagle_topk == 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; field names match the CLI flags (dashes -> underscores)."""
+
+    model: str | None = None  # GGUF file or HF model directory; None = default model
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb / gpu_memory_utilization
+    kv_cache_memory_gb: float = 2.0  # CPU KV budget
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = 4096
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat engine args (like vLLM's), folding speculative_* into SpeculativeConfig."""
+        spec_map = {
+            "speculative_algorithm": "algorithm",
+            "speculative_draft_model_path": "draft_model_path",
+            "speculative_num_steps": "num_steps",
+            "speculative_eagle_topk": "eagle_topk",
+            "speculative_num_draft_tokens": "num_draft_tokens",
+            "speculative_policy": "policy",
+            "speculative_disable_batch_threshold": "disable_batch_threshold",
+        }
+        spec_kwargs = {spec_map[k]: kwargs.pop(k) for k in list(kwargs) if k in spec_map and kwargs[k] is not None}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        if spec_kwargs and "speculative" not in kwargs:
+            if "algorithm" not in spec_kwargs and "draft_model_path" not in spec_kwargs:
+                raise ValueError("speculative_* arguments given without speculative_algorithm")
+            kwargs["speculative"] = SpeculativeConfig(**spec_kwargs)
+        return cls(**kwargs)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    return dataclasses.replace(cfg, **changes)
+
+
+__all__ = ["ModelConfig", "SpeculativeConfig", "EngineConfig", "replace", "field"]

@@ -1,0 +1,155 @@
+"""Paged KV-cache bookkeeping: a block allocator with reference counts and prefix caching.
+
+Only full blocks of committed tokens are cached. A cached block is identified by a hash chain
+(parent block's hash, this block's token ids), so a hit means the whole prefix matches. Blocks
+whose reference count drops to zero go to a free queue in LRU order but stay findable by hash
+until they are handed out again (that is when a cached block is evicted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(b",".join(str(t).encode() for t in token_ids))
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+@dataclass
+class BlockStats:
+    prefix_queries: int = 0  # prompt tokens looked up
+    prefix_hits: int = 0  # prompt tokens found cached
+    evictions: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.stats = BlockStats()
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Cached full blocks at the start of ``token_ids``, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return [], []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        ids: list[int] = []
+        hashes: list[bytes] = []
+        parent = None
+        for b in range(max_blocks):
+            h = hash_block(parent, token_ids[b * self.block_size : (b + 1) * self.block_size])
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            ids.append(bid)
+            hashes.append(h)
+            parent = h
+        self.stats.prefix_queries += len(token_ids)
+        self.stats.prefix_hits += len(ids) * self.block_size
+        return ids, hashes
+
+    def take_cached(self, block_ids: list[int]) -> None:
+        """Add a reference to blocks found by match_prefix (they may be in the free queue)."""
+        for bid in block_ids:
+            blk = self.blocks[bid]
+            if blk.ref_cnt == 0:
+                del self.free_queue[bid]
+            blk.ref_cnt += 1
+
+    def cache_blocks(self, block_table: list[int], block_hashes: list[bytes], token_ids: Sequence[int],
+                     num_committed: int) -> None:
+        """Register the full blocks of ``block_table`` holding committed tokens (extends block_hashes)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_committed // self.block_size
+        parent = block_hashes[-1] if block_hashes else None
+        for b in range(len(block_hashes), num_full):
+            h = hash_block(parent, token_ids[b * self.block_size : (b + 1) * self.block_size])
+            blk = self.blocks[block_table[b]]
+            if blk.block_hash is None:
+                blk.block_hash = h
+                self.cached.setdefault(h, blk.block_id)
+            block_hashes.append(h)
+            parent = h
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise NoFreeBlocksError(f"need {n} KV blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self.free_queue.popitem(last=False)
+            blk = self.blocks[bid]
+            if blk.block_hash is not None:  # evict it from the prefix cache
+                if self.cached.get(blk.block_hash) == bid:
+                    del self.cached[blk.block_hash]
+                blk.block_hash = None
+                self.stats.evictions += 1
+            blk.ref_cnt = 1
+            out.append(bid)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        # tail blocks first into the queue, so a request's prefix outlives its suffix
+        for bid in reversed(block_ids):
+            blk = self.blocks[bid]
+            if blk.ref_cnt <= 0:
+                raise RuntimeError(f"double free of KV block {bid}")
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                if blk.block_hash is None:
+                    # uncached blocks are reused first
+                    self.free_queue[bid] = None
+                    self.free_queue.move_to_end(bid, last=False)
+                else:
+                    self.free_queue[bid] = None
+
+    def reset_prefix_cache(self) -> None:
+        for blk in self.blocks:
+            if blk.ref_cnt == 0:
+                blk.block_hash = None
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].block_hash == h}
+
+
+@dataclass
+class KVSlots:
+    """A request's view of its blocks: block table plus the hashes of its cached full blocks."""
+
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)

@@ -1,0 +1,76 @@
+"""A request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.kv_cache import KVSlots
+from specserve.outputs import RequestMetrics
+from specserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # KV for all_token_ids[:num_computed_tokens] is in the cache
+    num_computed_tokens: int = 0
+    kv: KVSlots = field(default_factory=KVSlots)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    detok: object | None = None  # IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None = None
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(init=False)
+    # speculation: tokens drafted for the next verify (target ids)
+    draft_token_ids: list[int] = field(default_factory=list)
+    # tokens already handed to the caller (for deltas)
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than one known token still lacks KV (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

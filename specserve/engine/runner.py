@@ -1,0 +1,141 @@
+"""ModelRunner: turns a StepPlan into one forward over a flat ragged batch, then samples.
+
+It owns the target model, its paged KV cache and the attention backend. Host lists become
+device tensors once per step; the only device->host copy is the sampled/verified tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.base import AttentionMetadata, forward_context
+from specserve.attention.torch_native import TorchNativeBackend
+from specserve.config import EngineConfig, ModelConfig
+from specserve.engine import sampler
+from specserve.engine.scheduler import CommitResult, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    # rows of the flat batch whose logits are needed, per sampling request: (start, count)
+    sample_spans: list[tuple[int, int]]
+
+
+def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+    elt = torch.empty((), dtype=dtype).element_size()
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elt
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      reserve_bytes: int = 0) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_token(mc, dtype) * config.block_size
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - config.gpu_memory_utilization) * total - reserve_bytes
+    else:
+        budget = config.kv_cache_memory_gb * 2**30
+    return max(1, int(budget // per_block))
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+                 num_blocks: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.mc = model_config
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.kv_caches = allocate_kv_cache(model_config.num_hidden_layers, num_blocks, config.block_size,
+                                           model_config.num_key_value_heads, model_config.head_dim, dtype, device)
+        self.attn = TorchNativeBackend(self.kv_caches, config.block_size, model_config.head_dim**-0.5)
+        self.generator = torch.Generator(device=device).manual_seed(config.seed)
+
+    # -- inputs ------------------------------------------------------------------------------
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        spans: list[tuple[int, int]] = []
+        bs = self.block_size
+        for s in plan.scheduled:
+            r = s.req
+            nc = r.num_computed_tokens
+            toks = r.all_token_ids[nc : nc + s.num_new_tokens] + s.draft_token_ids
+            n = len(toks)
+            start = len(ids)
+            ids.extend(toks)
+            p = range(nc, nc + n)
+            pos.extend(p)
+            bt = r.kv.block_table
+            slots.extend(bt[i // bs] * bs + i % bs for i in p)
+            q_lens.append(n)
+            seq_lens.append(nc + n)
+            tables.append(bt)
+            if s.samples:
+                k = len(s.draft_token_ids)
+                spans.append((start + n - 1 - k, k + 1))
+        width = max(len(t) for t in tables)
+        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_lens=q_lens,
+            seq_lens=seq_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=table_t.to(dev),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            meta=meta,
+            sample_spans=spans,
+        )
+
+    # -- forward -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self.attn.plan(inputs.meta)
+        with forward_context(self.attn):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> CommitResult:
+        """Plain decode / prefill step (no drafts): one sampled token per finishing request."""
+        inputs = self.prepare(plan)
+        hidden = self.forward(inputs)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        sampling = [s for s in plan.scheduled if s.samples]
+        if not sampling:
+            return CommitResult(token_ids=[])
+        rows = torch.tensor([a for a, _ in inputs.sample_spans], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        sb = sampler.SamplingBatch.build([s.req.params for s in sampling], [s.req.generator for s in sampling],
+                                         self.device)
+        tokens = sampler.sample(logits, sb, self.generator)
+        lps = None
+        want = [s.req.params.logprobs for s in sampling]
+        if any(w is not None for w in want):
+            all_lps = sampler.top_logprobs(logits, tokens, max(w or 0 for w in want))
+            lps = [[all_lps[i]] if w is not None else None for i, w in enumerate(want)]
+        return CommitResult(token_ids=[[t] for t in tokens.tolist()], logprobs=lps)

@@ -1,0 +1,221 @@
+"""Continuous batching: who runs this step and with how many tokens; committing the results.
+
+Each step is one flat batch under a token budget. Running requests come first (a decode is 1
+token, or 1 + k when k drafted tokens are verified; a request still prefilling gets a chunk),
+then waiting requests are admitted with a prefix-cache lookup and a (possibly chunked) prefill.
+When KV blocks run out, the most recently admitted running request is preempted: its blocks
+are freed and it is recomputed later from its tokens (prefix cache permitting).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache import BlockManager, KVSlots
+from specserve.engine.request import Request, Status
+from specserve.engine.stop import check_stop
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_new_tokens: int  # known tokens computed this step, from req.num_computed_tokens on
+    draft_token_ids: list[int] = field(default_factory=list)  # verified after them
+    tree: object | None = None  # spec.tree.DraftTree when verifying a tree
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the request's known tokens (so it samples)."""
+        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_new_tokens + len(self.draft_token_ids)
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_requests(self) -> int:
+        return sum(1 for s in self.scheduled if s.samples and s.num_new_tokens == 1)
+
+
+@dataclass
+class CommitResult:
+    """Per scheduled request that sampled: the tokens to append (accepted drafts + one sampled)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None] | None = None
+    num_accepted_drafts: list[int] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue -------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark finished and release its KV blocks at once (used for stops and aborts)."""
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.metrics.finished_time = time.time()
+        self.blocks.free(req.kv.block_table)
+        req.kv = KVSlots()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Grow req's block table to hold ``num_tokens`` tokens; False if blocks ran out."""
+        need = self.blocks.blocks_needed(num_tokens) - len(req.kv.block_table)
+        if need <= 0:
+            return True
+        if need > self.blocks.num_free_blocks:
+            return False
+        req.kv.block_table.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.kv.block_table)
+        req.kv = KVSlots()
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.status = Status.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            n_new = min(remaining, budget)
+            drafts = req.draft_token_ids[: max(0, budget - n_new)] if n_new == remaining else []
+            while not self._reserve(req, req.num_computed_tokens + n_new + len(drafts)):
+                if drafts:  # give up speculation before preempting anyone
+                    drafts = []
+                    continue
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break
+            if len(drafts) < len(req.draft_token_ids):
+                req.draft_token_ids = drafts
+            scheduled.append(ScheduledRequest(req, n_new, list(drafts)))
+            budget -= n_new + len(drafts)
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            if not req.kv.block_table:
+                cached_ids, hashes = self.blocks.match_prefix(req.all_token_ids)
+                self.blocks.take_cached(cached_ids)
+                req.kv = KVSlots(list(cached_ids), list(hashes))
+                req.num_computed_tokens = len(cached_ids) * self.blocks.block_size
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.num_cached_tokens = req.num_computed_tokens
+            n_new = req.num_tokens - req.num_computed_tokens
+            if n_new > budget:
+                if not self.config.enable_chunked_prefill and scheduled:
+                    break
+                n_new = budget
+            if not self._reserve(req, req.num_computed_tokens + n_new):
+                if not self.running:
+                    raise RuntimeError("KV cache too small for a single request; lower max_model_len")
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.time()
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n_new))
+            budget -= n_new
+        return StepPlan(scheduled, preempted)
+
+    # -- commit -------------------------------------------------------------------------------
+    def commit(self, plan: StepPlan, result: CommitResult, detokenize) -> list[Request]:
+        """Advance computed counts, append sampled/accepted tokens, apply stops. Returns touched requests."""
+        touched: list[Request] = []
+        now = time.time()
+        j = 0
+        for s in plan.scheduled:
+            req = s.req
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.samples:
+                continue
+            tokens = result.token_ids[j]
+            lps = result.logprobs[j] if result.logprobs is not None else None
+            n_acc = result.num_accepted_drafts[j] if result.num_accepted_drafts is not None else 0
+            j += 1
+            # accepted drafts' KV is valid (tree KV was compacted by the runner); the last token's is not
+            req.num_computed_tokens += n_acc
+            if s.draft_token_ids:
+                m = req.metrics
+                m.spec_verify_steps += 1
+                m.spec_draft_tokens += len(s.draft_token_ids)
+                m.spec_accepted_tokens += n_acc
+            req.draft_token_ids = []
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            for t_i, tok in enumerate(tokens):
+                req.append_token(tok)
+                if lps is not None and req.logprobs is not None:
+                    req.logprobs.append(lps[t_i])
+                text_start = len(req.text)
+                detokenize(req)
+                stop = check_stop(req, self.eos_token_ids, self.max_model_len, text_start)
+                if stop is not None:
+                    # KV of tokens after the stop is irrelevant: the request is freed below
+                    self.finish(req, *stop)
+                    break
+            req.metrics.num_generation_tokens = req.num_output_tokens
+            touched.append(req)
+            if not req.is_finished:
+                self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids,
+                                         req.num_computed_tokens)
+                # release blocks reserved for drafts that were rejected
+                keep = self.blocks.blocks_needed(req.num_computed_tokens)
+                if len(req.kv.block_table) > keep:
+                    extra = req.kv.block_table[keep:]
+                    del req.kv.block_table[keep:]
+                    self.blocks.free(extra)
+        for s in plan.scheduled:  # prefill chunks: their full blocks become shareable at once
+            if not s.samples and not s.req.is_finished:
+                self.blocks.cache_blocks(s.req.kv.block_table, s.req.kv.block_hashes, s.req.all_token_ids,
+                                         s.req.num_computed_tokens)
+        return touched
