@@ -25,11 +25,12 @@ class ScheduledRequest:
     num_new_tokens: int  # known tokens computed this step, from req.num_computed_tokens on
     draft_token_ids: list[int] = field(default_factory=list)  # verified after them
     tree: object | None = None  # spec.tree.DraftTree when verifying a tree
+    # True when this step reaches the end of the request's known tokens (so it samples);
+    # fixed at scheduling time, before commit moves num_computed_tokens
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the request's known tokens (so it samples)."""
-        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
 
     @property
     def num_query_tokens(self) -> int:
@@ -83,7 +84,7 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         req.metrics.finished_time = time.time()
-        self.blocks.free(req.kv.block_table)
+        self._release(req)
         req.kv = KVSlots()
         if req in self.running:
             self.running.remove(req)
@@ -101,9 +102,14 @@ class Scheduler:
         req.kv.block_table.extend(self.blocks.allocate(need))
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
+        """Free req's blocks; its committed full blocks stay in the prefix cache until evicted."""
+        self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids, req.num_computed_tokens)
         self.blocks.free(req.kv.block_table)
         req.kv = KVSlots()
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
         req.num_computed_tokens = 0
         req.draft_token_ids = []
         req.status = Status.WAITING

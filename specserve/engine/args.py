@@ -1,0 +1,59 @@
+"""Engine command-line flags, shared by `serve`, `generate` and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+
+from specserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV cache size on CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--max-waiting-requests", type=int, default=4096)
+    s = parser.add_argument_group("speculative decoding (named like SGLang's flags)")
+    s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NONE"],
+                   help="EAGLE3 (default head ships with the default model) or EAGLE; NONE disables")
+    s.add_argument("--speculative-draft-model-path", default=None)
+    s.add_argument("--speculative-num-steps", type=int, default=None)
+    s.add_argument("--speculative-eagle-topk", type=int, default=None)
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    s.add_argument("--speculative-policy", default=None, choices=["static", "threshold", "adaptive"])
+    s.add_argument("--speculative-disable-batch-threshold", type=int, default=None)
+
+
+ENGINE_FIELDS = (
+    "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
+    "enable_chunked_prefill", "max_waiting_requests",
+)
+SPEC_FIELDS = (
+    "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+    "speculative_num_draft_tokens", "speculative_policy", "speculative_disable_batch_threshold",
+)
+
+
+def engine_config_from_args(args: argparse.Namespace, default_speculative: bool = False) -> EngineConfig:
+    """EngineConfig from parsed flags. ``default_speculative``: turn on EAGLE-3 with the shipped head
+    when no --speculative-* flag was given and the model is the default one."""
+    kwargs = {f: getattr(args, f) for f in ENGINE_FIELDS if hasattr(args, f)}
+    spec = {f: getattr(args, f, None) for f in SPEC_FIELDS}
+    if spec["speculative_algorithm"] == "NONE":
+        spec = {}
+    elif default_speculative and spec["speculative_algorithm"] is None and kwargs.get("model") is None:
+        spec["speculative_algorithm"] = "EAGLE3"
+    kwargs.update({k: v for k, v in spec.items() if v is not None})
+    return EngineConfig.from_kwargs(**kwargs)

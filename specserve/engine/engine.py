@@ -1,0 +1,197 @@
+"""LLMEngine: request -> schedule -> (draft) -> forward/verify -> commit -> outputs.
+
+Not thread-safe: one thread drives ``step()`` (the server's engine thread, or LLM.generate).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache import BlockManager
+from specserve.engine.request import Request, Status
+from specserve.engine.runner import ModelRunner, num_kv_blocks_for
+from specserve.engine.scheduler import Scheduler
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_waiting_requests; retry later."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    steps: int = 0
+    spec_steps: int = 0  # steps in which at least one request verified drafts
+    spec_verify_steps: int = 0  # per-request verifies
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_drafted_per_position: list[int] = field(default_factory=list)
+    k_histogram: dict[int, int] = field(default_factory=dict)  # k chosen per request-step
+
+    @property
+    def avg_accept_length(self) -> float | None:
+        if not self.spec_verify_steps:
+            return None
+        return (self.spec_accepted_tokens + self.spec_verify_steps) / self.spec_verify_steps
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from specserve.loader import load_model_source
+        from specserve.models.registry import build_model
+
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        src = load_model_source(config.model)
+        self.model_config = src.config
+        self.tokenizer = src.tokenizer
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        model = build_model(src.config, self.device, self.dtype)
+        if config.load_format == "auto":
+            model.load_weights(src.weights())
+        model.eval()
+        num_blocks = num_kv_blocks_for(config, src.config, self.dtype, self.device)
+        self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_capacity = num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or src.config.max_position_embeddings, kv_capacity)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self.drafter = None
+        if config.speculative is not None:
+            from specserve.spec.drafter import build_speculator
+
+            self.drafter = build_speculator(self)
+        self.load_time_s = time.perf_counter() - t0
+        log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d, max_model_len %d",
+                 self.load_time_s, self.model_name, self.device, self.dtype, num_blocks, config.block_size,
+                 self.max_model_len)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        params.validate()
+        max_new = params.max_tokens if params.max_tokens is not None else 1
+        if len(ids) + max_new > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request has "
+                f"{len(ids)} prompt tokens and asks for {max_new} more ({len(ids) + max_new} in all)"
+            )
+        req = Request(request_id, text, ids, params, arrival_time=arrival_time or time.time())
+        req.detok = self.tokenizer.incremental_detokenizer()
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.finish(req, "abort")
+        if self.drafter is not None:
+            self.drafter.release(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()  # who runs, how many tokens each (drafts included)
+        if self.drafter is not None:
+            for req in plan.preempted:
+                self.drafter.release(req)
+        if not plan.scheduled:
+            return []
+        if self.drafter is not None:
+            result = self.drafter.verify_step(plan)  # forward over drafts + verify
+        else:
+            result = self.runner.execute(plan)  # forward + sample
+        n_out = sum(s.req.num_output_tokens for s in plan.scheduled)
+        touched = self.scheduler.commit(plan, result, self._detokenize)  # append tokens, stops, free
+        self.stats.generation_tokens += sum(s.req.num_output_tokens for s in plan.scheduled) - n_out
+        if self.drafter is not None:
+            self.drafter.draft_step(plan, result)  # decide k, propose drafts for the next step
+        self._account(plan)
+        return [self._output(r) for r in touched]
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _detokenize(self, req: Request) -> None:
+        req.text += req.detok.add(req.output_token_ids[-1])
+
+    def _account(self, plan) -> None:
+        s = self.stats
+        s.steps += 1
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_usage = self.blocks.usage
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = self.blocks.stats.prefix_queries
+        s.prefix_cache_hits = self.blocks.stats.prefix_hits
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.output_token_ids[req.num_emitted_tokens :]
+        new_text = req.text[req.num_emitted_chars :]
+        req.num_emitted_tokens = req.num_output_tokens
+        req.num_emitted_chars = len(req.text)
+        finished = req.status == Status.FINISHED
+        if finished:
+            self.requests.pop(req.request_id, None)
+            if self.drafter is not None:
+                self.drafter.release(req)
+        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
+                                list(req.logprobs) if req.logprobs is not None else None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, req.metrics,
+                             new_token_ids=new_ids, new_text=new_text)
+
+    def get_stats(self) -> EngineStats:
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_usage = self.blocks.usage
+        return self.stats

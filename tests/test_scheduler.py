@@ -1,0 +1,92 @@
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache import BlockManager
+from specserve.engine.request import Request, Status
+from specserve.engine.scheduler import CommitResult, Scheduler
+from specserve.sampling_params import SamplingParams
+
+
+def _sched(num_blocks=64, budget=32, max_seqs=8, block_size=4):
+    cfg = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, block_size=block_size,
+                       num_kv_blocks=num_blocks)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), max_model_len=10_000, eos_token_ids={0})
+
+
+def _req(i, n, max_tokens=8):
+    return Request(f"r{i}", None, list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def _commit(s, plan, tok=5):
+    res = CommitResult(token_ids=[[tok] for x in plan.scheduled if x.samples])
+    return s.commit(plan, res, lambda r: None)
+
+
+def test_budget_and_chunked_prefill():
+    s = _sched(budget=10)
+    a, b = _req(0, 7), _req(1, 7)
+    s.add(a), s.add(b)
+    plan = s.schedule()
+    assert [(x.req.request_id, x.num_new_tokens) for x in plan.scheduled] == [("r0", 7), ("r1", 3)]
+    assert plan.num_tokens == 10
+    _commit(s, plan)
+    assert a.output_token_ids == [5] and b.output_token_ids == [] and b.num_computed_tokens == 3
+    plan = s.schedule()
+    # a decodes 1 token, b finishes its prefill with the remaining 4
+    assert [(x.req.request_id, x.num_new_tokens, x.samples) for x in plan.scheduled] == [
+        ("r0", 1, True), ("r1", 4, True)]
+
+
+def test_max_num_seqs_caps_running():
+    s = _sched(max_seqs=2, budget=100)
+    for i in range(4):
+        s.add(_req(i, 3))
+    plan = s.schedule()
+    assert len(plan.scheduled) == 2 and len(s.waiting) == 2
+
+
+def test_preemption_when_blocks_run_out_then_recompute():
+    s = _sched(num_blocks=4, budget=100, block_size=4)
+    a, b = _req(0, 7, max_tokens=8), _req(1, 7, max_tokens=8)
+    s.add(a), s.add(b)
+    plan = s.schedule()
+    assert len(plan.scheduled) == 2  # 2 blocks each
+    _commit(s, plan)  # each now has 8 tokens, 7 computed
+    plan = s.schedule()
+    _commit(s, plan)  # token 8 fills block 2; both now need a third block
+    plan = s.schedule()
+    assert plan.preempted == [b] and b.status == Status.WAITING and b.num_computed_tokens == 0
+    assert [x.req for x in plan.scheduled] == [a]
+    assert s.blocks.num_free_blocks == 1
+    _commit(s, plan)
+    # b is readmitted as soon as blocks allow, recomputing prompt + generated tokens;
+    # its 2 full blocks were cached when it was preempted, so they are found again
+    hits = s.blocks.stats.prefix_hits
+    while s.has_unfinished():
+        _commit(s, s.schedule())
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 8
+    assert b.metrics.num_preemptions == 1 and s.blocks.stats.prefix_hits - hits >= 8
+    assert s.blocks.num_free_blocks == 4
+
+
+def test_stop_on_eos_and_length_frees_blocks():
+    s = _sched()
+    a = _req(0, 3, max_tokens=2)
+    s.add(a)
+    _commit(s, s.schedule())
+    _commit(s, s.schedule())
+    assert a.finish_reason == "length" and s.blocks.num_free_blocks == 64
+    b = _req(1, 3)
+    s.add(b)
+    _commit(s, s.schedule(), tok=0)
+    assert b.finish_reason == "stop" and b.stop_reason == 0
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    s = _sched(block_size=4)
+    a = _req(0, 9, max_tokens=1)
+    s.add(a)
+    _commit(s, s.schedule())
+    assert a.is_finished
+    b = _req(1, 9)
+    s.add(b)
+    plan = s.schedule()
+    assert plan.scheduled[0].num_new_tokens == 1 and b.metrics.num_cached_tokens == 8
