@@ -63,7 +63,7 @@ def test_preemption_when_blocks_run_out_then_recompute():
     while s.has_unfinished():
         _commit(s, s.schedule())
     assert a.num_output_tokens == 8 and b.num_output_tokens == 8
-    assert b.metrics.num_preemptions == 1 and s.blocks.stats.prefix_hits - hits >= 8
+    assert b.metrics.num_preemptions >= 1 and s.blocks.stats.prefix_hits - hits >= 8
     assert s.blocks.num_free_blocks == 4
 
 
