@@ -1,0 +1,256 @@
+"""OpenAI-compatible request models and response builders.
+
+Requests are pydantic models (bad types become 400s through the app's validation handler);
+responses are plain dicts built here, shaped like OpenAI's (plus extension fields in `usage`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+
+
+class TokenizerLike(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class BadRequest(ValueError):
+    """Invalid request parameters; the app answers 400 with this message (and `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Base(BaseModel):
+    # extra="ignore": clients send fields we do not use (user, metadata, ...); NaN/inf are not
+    # numbers a sampler can use, so reject them at parse time.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # extensions (vLLM / SGLang bench clients send these)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    max_spec_tokens: int | None = None
+
+    def _check_common(self) -> None:
+        if self.n != 1:
+            raise BadRequest(f"n must be 1: only one choice per request is supported, got n={self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise BadRequest(f"{name} is not supported (must be 0), got {getattr(self, name)}", name)
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        kwargs: dict[str, Any] = dict(
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            max_spec_tokens=self.max_spec_tokens,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e)) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {part!r:.100}"
+                    )
+        return v
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(_Base):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if not self.messages:
+            raise BadRequest("messages must be a non-empty list", "messages")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise BadRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Base):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        self._check_common()
+        if self.best_of is not None and self.best_of != 1:
+            raise BadRequest(f"best_of must be 1, got {self.best_of}", "best_of")
+        if self.suffix:
+            raise BadRequest("suffix is not supported", "suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (a batch of prompts is refused: n=1, one choice)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise BadRequest(f"exactly one prompt per request is supported, got {len(p)}", "prompt")
+            p = p[0]
+        if not p:
+            raise BadRequest("prompt must not be empty", "prompt")
+        if isinstance(p, list) and any(t < 0 for t in p):
+            raise BadRequest("prompt token ids must be non-negative", "prompt")
+        return p
+
+
+# ---------------------------------------------------------------- responses
+
+
+def usage_dict(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI usage plus per-request speculation stats (extension fields)."""
+    m = out.metrics
+    prompt_tokens = len(out.prompt_token_ids)
+    completion_tokens = len(out.outputs[0].token_ids)
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "spec_verify_steps": m.spec_verify_steps,
+        "spec_draft_tokens": m.spec_draft_tokens,
+        "spec_accepted_tokens": m.spec_accepted_tokens,
+        "spec_accept_length": m.accept_length,
+    }
+    if m.num_cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": m.num_cached_tokens}
+    return usage
+
+
+def _lp(value: float) -> float:
+    # JSON has no -inf/NaN; a clamped floor keeps the response parseable (as vLLM does).
+    return value if value == value and value > -9999.0 else -9999.0
+
+
+def _token_str(tokenizer: TokenizerLike, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _ranked(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+def chat_logprobs(
+    tokenizer: TokenizerLike, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int
+) -> dict[str, Any]:
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        tok = _token_str(tokenizer, tid)
+        top = []
+        for alt, lp in _ranked(entry, top_n):
+            alt_tok = _token_str(tokenizer, alt)
+            top.append({"token": alt_tok, "logprob": _lp(lp), "bytes": list(alt_tok.encode("utf-8"))})
+        content.append(
+            {"token": tok, "logprob": _lp(entry.get(tid, float("-inf"))), "bytes": list(tok.encode("utf-8")), "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    tokenizer: TokenizerLike,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]],
+    top_n: int,
+    text_offset: int,
+) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, logprobs):
+        tok = _token_str(tokenizer, tid)
+        tokens.append(tok)
+        token_lps.append(_lp(entry.get(tid, float("-inf"))))
+        tops.append({_token_str(tokenizer, alt): _lp(lp) for alt, lp in _ranked(entry, top_n)} if top_n else None)
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def now() -> int:
+    return int(time.time())
