@@ -122,9 +122,12 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def blocks_used(self) -> int:
+    def blocks_by_request(self) -> dict[str, int]:
         bs = self.config.block_size
-        return sum(math.ceil((len(r.prompt_ids) + len(r.token_ids) + 1) / bs) for r in self.running)
+        return {r.request_id: math.ceil((len(r.prompt_ids) + len(r.token_ids) + 1) / bs) for r in self.running}
+
+    def blocks_used(self) -> int:
+        return sum(self.blocks_by_request().values())
 
     def get_stats(self) -> EngineStats:
         s = self.stats

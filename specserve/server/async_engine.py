@@ -163,6 +163,11 @@ class AsyncEngine:
         self._post(_Call(fn, done))
         return await done
 
+    def call_threadsafe(self, fn: Callable[[Any], Any], timeout: float = 30.0) -> Any:
+        """`call` from a thread other than the event loop's (tests, tools); blocks for the result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self.call(fn), self._loop).result(timeout)
+
     def _post(self, cmd: _Add | _Abort | _Call) -> None:
         with self._cond:
             if self._dead:

@@ -137,8 +137,9 @@ class ServerMetrics:
                               ("spec_drafted_per_position", self.drafted_per_pos)):
             for pos, value in enumerate(getattr(s, attr, None) or []):
                 d = self._delta(f"{attr}[{pos}]", value)
+                child = counter.labels(**self._label, position=str(pos))  # exists (at 0) once drafted
                 if d:
-                    counter.labels(**self._label, position=str(pos)).inc(d)
+                    child.inc(d)
         for k, value in (getattr(s, "k_histogram", None) or {}).items():
             d = self._delta(f"k[{k}]", value)
             if d:
