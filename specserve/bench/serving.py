@@ -1,0 +1,807 @@
+"""Serving benchmark: an async load generator over the OpenAI API with streaming.
+
+    specserve bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt \
+        --num-prompts 64 --max-concurrency 8 --sharegpt-output-len 128 --ignore-eos \
+        --output-file benchmarks/results/serve.json
+
+Two load shapes: a fixed prompt list under a concurrency cap and an arrival rate (Poisson,
+default infinite), or a ramp (``--ramp 1,8,32,8,1 --ramp-step-duration 20``): a closed loop
+whose concurrency follows the list over time, reported as a per-window series of output
+throughput and, when the server's /metrics exports them, k and accept length.
+Metric definitions are in metrics.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime as _dt
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import httpx
+import numpy as np
+
+from specserve.bench.datasets import (
+    BenchRequest,
+    load_jsonl_requests,
+    sample_random_requests,
+    sample_sharegpt_requests,
+)
+from specserve.bench.metrics import (
+    RequestResult,
+    metrics_delta,
+    parse_prometheus,
+    server_info_accept_length,
+    spec_from_metrics,
+    spec_series,
+    summarize,
+)
+from specserve.bench.tokenizer import BenchTokenizer, resolve_tokenizer
+
+SCHEMA_VERSION = 1
+Endpoint = Literal["completions", "chat"]
+
+
+@dataclass
+class BenchConfig:
+    """How requests are sent; the prompts themselves come separately (datasets.py)."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: Endpoint = "chat"
+    model: str | None = None  # served model name; None: the first one /v1/models lists
+    max_concurrency: int | None = None
+    request_rate: float = math.inf  # requests/s, Poisson arrivals
+    warmup_requests: int = 1
+    warmup_output_len: int = 16
+    seed: int = 0
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    request_timeout_s: float = 600.0
+    api_key: str | None = None
+    scrape_metrics: bool = True
+    window_s: float = 2.0  # ramp series granularity
+    save_requests: bool = False
+    save_text: bool = False
+    disable_tqdm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint must be 'completions' or 'chat', got {self.endpoint!r}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (inf for no pacing), got {self.request_rate}")
+        if self.warmup_requests < 0 or self.warmup_output_len < 1:
+            raise ValueError("warmup_requests must be >= 0 and warmup_output_len >= 1")
+        if self.request_timeout_s <= 0 or self.window_s <= 0:
+            raise ValueError("request_timeout_s and window_s must be > 0")
+        self.base_url = self.base_url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class RampSpec:
+    levels: tuple[int, ...]
+    step_duration_s: float
+
+    def __post_init__(self) -> None:
+        if not self.levels or any(c < 1 for c in self.levels):
+            raise ValueError(f"ramp levels must be positive integers, got {list(self.levels)}")
+        if self.step_duration_s <= 0:
+            raise ValueError(f"ramp step duration must be > 0, got {self.step_duration_s}")
+
+    @property
+    def duration_s(self) -> float:
+        return self.step_duration_s * len(self.levels)
+
+    def level_at(self, t: float) -> int:
+        """Target concurrency at t seconds into the run (0 once the schedule is over)."""
+        i = int(t // self.step_duration_s)
+        return self.levels[i] if 0 <= i < len(self.levels) else 0
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"want a comma-separated list of integers, got {text!r}") from e
+    if not vals:
+        raise ValueError(f"want a comma-separated list of integers, got {text!r}")
+    return vals
+
+
+def expand_doubling(levels: list[int]) -> list[int]:
+    """1,32,1 -> 1,2,4,8,16,32,16,8,4,2,1: powers-of-two steps between consecutive points."""
+    out = [levels[0]]
+    for target in levels[1:]:
+        c = out[-1]
+        while c != target:
+            c = min(c * 2, target) if target > c else max(c // 2, target)
+            out.append(c)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One streamed request
+
+
+def build_body(cfg: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if cfg.top_p is not None:
+        body["top_p"] = cfg.top_p
+    if cfg.top_k is not None:
+        body["top_k"] = cfg.top_k
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    body.update(cfg.extra_body)
+    return body
+
+
+def _chunk_token_count(choice: dict[str, Any]) -> int | None:
+    """Tokens in one streamed choice, when the chunk says: a ``token_ids`` list (extension) or
+    per-token logprobs (completions: ``logprobs.tokens``; chat: ``logprobs.content``)."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    lp = choice.get("logprobs")
+    if isinstance(lp, dict):
+        for key in ("tokens", "content"):
+            if isinstance(lp.get(key), list):
+                return len(lp[key])
+    return None
+
+
+async def send_request(
+    client: httpx.AsyncClient, cfg: BenchConfig, model: str, index: int, req: BenchRequest,
+    max_tokens: int | None = None,
+) -> RequestResult:
+    path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
+    n_out = max_tokens or req.output_len
+    body = build_body(cfg, model, req.prompt, n_out)
+    res = RequestResult(index=index, expected_output_len=n_out, client_prompt_len=req.prompt_len)
+    text_parts: list[str] = []
+    pending_tokens = 0  # tokens announced by chunks that carried no text (held-back UTF-8)
+    done = False
+    res.start = time.perf_counter()
+    try:
+        async with client.stream("POST", cfg.base_url + path, json=body) as resp:
+            if resp.status_code != 200:
+                raw = (await resp.aread()).decode("utf-8", "replace")
+                res.error = f"HTTP {resp.status_code}: {raw[:500]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event: lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    res.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
+                    return res
+                if isinstance(chunk.get("usage"), dict):
+                    res.usage = chunk["usage"]
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                ch = choices[0]
+                piece = ch.get("text") if cfg.endpoint == "completions" else (ch.get("delta") or {}).get("content")
+                ntok = _chunk_token_count(ch)
+                if ch.get("finish_reason"):
+                    res.finish_reason = ch["finish_reason"]
+                if piece:
+                    if res.ttft is None:
+                        res.ttft = now - res.start
+                    res.chunk_times.append(now)
+                    res.chunk_tokens.append(None if ntok is None else ntok + pending_tokens)
+                    pending_tokens = 0
+                    text_parts.append(piece)
+                elif ntok:
+                    pending_tokens += ntok
+        res.latency = time.perf_counter() - res.start
+        if pending_tokens and res.chunk_tokens and res.chunk_tokens[-1] is not None:
+            res.chunk_tokens[-1] += pending_tokens  # type: ignore[operator]
+        res.text = "".join(text_parts)
+        if not done:
+            res.error = "stream ended without 'data: [DONE]'"
+        elif not res.chunk_times:
+            res.error = "stream carried no generated text"
+        else:
+            res.success = True
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        res.latency = time.perf_counter() - res.start
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-side information
+
+
+async def get_json(client: httpx.AsyncClient, url: str) -> Any | None:
+    try:
+        r = await client.get(url, timeout=10.0)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def scrape_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, tuple[str, float]] | None:
+    try:
+        r = await client.get(base_url + "/metrics", timeout=10.0)
+        if r.status_code != 200:
+            return None
+        return parse_prometheus(r.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def resolve_model_name(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
+    if cfg.model:
+        return cfg.model
+    models = await get_json(client, cfg.base_url + "/v1/models")
+    try:
+        return str(models["data"][0]["id"])
+    except (TypeError, KeyError, IndexError):
+        return "default"
+
+
+def make_client(cfg: BenchConfig, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4),
+        headers=headers,
+        trust_env=False,  # never send localhost traffic through an environment proxy
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Load shapes
+
+
+def _progress(cfg: BenchConfig, total: int | None, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=cfg.disable_tqdm, unit="req", file=sys.stderr)
+
+
+async def _warmup(client: httpx.AsyncClient, cfg: BenchConfig, model: str, requests: list[BenchRequest]) -> None:
+    n = cfg.warmup_requests
+    if n == 0:
+        return
+    reqs = [requests[i % len(requests)] for i in range(n)]
+    sem = asyncio.Semaphore(cfg.max_concurrency or n)
+
+    async def one(i: int, r: BenchRequest) -> RequestResult:
+        async with sem:
+            return await send_request(client, cfg, model, -1 - i, r, min(r.output_len, cfg.warmup_output_len))
+
+    results = await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+    if not any(r.success for r in results):
+        raise RuntimeError(f"all {n} warmup requests to {cfg.base_url} failed; first error: {results[0].error}")
+
+
+async def run_fixed(
+    client: httpx.AsyncClient, cfg: BenchConfig, model: str, requests: list[BenchRequest]
+) -> tuple[list[RequestResult], float, float]:
+    """Send every request once: Poisson arrivals at cfg.request_rate, at most max_concurrency in flight."""
+    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    rng = np.random.default_rng(cfg.seed)
+    gaps = rng.exponential(1.0 / cfg.request_rate, size=len(requests)) if math.isfinite(cfg.request_rate) else None
+    pbar = _progress(cfg, len(requests), "requests")
+
+    async def one(i: int, r: BenchRequest) -> RequestResult:
+        if sem is None:
+            res = await send_request(client, cfg, model, i, r)
+        else:
+            async with sem:
+                res = await send_request(client, cfg, model, i, r)
+        pbar.update(1)
+        return res
+
+    t0 = time.perf_counter()
+    tasks = []
+    arrival = 0.0
+    for i, r in enumerate(requests):
+        if gaps is not None and i > 0:
+            arrival += float(gaps[i])
+            delay = t0 + arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, r)))
+    results = list(await asyncio.gather(*tasks))
+    duration = time.perf_counter() - t0
+    pbar.close()
+    return results, t0, duration
+
+
+class _Scraper:
+    """Scrapes /metrics at t0 + k * window (k = 0, 1, ...) while a ramp runs."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, window_s: float):
+        self.client, self.base_url, self.window_s = client, base_url, window_s
+        self.snapshots: dict[int, dict[str, tuple[str, float]]] = {}
+        self.t0 = 0.0
+        self.task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        for k in itertools.count():
+            delay = self.t0 + k * self.window_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            snap = await scrape_metrics(self.client, self.base_url)
+            if snap is None:
+                if k == 0:
+                    return  # no /metrics: no server-side series
+                continue
+            self.snapshots[k] = snap
+
+    def start(self, t0: float) -> None:
+        self.t0 = t0
+        self.task = asyncio.create_task(self._loop())
+
+    async def stop(self, schedule_end_s: float) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+        if self.snapshots:  # close the schedule's last window if its scrape was missed
+            last = math.ceil(schedule_end_s / self.window_s - 1e-6)
+            if last not in self.snapshots:
+                snap = await scrape_metrics(self.client, self.base_url)
+                if snap is not None:
+                    self.snapshots[last] = snap
+
+    def between(self, t_a: float, t_b: float) -> dict[str, float | None] | None:
+        """Speculation stats between the snapshots nearest to t_a and t_b (seconds from t0)."""
+        ka, kb = round(t_a / self.window_s), round(t_b / self.window_s)
+        a = self.snapshots.get(ka)
+        b = self.snapshots.get(kb)
+        if a is None or b is None or kb <= ka:
+            return None
+        return spec_from_metrics(metrics_delta(a, b))
+
+
+async def run_ramp(
+    client: httpx.AsyncClient, cfg: BenchConfig, model: str, requests: list[BenchRequest], ramp: RampSpec,
+    scraper: _Scraper | None,
+) -> tuple[list[RequestResult], float, float]:
+    """Closed loop: worker w sends back-to-back requests while w < the current level. When the
+    level drops, surplus workers finish their request in flight and then idle."""
+    cond = asyncio.Condition()
+    state = {"level": 0, "stop": False}
+    counter = itertools.count()
+    results: list[RequestResult] = []
+    pbar = _progress(cfg, None, f"ramp {','.join(map(str, ramp.levels))}")
+
+    async def worker(w: int) -> None:
+        while True:
+            async with cond:
+                await cond.wait_for(lambda: state["stop"] or w < state["level"])
+                if state["stop"]:
+                    return
+            i = next(counter)
+            results.append(await send_request(client, cfg, model, i, requests[i % len(requests)]))
+            pbar.update(1)
+
+    t0 = time.perf_counter()
+    if scraper is not None:
+        scraper.start(t0)
+    workers = [asyncio.create_task(worker(w)) for w in range(max(ramp.levels))]
+    for j, level in enumerate(ramp.levels):
+        async with cond:
+            state["level"] = level
+            cond.notify_all()
+        delay = t0 + (j + 1) * ramp.step_duration_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+    async with cond:
+        state["stop"] = True
+        cond.notify_all()
+    await asyncio.gather(*workers)
+    duration = time.perf_counter() - t0
+    if scraper is not None:
+        await scraper.stop(ramp.duration_s)
+    pbar.close()
+    results.sort(key=lambda r: r.index)
+    return results, t0, duration
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def window_series(
+    results: list[RequestResult], t0: float, duration: float, window_s: float,
+    level_at: Callable[[float], int], scraper: _Scraper | None,
+) -> list[dict[str, Any]]:
+    """Per window of [0, duration): output tokens/s, completions, mean requests in flight, the
+    target concurrency at the window's middle and, from /metrics, mean k and accept length."""
+    ok = [r for r in results if r.success]
+    token_events = [(t - t0, n) for r in ok for t, n in r.token_times()]
+    n_windows = max(1, math.ceil(duration / window_s - 1e-6))
+    out = []
+    for w in range(n_windows):
+        a, b = w * window_s, (w + 1) * window_s
+        span = min(b, duration) - a
+        tokens = sum(n for t, n in token_events if a <= t < b)
+        inflight = sum(_overlap(r.start - t0, r.start - t0 + r.latency, a, b) for r in results)
+        server = scraper.between(a, b) if scraper is not None else None
+        out.append({
+            "t_start_s": a,
+            "t_end_s": a + span,
+            "target_concurrency": level_at((a + min(b, duration)) / 2),
+            "mean_inflight": inflight / span if span > 0 else None,
+            "output_tokens": tokens,
+            "output_throughput": tokens / span if span > 0 else None,
+            "completed": sum(1 for r in ok if a <= r.start - t0 + r.latency < b),
+            "mean_k": None if server is None else server["mean_k"],
+            "accept_length": None if server is None else server["accept_length"],
+        })
+    return out
+
+
+def ramp_steps(
+    results: list[RequestResult], t0: float, ramp: RampSpec, scraper: _Scraper | None
+) -> list[dict[str, Any]]:
+    """The same numbers per ramp step (one concurrency level each)."""
+    ok = [r for r in results if r.success]
+    out = []
+    for j, level in enumerate(ramp.levels):
+        a, b = j * ramp.step_duration_s, (j + 1) * ramp.step_duration_s
+        tokens = sum(n for r in ok for t, n in r.token_times() if a <= t - t0 < b)
+        tpots = [tp for r in ok if a <= r.start - t0 < b and (tp := r.tpot) is not None]
+        server = scraper.between(a, b) if scraper is not None else None
+        out.append({
+            "concurrency": level,
+            "t_start_s": a,
+            "output_throughput": tokens / (b - a),
+            "requests_started": sum(1 for r in results if a <= r.start - t0 < b),
+            "mean_tpot_ms": float(np.mean(tpots)) * 1e3 if tpots else None,
+            "mean_k": None if server is None else server["mean_k"],
+            "accept_length": None if server is None else server["accept_length"],
+        })
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole run
+
+
+async def run_benchmark(
+    cfg: BenchConfig,
+    requests: list[BenchRequest],
+    tokenizer: BenchTokenizer | None = None,
+    ramp: RampSpec | None = None,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Warm up, run, and return the result dict (the JSON the CLI writes)."""
+    if not requests:
+        raise ValueError("no requests to send")
+    connections = max(ramp.levels) if ramp else (cfg.max_concurrency or len(requests))
+    started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    async with make_client(cfg, connections) as client:
+        model = await resolve_model_name(client, cfg)
+        await _warmup(client, cfg, model, requests)
+        before = await scrape_metrics(client, cfg.base_url) if cfg.scrape_metrics else None
+        scraper = None
+        if ramp is not None:
+            scraper = _Scraper(client, cfg.base_url, cfg.window_s) if cfg.scrape_metrics else None
+            results, t0, duration = await run_ramp(client, cfg, model, requests, ramp, scraper)
+        else:
+            results, t0, duration = await run_fixed(client, cfg, model, requests)
+        after = await scrape_metrics(client, cfg.base_url) if before is not None else None
+        info = await get_json(client, cfg.base_url + "/get_server_info")
+
+    if tokenizer is not None:
+        for r in results:
+            if r.success:
+                r.retokenized_len = len(tokenizer.encode(r.text))
+    delta = metrics_delta(before, after) if before is not None and after is not None else None
+    summary = summarize(results, duration, cfg.ignore_eos)
+    spec_metrics = spec_from_metrics(delta)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.success:
+            errors[r.error] = errors.get(r.error, 0) + 1
+
+    result: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "ramp" if ramp else "fixed",
+        "started_at": started_at,
+        "command": " ".join(sys.argv),
+        "model": model,
+        "config": dataclasses.asdict(cfg),
+        "dataset": meta or {},
+        **summary,
+        "accept_length": {
+            "server_info": server_info_accept_length(info),
+            "usage": summary["spec_usage"]["accept_length"],
+            "metrics": spec_metrics["accept_length"],
+        },
+        "spec_metrics": spec_metrics,
+        "server_info": info,
+        "server_metrics_delta": None if delta is None else spec_series(delta),
+        "errors": [{"error": e, "count": n} for e, n in sorted(errors.items(), key=lambda x: -x[1])[:10]],
+        "ramp": None,
+        "requests": None,
+    }
+    if ramp is not None:
+        result["ramp"] = {
+            "levels": list(ramp.levels),
+            "step_duration_s": ramp.step_duration_s,
+            "window_s": cfg.window_s,
+            "steps": ramp_steps(results, t0, ramp, scraper),
+            # the series covers the schedule; requests still running when it ends (the drain)
+            # count in the totals above but not in any window
+            "windows": window_series(results, t0, ramp.duration_s, cfg.window_s, ramp.level_at, scraper),
+            "drain_s": max(0.0, duration - ramp.duration_s),
+        }
+    if cfg.save_requests:
+        result["requests"] = [r.to_json(t0, cfg.save_text) for r in results]
+    return result
+
+
+def headline(result: dict[str, Any]) -> str:
+    """One line for logs."""
+    def f(x: Any, fmt: str = ".1f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    return (
+        f"completed {result['completed']}/{result['num_requests']}  out {f(result['output_throughput'])} tok/s  "
+        f"TTFT {f(result['median_ttft_ms'])} ms  TPOT {f(result['mean_tpot_ms'])} ms  "
+        f"accept {f(result['accept_length']['usage'] or result['accept_length']['server_info'], '.2f')}"
+    )
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x: Any, fmt: str = ",.2f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    t = Table(title=f"Serving benchmark: {result['model']} ({result['config']['endpoint']})", show_header=False)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows: list[tuple[str, str]] = [
+        ("completed / failed", f"{result['completed']} / {result['failed']}"),
+        ("max concurrency", str(result["config"]["max_concurrency"] or "inf")),
+        ("request rate", str(result["config"]["request_rate"])),
+        ("duration (s)", f(result["duration_s"])),
+        ("input / output tokens", f"{result['total_input_tokens']:,} / {result['total_output_tokens']:,}"),
+        ("request throughput (req/s)", f(result["request_throughput"])),
+        ("input throughput (tok/s)", f(result["input_throughput"])),
+        ("output throughput (tok/s)", f(result["output_throughput"])),
+        ("total throughput (tok/s)", f(result["total_token_throughput"])),
+        ("mean concurrency", f(result["concurrency"])),
+    ]
+    for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")):
+        vals = " / ".join(f(result[f"{s}_{m}_ms"], ",.1f") for s in ("mean", "median", "p90", "p99"))
+        rows.append((f"{label} ms (mean/med/p90/p99)", vals))
+    al = result["accept_length"]
+    rows.append(("accept length (usage / server / metrics)",
+                 " / ".join(f(al[k]) for k in ("usage", "server_info", "metrics"))))
+    rows.append(("mean k (metrics)", f(result["spec_metrics"]["mean_k"])))
+    tc = result["token_check"]
+    rows.append(("tokens counted = received", "yes" if tc["consistent"] else f"NO {tc}"))
+    for k, v in rows:
+        t.add_row(k, v)
+    console = Console(stderr=False)
+    console.print(t)
+    for e in result["errors"][:3]:
+        console.print(f"[red]{e['count']} x {e['error']}[/red]")
+    if result["ramp"]:
+        rt = Table(title="ramp steps")
+        for col in ("C", "t (s)", "out tok/s", "TPOT ms", "mean k", "accept"):
+            rt.add_column(col, justify="right")
+        for s in result["ramp"]["steps"]:
+            rt.add_row(str(s["concurrency"]), f(s["t_start_s"], ".0f"), f(s["output_throughput"], ".1f"),
+                       f(s["mean_tpot_ms"], ".1f"), f(s["mean_k"]), f(s["accept_length"]))
+        console.print(rt)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("--dataset", choices=("sharegpt", "random", "jsonl"), default="sharegpt")
+    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--tokenizer", help="the server's tokenizer (model dir, tokenizer.json or .gguf); "
+                   "default: --model if a local path, else what /get_server_info names")
+    g.add_argument("--sharegpt-output-len", type=int, help="fixed output length instead of the reference reply's")
+    g.add_argument("--sharegpt-max-output-len", type=int, help="clamp reply-derived output lengths")
+    g.add_argument("--sharegpt-max-input-len", type=int, default=1024)
+    g.add_argument("--sharegpt-max-total-len", type=int, default=2048)
+    g.add_argument("--random-input-len", type=int, default=256)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--jsonl-path", help='JSON lines: {"prompt": ..., "output_len": ...}')
+    g.add_argument("--jsonl-output-len", type=int, help="output length for lines without one")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_request_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("requests")
+    g.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    g.add_argument("--model", help="served model name (default: first of /v1/models); "
+                   "also the tokenizer source when it is a local path")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                   help="send ignore_eos so every request generates exactly its output length")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    g.add_argument("--warmup-requests", type=int, default=1)
+    g.add_argument("--warmup-output-len", type=int, default=16)
+    g.add_argument("--request-timeout", type=float, default=600.0)
+    g.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    g.add_argument("--scrape-metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="read /metrics before/after (and per window in a ramp)")
+    g.add_argument("--window", type=float, default=2.0, help="ramp series window, seconds")
+    g.add_argument("--save-requests", action="store_true", help="per-request details in the JSON")
+    g.add_argument("--save-text", action="store_true", help="with --save-requests: the generated text too")
+    g.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    add_dataset_args(p)
+    add_request_args(p)
+    g = p.add_argument_group("load")
+    g.add_argument("--max-concurrency", type=int)
+    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default inf)")
+    g.add_argument("--ramp", help="closed-loop concurrency levels over time, e.g. 1,8,32,8,1")
+    g.add_argument("--ramp-step-duration", type=float, help="seconds per ramp level")
+    g.add_argument("--ramp-duration", type=float, help="total ramp seconds, split evenly over the levels")
+    g.add_argument("--ramp-doubling", action="store_true", help="fill in powers of two between the levels")
+    p.add_argument("--output-file", help="write the JSON result here")
+    p.add_argument("--quiet", action="store_true", help="no summary table")
+
+
+def ramp_from_args(args: argparse.Namespace) -> RampSpec | None:
+    if not getattr(args, "ramp", None):
+        return None
+    levels = parse_int_list(args.ramp)
+    if args.ramp_doubling:
+        levels = expand_doubling(levels)
+    if (args.ramp_step_duration is None) == (args.ramp_duration is None):
+        raise ValueError("--ramp needs exactly one of --ramp-step-duration or --ramp-duration")
+    step = args.ramp_step_duration if args.ramp_step_duration is not None else args.ramp_duration / len(levels)
+    if math.isfinite(getattr(args, "request_rate", math.inf)):
+        raise ValueError("--request-rate does not apply to --ramp (a closed loop)")
+    return RampSpec(tuple(levels), step)
+
+
+def config_from_args(args: argparse.Namespace, base_url: str | None = None, **overrides: Any) -> BenchConfig:
+    kw: dict[str, Any] = dict(
+        base_url=base_url or args.base_url,
+        endpoint=args.endpoint,
+        model=args.model if args.model and not Path(args.model).exists() else None,
+        max_concurrency=getattr(args, "max_concurrency", None),
+        request_rate=getattr(args, "request_rate", math.inf),
+        warmup_requests=args.warmup_requests,
+        warmup_output_len=args.warmup_output_len,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        extra_body=args.extra_body,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
+        scrape_metrics=args.scrape_metrics,
+        window_s=args.window,
+        save_requests=args.save_requests,
+        save_text=args.save_text,
+        disable_tqdm=args.disable_tqdm,
+    )
+    kw.update(overrides)
+    return BenchConfig(**kw)
+
+
+def tokenizer_from_args(args: argparse.Namespace, server_info: dict[str, Any] | None = None) -> BenchTokenizer | None:
+    if args.tokenizer:
+        from specserve.bench.tokenizer import load_tokenizer
+
+        return load_tokenizer(args.tokenizer)
+    info = server_info or {}
+    cands = [args.model, info.get("model_path"), info.get("tokenizer_path"), info.get("model")]
+    return resolve_tokenizer([c if isinstance(c, str) else None for c in cands])
+
+
+def requests_from_args(
+    args: argparse.Namespace, tokenizer: BenchTokenizer | None, num: int | None = None
+) -> tuple[list[BenchRequest], dict[str, Any]]:
+    n = num or args.num_prompts
+    meta: dict[str, Any] = {"name": args.dataset, "num_prompts": n, "seed": args.seed,
+                            "tokenizer": tokenizer.source if tokenizer else None}
+    if args.dataset == "sharegpt":
+        reqs = sample_sharegpt_requests(
+            n, tokenizer, seed=args.seed, fixed_output_len=args.sharegpt_output_len,
+            max_output_len=args.sharegpt_max_output_len, max_input_len=args.sharegpt_max_input_len,
+            max_total_len=args.sharegpt_max_total_len,
+        )
+        meta.update(output_len=args.sharegpt_output_len, max_output_len=args.sharegpt_max_output_len)
+    elif args.dataset == "random":
+        reqs = sample_random_requests(n, args.random_input_len, args.random_output_len,
+                                      args.random_range_ratio, tokenizer, seed=args.seed)
+        meta.update(input_len=args.random_input_len, output_len=args.random_output_len,
+                    range_ratio=args.random_range_ratio)
+    else:
+        if not args.jsonl_path:
+            raise ValueError("--dataset jsonl needs --jsonl-path")
+        reqs = load_jsonl_requests(args.jsonl_path, n, args.jsonl_output_len, tokenizer)
+        meta.update(path=args.jsonl_path)
+    return reqs, meta
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def _server_info_sync(base_url: str) -> dict[str, Any] | None:
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/get_server_info", timeout=10.0, trust_env=False)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    ramp = ramp_from_args(args)
+    cfg = config_from_args(args)
+    tokenizer = tokenizer_from_args(args, _server_info_sync(cfg.base_url))
+    requests, meta = requests_from_args(args, tokenizer)
+    result = asyncio.run(run_benchmark(cfg, requests, tokenizer, ramp, meta))
+    if args.output_file:
+        write_json(args.output_file, result)
+    if not args.quiet:
+        print_summary(result)
+    return result
+
+
+def cli(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specserve bench serve", description=__doc__.split("\n")[0])
+    add_bench_serve_args(p)
+    args = p.parse_args(argv)
+    try:
+        result = main(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if result["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
