@@ -16,6 +16,7 @@ from specserve.engine.kv_cache import BlockManager
 from specserve.engine.request import Request, Status
 from specserve.engine.runner import ModelRunner, num_kv_blocks_for
 from specserve.engine.scheduler import Scheduler
+from specserve.loader.tokenizer import IncrementalDetokenizer
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -123,7 +124,7 @@ class LLMEngine:
                 f"{len(ids)} prompt tokens and asks for {max_new} more ({len(ids) + max_new} in all)"
             )
         req = Request(request_id, text, ids, params, arrival_time=arrival_time or time.time())
-        req.detok = self.tokenizer.incremental_detokenizer()
+        req.detok = IncrementalDetokenizer(self.tokenizer, ids)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
@@ -163,7 +164,7 @@ class LLMEngine:
 
     # -- helpers -----------------------------------------------------------------------------
     def _detokenize(self, req: Request) -> None:
-        req.text += req.detok.add(req.output_token_ids[-1])
+        req.text += req.detok.append(req.output_token_ids[-1])
 
     def _account(self, plan) -> None:
         s = self.stats

@@ -50,6 +50,9 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.stats = BlockStats()
+        # with speculation, a cached block is only reusable if its draft KV was computed too
+        self.require_draft_kv = False
+        self.draft_ready = [False] * num_blocks
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -75,7 +78,7 @@ class BlockManager:
         for b in range(max_blocks):
             h = hash_block(parent, token_ids[b * self.block_size : (b + 1) * self.block_size])
             bid = self.cached.get(h)
-            if bid is None:
+            if bid is None or (self.require_draft_kv and not self.draft_ready[bid]):
                 break
             ids.append(bid)
             hashes.append(h)
@@ -122,6 +125,7 @@ class BlockManager:
                 blk.block_hash = None
                 self.stats.evictions += 1
             blk.ref_cnt = 1
+            self.draft_ready[bid] = False
             out.append(bid)
         return out
 
@@ -139,6 +143,10 @@ class BlockManager:
                     self.free_queue.move_to_end(bid, last=False)
                 else:
                     self.free_queue[bid] = None
+
+    def mark_draft_ready(self, block_ids: Sequence[int]) -> None:
+        for bid in block_ids:
+            self.draft_ready[bid] = True
 
     def reset_prefix_cache(self) -> None:
         for blk in self.blocks:
