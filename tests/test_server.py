@@ -1,0 +1,160 @@
+"""End-to-end: the official openai client against a live server running the real SmolLM2 engine.
+
+One server for the module; small max_tokens keep it to seconds. Edge cases of the protocol are
+tested against a fake engine in test_server_api.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+torch = pytest.importorskip("torch")
+engine_mod = pytest.importorskip("specserve.engine.engine")
+
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.server.api import build_app, serve_in_thread  # noqa: E402
+
+MAX_MODEL_LEN = 512
+CHAT = [{"role": "user", "content": "List three colors."}]
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+class Live:
+    def __init__(self, url: str, app) -> None:
+        self.url = url
+        self.srv = app.state.server
+        self.engine = self.srv.engine
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def on_engine(self, fn):
+        """Run fn(engine) on the engine thread, between steps."""
+        return self.srv.aengine.call_threadsafe(fn)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    torch.set_num_threads(2)
+    engine = engine_mod.LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, max_num_seqs=8))
+    app = build_app(engine)
+    with serve_in_thread(app, startup_timeout=120) as url:
+        yield Live(url, app)
+
+
+def test_chat_stream_matches_nonstream_with_consistent_usage(live: Live) -> None:
+    kw = dict(model="default", messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = live.client.chat.completions.create(**kw)
+    text = r.choices[0].message.content
+    prompt_len = len(live.engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True))
+    assert text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt_len, 12, prompt_len + 12)
+
+    chunks = list(live.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (prompt_len, 12)
+
+
+def test_completions_stop_string(live: Live) -> None:
+    prompt = "The three primary colors are"
+    full = live.client.completions.create(model="default", prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    cut = full[: full.index(stop)]
+    r = live.client.completions.create(model="default", prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].text == cut
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16
+    chunks = list(live.client.completions.create(model="default", prompt=prompt, max_tokens=16, temperature=0,
+                                                 stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible_and_logprob_count_matches_usage(live: Live) -> None:
+    def sample(seed: int):
+        return live.client.completions.create(model="default", prompt="Once upon a time", max_tokens=10,
+                                              temperature=1.0, seed=seed, logprobs=1)
+
+    a, b = sample(1234), sample(1234)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.choices[0].logprobs.tokens == b.choices[0].logprobs.tokens
+    assert len(a.choices[0].logprobs.tokens) == a.usage.completion_tokens
+    assert all(lp <= 0 for lp in a.choices[0].logprobs.token_logprobs)
+
+
+def test_prompt_too_long_and_huge_max_tokens_are_400_with_lengths(live: Live) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.completions.create(model="default", prompt="hello " * 600, max_tokens=1)
+    assert str(MAX_MODEL_LEN) in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.chat.completions.create(model="default", messages=CHAT, max_tokens=100_000)
+    assert str(MAX_MODEL_LEN) in e.value.message and "100000" in e.value.message
+
+
+def _blocks(e) -> tuple[dict[str, int], int]:
+    held = {rid: len(r.kv.block_table) for rid, r in e.requests.items()}
+    return held, e.blocks.num_blocks - e.blocks.num_free_blocks
+
+
+def test_disconnect_mid_stream_frees_blocks_other_stream_unaffected(live: Live) -> None:
+    body = {"model": "default", "prompt": "Write a long story about a dragon.", "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as c1, httpx.Client(timeout=120) as c2:
+        with c1.stream("POST", live.url + "/v1/completions", json={**body, "max_tokens": 40}) as keep:
+            keep_lines = keep.iter_lines()
+            keep_id = json.loads(next(line for line in keep_lines if line)[6:])["id"]
+            with c2.stream("POST", live.url + "/v1/completions", json={**body, "max_tokens": 400}) as drop:
+                drop_lines = (line for line in drop.iter_lines() if line)
+                drop_id = json.loads(next(drop_lines)[6:])["id"]
+                next(drop_lines)
+                held, _ = live.on_engine(_blocks)
+                assert held.get(drop_id, 0) > 0
+            # closing the response dropped the connection mid-stream
+            wait_until(lambda: drop_id not in live.on_engine(_blocks)[0])
+            held, used = live.on_engine(_blocks)
+            assert keep_id in held, "the other stream should still be generating"
+            assert used == sum(held.values())  # the dropped request's blocks are free
+            rest = [json.loads(line[6:]) for line in keep_lines if line and line != "data: [DONE]"]
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    wait_until(lambda: not live.on_engine(lambda e: e.has_unfinished_requests()))
+    assert live.on_engine(_blocks) == ({}, 0)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def test_metrics_and_server_info_move(live: Live) -> None:
+    before = _scrape(live.url)
+    r = live.client.completions.create(model="default", prompt="Hello", max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    after = _scrape(live.url)
+    assert after["specserve:generation_tokens_total"] - before["specserve:generation_tokens_total"] == 4
+    assert after["specserve:prompt_tokens_total"] - before["specserve:prompt_tokens_total"] == r.usage.prompt_tokens
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_time_per_output_token_seconds"):
+        assert after[f"specserve:{h}_count"] == before[f"specserve:{h}_count"] + 1, h
+    assert after["specserve:engine_steps_total"] > before["specserve:engine_steps_total"]
+    info = httpx.get(live.url + "/get_server_info").json()
+    assert info["internal_states"][0]["generation_tokens"] >= 4
+    assert [m.id for m in live.client.models.list().data] == [live.engine.model_name]
