@@ -158,3 +158,46 @@ def test_metrics_and_server_info_move(live: Live) -> None:
     info = httpx.get(live.url + "/get_server_info").json()
     assert info["internal_states"][0]["generation_tokens"] >= 4
     assert [m.id for m in live.client.models.list().data] == [live.engine.model_name]
+
+
+def test_cli_serve_subprocess_with_api_key() -> None:
+    """`specserve serve` (cli -> server.api.main) starts, guards /v1 with the key, answers, and stops.
+
+    Dummy weights: this checks the wiring; the model's output is checked above."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--max-model-len", "256",
+           "--num-kv-blocks", "32", "--api-key", "k3y", "--served-model-name", "smol", "--speculative-algorithm",
+           "NONE", "--load-format", "dummy", "--uvicorn-log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(up, timeout=180)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["smol"]
+        r = client.completions.create(model="smol", prompt="Hi", max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -464,6 +464,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _default_head_available() -> bool:
+    """The default model is served with its shipped EAGLE-3 head when that head exists."""
+    try:
+        from specserve.spec.drafter import default_draft_path
+
+        default_draft_path()
+        return True
+    except (ImportError, FileNotFoundError) as e:
+        log.warning("serving without speculation by default: %s", e)
+        return False
+
+
 def main(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -473,10 +485,12 @@ def main(args: argparse.Namespace) -> None:
 
     if args.max_waiting is not None and args.max_waiting < 1:
         raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    config = engine_config_from_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    default_spec = (getattr(args, "model", None) is None and getattr(args, "speculative_algorithm", None) is None
+                    and _default_head_available())
+    config = engine_config_from_args(args, default_speculative=default_spec)
     if args.max_waiting is not None:
         config = replace(config, max_waiting_requests=args.max_waiting)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # no *_created series next to every counter
     engine = LLMEngine(config)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
