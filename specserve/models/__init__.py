@@ -1,0 +1,15 @@
+"""Model definitions: our own Llama / Qwen2 / Qwen3 decoders and the registry that builds them."""
+
+from specserve.models.llama import LlamaForCausalLM, default_eagle3_aux_layers
+from specserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from specserve.models.registry import build_model, resolve_dtype, supported_architectures
+
+__all__ = [
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "build_model",
+    "default_eagle3_aux_layers",
+    "resolve_dtype",
+    "supported_architectures",
+]

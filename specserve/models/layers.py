@@ -1,0 +1,140 @@
+"""Building blocks shared by the decoder models: linear, RMSNorm, rotary embedding, gated MLP.
+
+Parameters are created uninitialised (``torch.empty``): real weights come from
+``load_weights`` and random ones from ``specserve.loader.dummy_weights``. This keeps model
+construction instant even for large models on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with an uninitialised weight of shape [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 and cast back (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2*I, H] matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding (the "rotate half" / NeoX layout used by HF Llama and Qwen).
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (fp32) and the cos/sin multiplier for a rope config."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = "default"
+    if rope_scaling:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"]), 1.0  # type: ignore[index]
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, rope_scaling), 1.0  # type: ignore[arg-type]
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}: supported are default, linear, llama3")
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, rs: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, smooth between."""
+    factor = float(rs["factor"])
+    low = float(rs.get("low_freq_factor", 1.0))
+    high = float(rs.get("high_freq_factor", 4.0))
+    old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_ctx / low
+    high_freq_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table [max_positions, head_dim/2] in fp32, gathered by explicit per-token positions.
+
+    The table is a plain attribute, not a buffer, so ``model.to(bfloat16)`` leaves it in fp32;
+    it follows the positions' device on first use.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, mscale = rope_inv_freq(head_dim, theta, rope_scaling)
+        device = torch.empty(0).device  # honours an enclosing `with torch.device(...)`
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.cos = (freqs.cos() * mscale).to(device)
+        self.sin = (freqs.sin() * mscale).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim/2] in `dtype` for the given positions."""
+        if self.cos.device != positions.device:
+            self.cos = self.cos.to(positions.device)
+            self.sin = self.sin.to(positions.device)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos/sin [T, 1, D/2] (rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

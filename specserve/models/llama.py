@@ -1,0 +1,249 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2; Qwen2/Qwen3 differ only by flags, see qwen.py).
+
+The model runs one flat, ragged batch: ``forward(input_ids[T], positions[T]) -> hidden[T, H]``.
+Attention goes through ``get_forward_context().attn`` (paged KV cache, per-step metadata),
+so layers see no metadata in their signatures.
+
+Parameter names follow HF except for two fused matmuls per layer: ``self_attn.qkv_proj``
+(q_proj, k_proj, v_proj stacked on rows) and ``mlp.gate_up_proj`` (gate_proj, up_proj).
+``load_weights`` maps the separate HF tensors into their row slices.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from specserve.attention.base import get_forward_context
+from specserve.config import ModelConfig
+from specserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Layers whose input hidden states EAGLE-3 concatenates: low, middle, high."""
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 feature capture needs at least 4 layers, got {num_layers}")
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = config.attention_bias
+        # Qwen2 has bias on q/k/v only; Llama and Qwen3 put `attention_bias` on o_proj too.
+        o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        if config.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)  # type: ignore[misc]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = get_forward_context().attn.forward(self.layer_idx, q, k, v)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """The ``model.`` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# HF tensor name suffix inside a layer -> (our fused parameter, which slice)
+_STACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self._aux_layers: tuple[int, ...] | None = None
+
+    # -- the API the engine uses ---------------------------------------------------------------
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def get_input_embeddings(self) -> Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_aux_hidden_layers(self, ids: tuple[int, ...] | None) -> None:
+        """Make ``forward`` also return the residual stream entering each of these layers."""
+        if ids is not None:
+            ids = tuple(int(i) for i in ids)
+            n = self.config.num_hidden_layers
+            bad = [i for i in ids if not 0 <= i < n]
+            if bad or not ids:
+                raise ValueError(f"aux hidden layer ids must be a non-empty subset of [0, {n}), got {ids}")
+        self._aux_layers = ids
+
+    @property
+    def aux_hidden_layers(self) -> tuple[int, ...] | None:
+        return self._aux_layers
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, h.dtype)
+        aux_ids = self._aux_layers
+        if aux_ids is None:
+            for layer in self.model.layers:
+                h = layer(h, cos, sin)
+            return self.model.norm(h)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_ids:
+                captured[i] = h
+            h = layer(h, cos, sin)
+        aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
+        return self.model.norm(h), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> fp32 logits [N, vocab]."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def _slice_bounds(self, kind: str) -> tuple[int, int]:
+        attn = self.model.layers[0].self_attn
+        inter = self.config.intermediate_size
+        return {
+            "q": (0, attn.q_size),
+            "k": (attn.q_size, attn.kv_size),
+            "v": (attn.q_size + attn.kv_size, attn.kv_size),
+            "gate": (0, inter),
+            "up": (inter, inter),
+        }[kind]
+
+    def hf_weight_map(self) -> dict[str, tuple[str, int, int]]:
+        """HF tensor name -> (our parameter name, row start, row count); count -1 = whole tensor."""
+        out: dict[str, tuple[str, int, int]] = {}
+        stacked_by_ours = {}
+        for hf_sfx, (ours, kind) in _STACKED.items():
+            stacked_by_ours.setdefault(ours, []).append((hf_sfx, kind))
+        for name, _ in self.named_parameters():
+            base, _, leaf = name.rpartition(".")  # leaf: weight | bias
+            matched = False
+            for ours, parts in stacked_by_ours.items():
+                if base.endswith("." + ours):
+                    prefix = base[: -len(ours)]
+                    for hf_sfx, kind in parts:
+                        start, count = self._slice_bounds(kind)
+                        out[f"{prefix}{hf_sfx}.{leaf}"] = (name, start, count)
+                    matched = True
+                    break
+            if not matched:
+                out[name] = (name, 0, -1)
+        return out
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor names and shapes this model expects from a checkpoint."""
+        params = dict(self.named_parameters())
+        shapes = {}
+        for hf, (ours, start, count) in self.hf_weight_map().items():
+            shape = tuple(params[ours].shape)
+            shapes[hf] = shape if count < 0 else (count, *shape[1:])
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a stream of (HF name, tensor) into the parameters, converting dtype and device.
+
+        Raises ValueError naming unexpected tensors, missing tensors or shape mismatches.
+        """
+        wmap = self.hf_weight_map()
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still carry a copy of the embeddings
+            if name not in wmap:
+                unexpected.append(name)
+                continue
+            ours, start, count = wmap[name]
+            dst = params[ours].data
+            if count >= 0:
+                dst = dst.narrow(0, start, count)
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"shape mismatch for {name}: checkpoint has {tuple(tensor.shape)}, "
+                    f"model expects {tuple(dst.shape)}"
+                )
+            with torch.no_grad():
+                dst.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(wmap) - loaded)
+        if unexpected or missing:
+            msg = []
+            if unexpected:
+                msg.append(f"{len(unexpected)} unexpected tensor(s): {_preview(unexpected)}")
+            if missing:
+                msg.append(f"{len(missing)} missing tensor(s): {_preview(missing)}")
+            raise ValueError(f"checkpoint does not match {type(self).__name__}: " + "; ".join(msg))
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This model's parameters as (HF name, tensor), un-fusing qkv and gate_up (views)."""
+        params = dict(self.named_parameters())
+        for hf, (ours, start, count) in self.hf_weight_map().items():
+            p = params[ours].data
+            yield hf, p if count < 0 else p.narrow(0, start, count)
+
+
+def _preview(names: list[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")

@@ -1,0 +1,58 @@
+"""Architecture name (HF ``architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_model(
+    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32
+) -> nn.Module:
+    """An uninitialised model for `config` on `device` in `dtype` (weights: ``load_weights``)."""
+    cls = _MODELS.get(config.architecture)
+    if cls is None:
+        raise ValueError(
+            f"unsupported architecture {config.architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
+    dtype = resolve_dtype(dtype)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(config)
+    return model.eval()
