@@ -84,6 +84,26 @@ def test_chat_stream_equals_nonstream_and_usage(live: Live) -> None:
     assert chunks[-1].usage.prompt_tokens == prompt_len
 
 
+def test_many_concurrent_streams(live: Live) -> None:
+    import asyncio
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+        async def one(n: int) -> str:
+            stream = await client.completions.create(model="default", prompt="x", max_tokens=n, temperature=0,
+                                                     stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+
+        try:
+            return await asyncio.gather(*(one(n) for n in range(5, 29)))  # 24 streams, 8 run at a time
+        finally:
+            await client.close()
+
+    texts = asyncio.run(run())
+    assert texts == [TEXT[:n] for n in range(5, 29)]
+
+
 def test_sse_wire_format_ends_with_done(live: Live) -> None:
     with httpx.stream("POST", live.url + "/v1/completions", timeout=30,
                       json={"prompt": "x", "max_tokens": 3, "temperature": 0, "stream": True}) as resp:

@@ -345,10 +345,13 @@ async def _chat_stream(srv: _Server, stream: RequestStream, request_id: str, cre
         return obj
 
     try:
-        yield _sse(chunk({"role": "assistant", "content": ""}))
         sent = 0
         final = None
+        first = True
         async for out in stream:
+            if first:  # sent with the first output, so a client's time-to-first-chunk is a real TTFT
+                yield _sse(chunk({"role": "assistant", "content": ""}))
+                first = False
             c = out.outputs[0]
             n = len(out.new_token_ids)
             logprobs = None
