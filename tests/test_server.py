@@ -105,6 +105,8 @@ def test_prompt_too_long_and_huge_max_tokens_are_400_with_lengths(live: Live) ->
     with pytest.raises(openai.BadRequestError) as e:
         live.client.chat.completions.create(model="default", messages=CHAT, max_tokens=100_000)
     assert str(MAX_MODEL_LEN) in e.value.message and "100000" in e.value.message
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        live.client.completions.create(model="default", prompt=[1, 10**7], max_tokens=1)
 
 
 def _blocks(e) -> tuple[dict[str, int], int]:

@@ -27,6 +27,8 @@ _STAT_COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens processed (prefill)."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),
     "num_preemptions": ("num_preemptions", "Requests preempted for lack of KV blocks."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "steps": ("engine_steps", "Engine steps run."),
     "spec_steps": ("spec_steps", "Engine steps in which at least one request verified drafts."),
     "spec_verify_steps": ("spec_verify_steps", "Per-request verify passes (drafts checked by the target)."),
