@@ -39,11 +39,15 @@ class FakeSpec:
 
 
 def make_app(spec: FakeSpec) -> Starlette:
-    reg = CollectorRegistry()
-    steps = Counter("specserve_spec_verify_steps", "verify steps", registry=reg)
-    accepted = Counter("specserve_spec_accepted_tokens", "accepted draft tokens", registry=reg)
-    drafted = Counter("specserve_spec_draft_tokens", "draft tokens", registry=reg)
-    k_hist = Histogram("specserve_spec_k_chosen", "k per step", buckets=(0, 1, 2, 3, 4, 8), registry=reg)
+    # the names and shapes specserve's server exports (server/metrics.py)
+    reg = CollectorRegistry(auto_describe=True)
+    steps = Counter("specserve:spec_verify_steps", "verify steps", registry=reg)
+    accepted = Counter("specserve:spec_accepted_tokens", "accepted draft tokens", registry=reg)
+    drafted = Counter("specserve:spec_draft_tokens", "draft tokens", registry=reg)
+    engine_steps = Counter("specserve:engine_steps", "engine steps", registry=reg)
+    spec_steps = Counter("specserve:spec_steps", "engine steps that speculated", registry=reg)
+    k_chosen = Counter("specserve:spec_k_chosen", "k chosen per request-step", ["k"], registry=reg)
+    ttft_hist = Histogram("specserve:time_to_first_token_seconds", "TTFT", registry=reg)
     state = {"requests": 0}
 
     async def generate(request: Request) -> Response:
@@ -77,10 +81,14 @@ def make_app(spec: FakeSpec) -> Starlette:
                 text = "".join(f" t{i}" for i in ids)
                 sent += m
                 n_chunks += 1
+                if n_chunks == 1:
+                    ttft_hist.observe(spec.ttft_s)
                 steps.inc()
                 accepted.inc(m - 1)
                 drafted.inc(spec.draft_k)
-                k_hist.observe(spec.draft_k)
+                engine_steps.inc()
+                spec_steps.inc()
+                k_chosen.labels(k=str(spec.draft_k)).inc()
                 finish = "length" if sent == n else None
                 choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
                 if chat:

@@ -264,15 +264,20 @@ def _split(key: str) -> tuple[str, str]:
     return (key, "") if i < 0 else (key[:i], key[i:])
 
 
-# Name patterns (regex over the sample name) for the speculation series the server exports.
+# Name patterns (regex over the sample name) for the speculation series a server exports;
+# specserve's own names (server/metrics.py) are ``specserve:spec_verify_steps_total`` etc.
 # Per-position series (a "pos"/"position" label) are left out of the totals.
-SPEC_K_HIST = re.compile(r"spec\w*?(k_chosen|chosen_k|draft_k|_k|num_draft_tokens_per_step|draft_len(gth)?)$")
+SPEC_K_HIST = re.compile(r"spec\w*?(k_chosen|chosen_k|draft_k|num_draft_tokens_per_step|draft_len(gth)?)$")
+SPEC_K_COUNTER = re.compile(r"spec\w*?(k_chosen|chosen_k)(_total)?$")  # one series per k="n" label
 SPEC_ACCEPTED = re.compile(r"spec\w*accepted\w*tokens(_total)?$")
-SPEC_VERIFY = re.compile(r"spec\w*(verify_steps|verify_steps_total|num_drafts|verifies)(_total)?$")
+SPEC_VERIFY = re.compile(r"spec\w*(verify_steps|num_drafts)(_total)?$")
 SPEC_DRAFT = re.compile(r"spec\w*draft_tokens(_total)?$")
+SPEC_STEPS = re.compile(r"\bspec_steps(_total)?$")  # engine steps that speculated
+ENGINE_STEPS = re.compile(r"engine_steps(_total)?$")
 SPEC_ACCEPT_GAUGE = re.compile(r"spec\w*accept_len(gth)?$")
 SPEC_SWITCHES = re.compile(r"spec\w*switch\w*(_total)?$")
 _POS_LABEL = re.compile(r"[{,]pos\w*=")
+_K_LABEL = re.compile(r'[{,]k="(\d+)"')
 
 
 def _sum_matching(delta: dict[str, float], pattern: re.Pattern[str], suffix: str = "") -> float | None:
@@ -291,24 +296,46 @@ def _sum_matching(delta: dict[str, float], pattern: re.Pattern[str], suffix: str
     return total if found else None
 
 
-def spec_from_metrics(delta: dict[str, float] | None) -> dict[str, float | None]:
-    """Mean k, accept length and acceptance rate from /metrics deltas over a run or a window."""
-    keys = ("mean_k", "k_steps", "accept_length", "acceptance_rate", "switches")
+def _k_counts(delta: dict[str, float]) -> dict[int, float]:
+    """k -> how often it was chosen, from a counter labelled by k (specserve's spec_k_chosen)."""
+    out: dict[int, float] = {}
+    for key, v in delta.items():
+        name, labels = _split(key)
+        m = _K_LABEL.search(labels)
+        if m and SPEC_K_COUNTER.search(name):
+            out[int(m.group(1))] = out.get(int(m.group(1)), 0.0) + v
+    return out
+
+
+def spec_from_metrics(delta: dict[str, float] | None) -> dict[str, Any]:
+    """Mean k, accept length, acceptance rate and share of steps speculating from /metrics
+    deltas over a run or a window."""
+    keys = ("mean_k", "k_counts", "k0_share", "accept_length", "acceptance_rate", "spec_step_share", "switches")
     if not delta:
         return {k: None for k in keys}
-    k_sum = _sum_matching(delta, SPEC_K_HIST, "_sum")
-    k_cnt = _sum_matching(delta, SPEC_K_HIST, "_count")
+    k_counts = _k_counts(delta)
+    n_k = sum(k_counts.values())
+    if n_k:
+        mean_k = sum(k * n for k, n in k_counts.items()) / n_k
+    else:  # a histogram of k per step
+        k_sum = _sum_matching(delta, SPEC_K_HIST, "_sum")
+        k_cnt = _sum_matching(delta, SPEC_K_HIST, "_count")
+        mean_k = _ratio(k_sum, k_cnt) if k_sum is not None and k_cnt else None
     acc = _sum_matching(delta, SPEC_ACCEPTED)
     steps = _sum_matching(delta, SPEC_VERIFY)
     draft = _sum_matching(delta, SPEC_DRAFT)
+    spec_steps = _sum_matching(delta, SPEC_STEPS)
+    engine_steps = _sum_matching(delta, ENGINE_STEPS)
     accept_len = _ratio(acc + steps, steps) if acc is not None and steps else None
-    if accept_len is None:
+    if accept_len is None and steps is None:  # no counters: a lifetime gauge is all there is
         accept_len = _sum_matching(delta, SPEC_ACCEPT_GAUGE)
     return {
-        "mean_k": _ratio(k_sum, k_cnt) if k_sum is not None and k_cnt else None,
-        "k_steps": k_cnt,
+        "mean_k": mean_k,
+        "k_counts": {str(k): n for k, n in sorted(k_counts.items()) if n} or None,
+        "k0_share": _ratio(k_counts.get(0, 0.0), n_k) if n_k else None,
         "accept_length": accept_len,
         "acceptance_rate": _ratio(acc, draft) if acc is not None and draft else None,
+        "spec_step_share": _ratio(spec_steps, engine_steps) if spec_steps is not None and engine_steps else None,
         "switches": _sum_matching(delta, SPEC_SWITCHES),
     }
 

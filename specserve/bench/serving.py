@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,9 @@ class BenchConfig:
     top_p: float | None = None
     top_k: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # ask for the sampled token's logprob so each chunk says how many tokens it holds: the
+    # stream's own count can then be checked against usage (costs the server a little)
+    count_stream_tokens: bool = False
     request_timeout_s: float = 600.0
     api_key: str | None = None
     scrape_metrics: bool = True
@@ -154,6 +158,8 @@ def build_body(cfg: BenchConfig, model: str, prompt: str, max_tokens: int) -> di
         body["top_k"] = cfg.top_k
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.count_stream_tokens:
+        body["logprobs"] = True if cfg.endpoint == "chat" else 0
     body.update(cfg.extra_body)
     return body
 
@@ -535,7 +541,7 @@ async def run_benchmark(
         "schema_version": SCHEMA_VERSION,
         "kind": "ramp" if ramp else "fixed",
         "started_at": started_at,
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "model": model,
         "config": dataclasses.asdict(cfg),
         "dataset": meta or {},
@@ -660,6 +666,8 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    g.add_argument("--count-stream-tokens", action="store_true",
+                   help="request per-token logprobs so the stream's token count can be checked against usage")
     g.add_argument("--warmup-requests", type=int, default=1)
     g.add_argument("--warmup-output-len", type=int, default=16)
     g.add_argument("--request-timeout", type=float, default=600.0)
@@ -716,6 +724,7 @@ def config_from_args(args: argparse.Namespace, base_url: str | None = None, **ov
         top_p=args.top_p,
         top_k=args.top_k,
         extra_body=args.extra_body,
+        count_stream_tokens=args.count_stream_tokens,
         request_timeout_s=args.request_timeout,
         api_key=args.api_key,
         scrape_metrics=args.scrape_metrics,
@@ -734,7 +743,7 @@ def tokenizer_from_args(args: argparse.Namespace, server_info: dict[str, Any] | 
 
         return load_tokenizer(args.tokenizer)
     info = server_info or {}
-    cands = [args.model, info.get("model_path"), info.get("tokenizer_path"), info.get("model")]
+    cands = [args.model, info.get("model_path"), info.get("tokenizer_path"), info.get("served_model_name")]
     return resolve_tokenizer([c if isinstance(c, str) else None for c in cands])
 
 
@@ -762,6 +771,18 @@ def requests_from_args(
         reqs = load_jsonl_requests(args.jsonl_path, n, args.jsonl_output_len, tokenizer)
         meta.update(path=args.jsonl_path)
     return reqs, meta
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that is running, written the way a reader would retype it."""
+    argv = list(sys.argv if argv is None else argv)
+    name = Path(argv[0]).name if argv else ""
+    rest = shlex.join(argv[1:])
+    if name in ("specserve", "cli.py"):
+        return f"specserve {rest}"
+    if name in ("serving.py", "sweep.py", "plots.py"):
+        return f"python -m specserve.bench.{name[:-3]} {rest}"
+    return shlex.join(argv)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
