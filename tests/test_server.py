@@ -162,6 +162,50 @@ def test_metrics_and_server_info_move(live: Live) -> None:
     assert [m.id for m in live.client.models.list().data] == [live.engine.model_name]
 
 
+@pytest.fixture(scope="module")
+def spec_live(tmp_path_factory) -> Iterator[Live]:
+    """A server speculating with an untrained (random) EAGLE-3 head: drafts are checked but rarely accepted."""
+    from specserve.config import SpeculativeConfig
+    from specserve.loader import load_model_source
+    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    target = load_model_source(None).config
+    torch.manual_seed(0)
+    head_dir = tmp_path_factory.mktemp("random-eagle3")
+    Eagle3DraftModel(Eagle3Config.from_target(target, draft_vocab_size=target.vocab_size)).save_pretrained(head_dir)
+    spec = SpeculativeConfig(draft_model_path=str(head_dir), num_steps=3, policy="static")
+    engine = engine_mod.LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, speculative=spec))
+    app = build_app(engine)
+    with serve_in_thread(app, startup_timeout=120) as url:
+        yield Live(url, app)
+
+
+def test_speculation_stats_reach_usage_server_info_and_metrics(spec_live: Live) -> None:
+    before = _scrape(spec_live.url)
+    r = spec_live.client.completions.create(model="default", prompt="1, 2, 3, 4,", max_tokens=6, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    u = r.usage.model_extra
+    assert r.usage.completion_tokens == 6
+    assert u["spec_verify_steps"] > 0 and u["spec_draft_tokens"] >= u["spec_verify_steps"]
+    assert 0 <= u["spec_accepted_tokens"] <= u["spec_draft_tokens"]
+    assert u["spec_accept_length"] == pytest.approx((u["spec_accepted_tokens"] + u["spec_verify_steps"])
+                                                    / u["spec_verify_steps"])
+    state = httpx.get(spec_live.url + "/get_server_info").json()["internal_states"][0]
+    assert state["avg_spec_accept_length"] >= 1.0
+    after = _scrape(spec_live.url)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("specserve:spec_verify_steps_total") == u["spec_verify_steps"]
+    assert moved("specserve:spec_draft_tokens_total") == u["spec_draft_tokens"]
+    assert moved("specserve:spec_accepted_tokens_total") == u["spec_accepted_tokens"]
+    assert sum(v for k, v in after.items() if k.startswith("specserve:spec_draft_tokens_per_pos_total")) \
+        == after["specserve:spec_draft_tokens_total"]
+    assert any(k.startswith("specserve:spec_k_chosen_total") for k in after)
+    assert 0 < after["specserve:spec_step_share"] <= 1
+
+
 def test_cli_serve_subprocess_with_api_key() -> None:
     """`specserve serve` (cli -> server.api.main) starts, guards /v1 with the key, answers, and stops.
 

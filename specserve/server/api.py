@@ -147,6 +147,21 @@ async def _collect(stream: RequestStream, request: Request) -> RequestOutput | N
         stream.close()
 
 
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    """EngineStats as JSON-ready fields (not dataclasses.asdict: it rebuilds a Counter from pairs)."""
+    if not dataclasses.is_dataclass(stats):
+        return {}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(stats):
+        value = getattr(stats, f.name)
+        if isinstance(value, dict):
+            value = {str(k): v for k, v in sorted(value.items())}
+        elif isinstance(value, (list, tuple)):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -237,7 +252,7 @@ def build_app(engine: Any, served_model_name: str | list[str] | None = None, api
     async def server_info() -> dict[str, Any]:
         assert srv.aengine is not None
         stats = srv.aengine.stats
-        state: dict[str, Any] = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else {}
+        state = _stats_dict(stats)
         accept = avg_accept_length(stats)
         if accept is not None:  # absent without speculation, as SGLang does
             state["avg_spec_accept_length"] = accept
