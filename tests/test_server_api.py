@@ -129,6 +129,14 @@ def test_content_parts_max_completion_tokens_and_extensions(live: Live) -> None:
     assert out["usage"]["prompt_tokens"] == len(expected)
 
 
+def test_null_fields_mean_defaults(live: Live) -> None:
+    body = {"prompt": "x", "max_tokens": 3, "temperature": 0, "n": None, "stream": None, "logprobs": None,
+            "stop": None, "seed": None, "echo": None, "best_of": None, "stream_options": None, "top_p": None}
+    r = live.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == TEXT[:3]
+
+
 def test_completions_stop_string_stream_and_not(live: Live) -> None:
     r = live.client.completions.create(model="default", prompt="go", max_tokens=40, temperature=0, stop=["fox"])
     assert r.choices[0].text == "the quick brown "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -47,6 +47,14 @@ class _Base(BaseModel):
     # extra="ignore": clients send fields we do not use (user, metadata, ...); NaN/inf are not
     # numbers a sampler can use, so reject them at parse time.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Some SDKs send every optional field, unset ones as null: treat null as "not given".
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     model: str | None = None
     temperature: float | None = None
