@@ -218,3 +218,120 @@ def test_bad_paths_give_clear_errors(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
         load_model_source(str(tmp_path))
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]
+
+
+def _write_gguf(path, hf, arch: str) -> None:
+    """A llama.cpp-layout F32 GGUF of a tiny transformers model (q/k rows permuted for llama)."""
+    import gguf as gguf_pkg
+
+    cfg = hf.config
+    tokens = _byte_tokens() + ["\u0120t", "<s>", "</s>"]
+    w = gguf_pkg.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(["\u0120 t"])
+    w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+    layer_names = {v: k for k, v in gguf._LAYER_NAMES.items()}
+    glob_names = {v: k for k, v in gguf._GLOBAL_NAMES.items()}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        a = t.numpy().astype("float32")
+        if name in glob_names:
+            w.add_tensor(glob_names[name], a)
+            continue
+        _, _, i, *mid, leaf = name.split(".")
+        sub = ".".join(mid)
+        if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+            n = cfg.num_attention_heads if "q_proj" in sub else cfg.num_key_value_heads
+            rows = a.shape[0]
+            a = a.reshape(n, 2, rows // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        w.add_tensor(f"blk.{i}.{layer_names[sub]}.{leaf}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_synthetic_gguf_round_trip(arch: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    common = dict(vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if arch == "llama":
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True))
+    else:
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
+    hf.eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    _write_gguf(tmp_path / "tiny.gguf", hf, arch)
+
+    src = load_model_source(str(tmp_path / "tiny.gguf"))
+    assert src.config.architecture == type(hf).__name__
+    assert src.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert src.config.head_dim == hf.config.head_dim and src.config.qk_norm == (arch == "qwen3")
+    ref = hf.state_dict()
+    got = dict(src.weights())
+    assert set(got) == set(ref) - ({"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    for name, t in got.items():
+        assert torch.equal(t, ref[name]), name
+
+    tok = src.tokenizer
+    ids = tok.encode("a tt")
+    assert tok.convert_ids_to_tokens(ids) == ["a", "\u0120t", "t"] and tok.decode(ids) == "a tt"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == [257, tok.encode("x")[0], 258]
+    assert tok.eos_token_ids == {258} and tok.bos_token_id == 257
+
+    model = build_model(src.config)
+    model.load_weights(src.weights())
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    assert (_prefill_logits(model, src.config, prompt) - expected).abs().max().item() <= 1e-4
+
+
+def test_gguf_names_and_config_normalisation() -> None:
+    from specserve.loader.hf_config import normalize_hf_config
+
+    assert gguf.hf_tensor_name("blk.7.ffn_gate.weight") == "model.layers.7.mlp.gate_proj.weight"
+    assert gguf.hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert gguf.hf_tensor_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="unknown GGUF tensor 'blk.0.ssm_a'"):
+        gguf.hf_tensor_name("blk.0.ssm_a")
+    d = normalize_hf_config({"model_type": "qwen2", "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                        "rope_theta": 1e6}})
+    assert d["architectures"] == ["Qwen2ForCausalLM"] and d["rope_theta"] == 1e6
+    assert d["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="unknown model_type 'mamba'"):
+        normalize_hf_config({"model_type": "mamba"})

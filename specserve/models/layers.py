@@ -48,9 +48,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+            return x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_() * self.weight
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * xf.to(x.dtype)
 
 
@@ -106,24 +106,29 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rs: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin table [max_positions, head_dim/2] in fp32, gathered by explicit per-token positions.
+    """cos/sin tables [max_positions, head_dim] in fp32, gathered by explicit per-token positions.
 
-    The table is a plain attribute, not a buffer, so ``model.to(bfloat16)`` leaves it in fp32;
-    it follows the positions' device on first use.
+    Stored as ``cos`` = [cos, cos] and ``sin`` = [-sin, sin] over the two halves, so the
+    rotation is ``x * cos + roll(x, D/2) * sin``: four kernels, and bit-identical to the
+    rotate-half form. The tables are plain attributes, not buffers, so ``model.to(bfloat16)``
+    leaves them in fp32; they follow the positions' device on first use.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
         super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
         inv_freq, mscale = rope_inv_freq(head_dim, theta, rope_scaling)
         device = torch.empty(0).device  # honours an enclosing `with torch.device(...)`
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.cos = (freqs.cos() * mscale).to(device)
-        self.sin = (freqs.sin() * mscale).to(device)
+        cos, sin = freqs.cos() * mscale, freqs.sin() * mscale
+        self.cos = torch.cat((cos, cos), dim=-1).to(device)
+        self.sin = torch.cat((-sin, sin), dim=-1).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim/2] in `dtype` for the given positions."""
+        """cos, sin [T, 1, head_dim] in `dtype` for the given positions."""
         if self.cos.device != positions.device:
             self.cos = self.cos.to(positions.device)
             self.sin = self.sin.to(positions.device)
@@ -135,6 +140,5 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by cos/sin [T, 1, D/2] (rotate-half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x [T, heads, D] rotated by the tables of ``RotaryEmbedding.forward`` (rotate-half layout)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin

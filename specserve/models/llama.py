@@ -51,15 +51,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)  # type: ignore[misc]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k heads side by side: one rotary pass for both
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim))  # type: ignore[misc]
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         o = get_forward_context().attn.forward(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(T, self.q_size))
 
