@@ -98,11 +98,25 @@ def test_multi_token_chunks_spec_stats_from_usage_metrics_and_server_info() -> N
 
 
 def test_failed_requests_are_counted_not_dropped() -> None:
-    res = _run(FakeSpec(ttft_s=0.01, itl_s=0.01, fail_every=3), _requests(9, 3), max_concurrency=3,
-               warmup_requests=0)
-    assert (res["num_requests"], res["completed"], res["failed"]) == (9, 6, 3)
-    assert res["errors"][0]["count"] == 3 and res["errors"][0]["error"].startswith("HTTP 500")
-    assert res["total_output_tokens"] == 6 * 3
+    # requests 3, 6, 9 answer HTTP 500; the streams of 4 and 8 stop without [DONE]
+    res = _run(FakeSpec(ttft_s=0.01, itl_s=0.01, fail_every=3, break_every=4), _requests(9, 3),
+               max_concurrency=3, warmup_requests=0)
+    assert (res["num_requests"], res["completed"], res["failed"]) == (9, 4, 5)
+    errors = {e["error"][:8]: e["count"] for e in res["errors"]}
+    assert errors == {"HTTP 500": 3, "stream e": 2}, res["errors"]
+    assert res["total_output_tokens"] == 4 * 3
+
+
+def test_poisson_arrivals_follow_the_seeded_schedule() -> None:
+    import numpy as np
+
+    res = _run(FakeSpec(ttft_s=0.01, itl_s=0.01), _requests(4, 2), request_rate=5.0, seed=7,
+               warmup_requests=0, save_requests=True)
+    gaps = np.random.default_rng(7).exponential(1 / 5.0, size=4)
+    starts = sorted(r["start_s"] for r in res["requests"])
+    arrivals = np.concatenate([[0.0], np.cumsum(gaps[1:])])
+    assert res["completed"] == 4
+    assert all(s >= a - 1e-3 for s, a in zip(starts, arrivals)), (starts, arrivals)  # never early
 
 
 def test_unreachable_server_fails_warmup_with_the_reason() -> None:

@@ -35,6 +35,7 @@ class FakeSpec:
     draft_k: int = 3  # reported draft tokens per verify step
     send_token_ids: bool = True  # put a token_ids list in each chunk (lets the client count exactly)
     fail_every: int = 0  # every n-th request answers HTTP 500 (0: never)
+    break_every: int = 0  # every n-th request's stream stops after one chunk, without [DONE]
     model: str = "fake-model"
 
 
@@ -54,6 +55,7 @@ def make_app(spec: FakeSpec) -> Starlette:
         body = await request.json()
         chat = request.url.path.endswith("/chat/completions")
         state["requests"] += 1
+        broken = bool(spec.break_every and state["requests"] % spec.break_every == 0)
         if spec.fail_every and state["requests"] % spec.fail_every == 0:
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
         n = int(body.get("max_tokens") or 16)
@@ -98,6 +100,8 @@ def make_app(spec: FakeSpec) -> Starlette:
                 if spec.send_token_ids:
                     choice["token_ids"] = ids
                 yield chunk(choice)
+                if broken:
+                    return  # a server dying mid-stream
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield chunk(None, {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                    "total_tokens": prompt_tokens + n, "spec_verify_steps": n_chunks,

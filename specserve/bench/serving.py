@@ -231,13 +231,13 @@ async def send_request(
         if pending_tokens and res.chunk_tokens and res.chunk_tokens[-1] is not None:
             res.chunk_tokens[-1] += pending_tokens  # type: ignore[operator]
         res.text = "".join(text_parts)
-        if not done:
-            res.error = "stream ended without 'data: [DONE]'"
-        elif not res.chunk_times:
-            res.error = "stream carried no generated text"
-        else:
+        # A finished stream without text is still a success (a first token that is EOS has no
+        # text); it has no TTFT, and with ignore_eos the token check flags a short output.
+        if done:
             res.success = True
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        else:
+            res.error = "stream ended without 'data: [DONE]'"
+    except Exception as e:  # one bad request is a failed request, not a crashed benchmark
         res.latency = time.perf_counter() - res.start
         res.error = f"{type(e).__name__}: {e}"
     return res
@@ -467,10 +467,14 @@ def window_series(
             "output_tokens": tokens,
             "output_throughput": tokens / span if span > 0 else None,
             "completed": sum(1 for r in ok if a <= r.start - t0 + r.latency < b),
-            "mean_k": None if server is None else server["mean_k"],
-            "accept_length": None if server is None else server["accept_length"],
+            **_server_fields(server),
         })
     return out
+
+
+def _server_fields(server: dict[str, Any] | None) -> dict[str, Any]:
+    keys = ("mean_k", "k0_share", "accept_length", "spec_step_share")
+    return {k: None if server is None else server[k] for k in keys}
 
 
 def ramp_steps(
@@ -490,8 +494,7 @@ def ramp_steps(
             "output_throughput": tokens / (b - a),
             "requests_started": sum(1 for r in results if a <= r.start - t0 < b),
             "mean_tpot_ms": float(np.mean(tpots)) * 1e3 if tpots else None,
-            "mean_k": None if server is None else server["mean_k"],
-            "accept_length": None if server is None else server["accept_length"],
+            **_server_fields(server),
         })
     return out
 
@@ -543,7 +546,7 @@ async def run_benchmark(
         "started_at": started_at,
         "command": command_line(),
         "model": model,
-        "config": dataclasses.asdict(cfg),
+        "config": {**dataclasses.asdict(cfg), "api_key": "<set>" if cfg.api_key else None},
         "dataset": meta or {},
         **summary,
         "accept_length": {
