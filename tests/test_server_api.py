@@ -285,6 +285,7 @@ def test_engine_failure_fails_requests_and_health() -> None:
 
 def test_stream_disconnect_aborts_and_frees_blocks(live: Live) -> None:
     eng = live.srv.engine
+    eng.step_delay = 0.01  # slower steps: a wide margin for "the other stream is still running" below
     body = {"prompt": "x", "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as other_client, httpx.Client(timeout=30) as client:
         with other_client.stream("POST", live.url + "/v1/completions", json={**body, "max_tokens": 300}) as other:
@@ -303,6 +304,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(live: Live) -> None:
             assert first["id"] not in held
             assert len(held) == 1, "the other stream should still be generating"
             assert used == sum(held.values())  # nothing left behind by the aborted request
+            eng.step_delay = 0.001
             rest = [json.loads(line[6:]) for line in other_lines if line and line != "data: [DONE]"]
     text = "".join(c["choices"][0]["text"] for c in rest)
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
