@@ -290,12 +290,24 @@ def _ramp_markdown(sweep: dict[str, Any]) -> str:
             f"{steps_table}\n\n{cmp_table}")
 
 
+def as_sweep(obj: dict[str, Any]) -> dict[str, Any]:
+    """A single `bench serve` result wrapped as a one-configuration sweep (so a ramp run plots too)."""
+    if "runs" in obj:
+        return obj
+    c = None if obj.get("ramp") else obj["config"]["max_concurrency"]
+    return {"kind": "ramp" if obj.get("ramp") else "sweep", "command": obj.get("command", ""),
+            "started_at": obj.get("started_at", ""), "model": obj.get("model"), "configs": {"run": ""},
+            "baseline": "run", "concurrency": [c] if c else [], "dataset": obj.get("dataset") or {},
+            "runs": [{"config": "run", "concurrency": c, "num_prompts": obj["num_requests"], "result": obj}],
+            "errors": {}}
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="redraw plots and tables from a sweep.json")
+    p = argparse.ArgumentParser(description="redraw plots and tables from a sweep.json (or a bench serve JSON)")
     p.add_argument("sweep_json")
     p.add_argument("--out-dir", help="default: next to the JSON")
     a = p.parse_args(argv)
-    sweep = json.loads(Path(a.sweep_json).read_text())
+    sweep = as_sweep(json.loads(Path(a.sweep_json).read_text()))
     out_dir = Path(a.out_dir) if a.out_dir else Path(a.sweep_json).parent
     for path in plot_all(sweep, out_dir):
         print(path)

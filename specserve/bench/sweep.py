@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
@@ -343,10 +343,6 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1 if sweep["errors"] else 0
-
-
-def iter_runs(sweep: dict[str, Any], config: str) -> Iterator[dict[str, Any]]:
-    return (r for r in sweep["runs"] if r["config"] == config)
 
 
 if __name__ == "__main__":
