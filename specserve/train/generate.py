@@ -1,0 +1,172 @@
+"""Greedy replies from the target, for self-distillation and for held-out acceptance.
+
+``engine`` (default) runs our engine batched through ``specserve.LLM.chat``. ``simple`` is a
+small static-batch greedy loop over a dense KV cache, kept for when the engine is not usable on
+a device; both use the target's own chat template and stop at its end-of-turn ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from specserve.train.data import Conversation, render_ids
+from specserve.train.target import Target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reply:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated ids, the stop token included when one was produced
+    text: str
+
+
+def generate_replies(target: Target, convs: Sequence[Conversation], max_tokens: int, backend: str = "engine",
+                     batch_size: int = 256, max_num_batched_tokens: int = 16384,
+                     time_budget_s: float | None = None) -> list[Reply | None]:
+    """Greedy reply to each conversation (its last message must be a user message).
+
+    With ``time_budget_s`` the work is done in groups and stops starting new groups once the
+    budget is spent; conversations not reached get None.
+    """
+    for c in convs:
+        if not c or c[-1]["role"] != "user":
+            raise ValueError("each conversation to reply to must end with a user message")
+    prompts = [render_ids(target.tokenizer, c, add_generation_prompt=True) for c in convs]
+    out: list[Reply | None] = [None] * len(convs)
+    t0 = time.monotonic()
+    # longest first inside each group keeps padding and scheduling steady
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    group = batch_size * 4 if backend == "engine" else batch_size
+    llm = _make_llm(target, batch_size, max_num_batched_tokens) if backend == "engine" else None
+    for g0 in range(0, len(order), group):
+        if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
+            log.info("generation budget spent after %d of %d replies", g0, len(order))
+            break
+        idx = order[g0 : g0 + group]
+        if llm is not None:
+            gens = _engine_generate(llm, [prompts[i] for i in idx], max_tokens)
+        else:
+            gens = simple_greedy(target, [prompts[i] for i in idx], max_tokens)
+        for i, ids in zip(idx, gens):
+            out[i] = Reply(prompt_ids=prompts[i], token_ids=ids,
+                           text=target.tokenizer.decode(_strip_stop(ids, target.stop_ids)))
+    return out
+
+
+def _strip_stop(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in set(stop_ids) else ids
+
+
+def _make_llm(target: Target, max_num_seqs: int, max_num_batched_tokens: int):
+    from specserve import LLM
+
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target.dtype]
+    return LLM(model=target.path, device=str(target.device), dtype=dtype, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+
+
+def _engine_generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from specserve import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    res = []
+    stops = set(llm.tokenizer.eos_token_ids)
+    for o in outs:
+        ids = list(o.outputs[0].token_ids)
+        if o.outputs[0].finish_reason == "stop" and (not ids or ids[-1] not in stops) and stops:
+            ids.append(min(stops))  # the engine may drop the stop token from the output ids
+        res.append(ids)
+    return res
+
+
+# ---- the simple path: static batch, dense KV cache --------------------------------------------
+
+
+class _DenseKVBackend(AttentionBackend):
+    """Per-row dense cache [B, max_len, KVH, D]; prefill (right-padded) then one token per row."""
+
+    def __init__(self, num_layers: int, B: int, max_len: int, kvh: int, d: int, dtype: torch.dtype,
+                 device: torch.device, scale: float) -> None:
+        super().__init__([], block_size=1, scale=scale)
+        self.k = torch.zeros(num_layers, B, max_len, kvh, d, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.B = B
+        self.lens = torch.zeros(B, dtype=torch.long, device=device)  # tokens cached before this step
+        self.prefill_len = 0  # > 0: this step is a prefill of that padded length
+        self._kv_len = 0  # keys to attend over in a decode step (max over rows, this token included)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        pass
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B = self.B
+        if self.prefill_len:
+            L = self.prefill_len
+            qb, kb, vb = (t.view(B, L, t.shape[1], t.shape[2]) for t in (q, k, v))
+            self.k[layer, :, :L] = kb
+            self.v[layer, :, :L] = vb
+            out = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+                                                 is_causal=True, scale=self.scale,
+                                                 enable_gqa=qb.shape[2] != kb.shape[2])
+            return out.transpose(1, 2).reshape(B * L, q.shape[1], q.shape[2])
+        rows = torch.arange(B, device=q.device)
+        self.k[layer, rows, self.lens] = k
+        self.v[layer, rows, self.lens] = v
+        n = int(self._kv_len)
+        kk = self.k[layer, :, :n].transpose(1, 2)
+        vv = self.v[layer, :, :n].transpose(1, 2)
+        mask = (torch.arange(n, device=q.device)[None, :] <= self.lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=q.shape[1] != kk.shape[1])
+        return out[:, :, 0, :]
+
+
+@torch.no_grad()
+def simple_greedy(target: Target, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    model, cfg, dev = target.model, target.config, target.device
+    B = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    L = int(lens.max())
+    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p, device=dev)
+    be = _DenseKVBackend(cfg.num_hidden_layers, B, L + max_tokens, cfg.num_key_value_heads, cfg.head_dim,
+                         target.dtype, dev, cfg.head_dim ** -0.5)
+    stops = torch.tensor(target.stop_ids or [-1], device=dev)
+    prev_aux = model.aux_hidden_layers
+    model.set_aux_hidden_layers(None)
+    try:
+        with forward_context(be):
+            be.prefill_len = L
+            h = model(ids.reshape(-1), torch.arange(L, device=dev).repeat(B))
+            be.prefill_len = 0
+            last = h.view(B, L, -1)[torch.arange(B, device=dev), lens - 1]
+            tok = model.compute_logits(last).argmax(-1)
+            be.lens = lens.clone()
+            out = torch.zeros(B, max_tokens, dtype=torch.long, device=dev)
+            done = torch.zeros(B, dtype=torch.bool, device=dev)
+            n_out = torch.zeros(B, dtype=torch.long, device=dev)
+            for step in range(max_tokens):
+                out[:, step] = tok
+                n_out += (~done).long()
+                done |= torch.isin(tok, stops)
+                if step == max_tokens - 1 or bool(done.all()):
+                    break
+                be._kv_len = int(be.lens.max()) + 1
+                h = model(tok, be.lens.clone())
+                be.lens += 1
+                tok = model.compute_logits(h).argmax(-1)
+    finally:
+        model.set_aux_hidden_layers(prev_aux)
+    n_host = n_out.tolist()
+    rows = out.tolist()
+    return [rows[r][: n_host[r]] for r in range(B)]

@@ -1,0 +1,245 @@
+"""The EAGLE-3 trainer: vocab map, template-derived loss mask, TTT == incremental drafting,
+and a tiny end-to-end training run on CPU (random 2-layer target, char-level tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from specserve.attention.base import AttentionMetadata, forward_context
+from specserve.attention.torch_native import TorchNativeBackend
+from specserve.config import ModelConfig
+from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from specserve.train import data as D
+from specserve.train.attention import TTTBackend
+from specserve.train.eagle3 import TrainConfig, simulate_accept_length, train
+from specserve.train.target import Target
+from specserve.train.vocab import build_vocab_map, count_tokens
+
+torch.set_num_threads(2)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# ---- vocab map ------------------------------------------------------------------------------
+
+
+def test_vocab_map_picks_most_frequent_in_id_order() -> None:
+    counts = torch.tensor([5, 0, 9, 9, 1, 0, 7, 0])
+    d2t, t2d = build_vocab_map(counts, 4)
+    chosen = torch.arange(4) + d2t
+    assert chosen.tolist() == [0, 2, 3, 6]  # the four most frequent, in target-id order
+    assert t2d.tolist() == [True, False, True, True, False, False, True, False]
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    # fewer seen tokens than slots: unseen lowest ids fill the rest; ties go to the lower id
+    d2t, t2d = build_vocab_map(torch.tensor([0, 3, 0, 0, 2]), 3)
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 4]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_vocab_map(counts, 9)
+
+
+def test_count_tokens_only_counts_masked_positions() -> None:
+    counts = count_tokens([([1, 2, 2, 3], [False, True, True, False])], vocab_size=5)
+    assert counts.tolist() == [0, 0, 2, 0, 0]
+
+
+def test_draft_to_target_uses_the_map() -> None:
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=8, vocab_size=10, draft_vocab_size=3, aux_layer_ids=(0, 1, 1))
+    head = Eagle3DraftModel(cfg)
+    d2t, t2d = build_vocab_map(torch.tensor([0, 4, 0, 0, 9, 0, 0, 0, 1, 0]), 3)
+    head.set_vocab_map(d2t, t2d)
+    assert head.draft_to_target(torch.tensor([0, 1, 2])).tolist() == [1, 4, 8]
+
+
+# ---- tiny tokenizer and target --------------------------------------------------------------
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders
+    from tokenizers.models import BPE
+
+    from specserve.loader.tokenizer import Tokenizer
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {c: i for i, c in enumerate(["<unk>"] + chars)}
+    backend = HFTok(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    return Tokenizer(backend, eos_token="<|im_end|>", chat_template=CHATML)
+
+
+def tiny_target(tok, layers: int = 2, std: float = 0.5) -> Target:
+    from specserve.loader import dummy_weights
+    from specserve.models.registry import build_model
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=tok.vocab_size, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    model = build_model(cfg, "cpu", torch.float32)
+    model.load_weights(dummy_weights(cfg, std=std))
+    return Target(model=model, config=cfg, tokenizer=tok, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_loss_mask_comes_from_the_template() -> None:
+    tok = tiny_tokenizer()
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"},
+            {"role": "user", "content": "x"}, {"role": "assistant", "content": "ok"}]
+    ex = D.tokenize_conversation(tok, conv, [tok.eos_token_id], max_len=512)
+    assert ex is not None
+    spans = tok.decode([i for i, m in zip(ex.ids, ex.mask) if m], skip_special_tokens=False)
+    assert spans == "yo!<|im_end|>ok<|im_end|>"  # replies + their end-of-turn, nothing else
+    assert D.tokenize_conversation(tok, conv[:1], [tok.eos_token_id], max_len=512) is None
+
+
+def test_heldout_split_is_the_benchmark_order() -> None:
+    import random
+
+    train_idx, held = D.heldout_split(50, 7, seed=3)
+    order = list(range(50))
+    random.Random(3).shuffle(order)
+    assert held == order[:7]
+    assert sorted(train_idx + held) == list(range(50)) and not set(train_idx) & set(held)
+
+
+# ---- training-time test == what the engine does while drafting --------------------------------
+
+
+def _paged_draft_step(head: Eagle3DraftModel, cache, embeds, hidden, positions, seq_len: int) -> torch.Tensor:
+    """One draft forward of one request whose cache holds positions [0, seq_len - len(positions))."""
+    n = positions.numel()
+    meta = AttentionMetadata(query_lens=[n], seq_lens=[seq_len], slot_mapping=positions.clone(),
+                             block_tables=torch.arange(cache[0][0].shape[0])[None, :])
+    be = TorchNativeBackend(cache, block_size=cache[0][0].shape[1], scale=head.config.head_dim ** -0.5)
+    be.plan(meta)
+    with forward_context(be):
+        return head(embeds, hidden, positions)
+
+
+def test_ttt_attention_equals_incremental_drafting() -> None:
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, vocab_size=50, draft_vocab_size=50, aux_layer_ids=(0, 1, 2))
+    head = Eagle3DraftModel(cfg).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    L, steps = 10, 4
+    emb = torch.randn(L + steps + 1, 32)  # embeds of x[0..]
+    feat = torch.randn(L, 3 * 32)
+    with torch.no_grad():
+        h0 = head.combine(feat)
+        # TTT: step i at base t takes embed(x[t+1+i]) at position t+i
+        ttt_out = []
+        be = TTTBackend(1, L, scale=cfg.head_dim ** -0.5)
+        hidden = h0
+        with forward_context(be):
+            for i in range(steps):
+                hidden = head(emb[1 + i : 1 + i + L], hidden, torch.arange(L) + i)
+                ttt_out.append(hidden)
+        # incremental: prefill pairs 0..t, then one token per step at t+1, t+2, ...
+        for t in [0, 3, L - 1]:
+            cache = [(torch.zeros(8, 4, 2, 8), torch.zeros(8, 4, 2, 8))]
+            pos = torch.arange(t + 1)
+            out = _paged_draft_step(head, cache, emb[1 : t + 2], h0[: t + 1], pos, t + 1)
+            torch.testing.assert_close(out[t], ttt_out[0][t], rtol=1e-5, atol=1e-5)
+            h = out[t : t + 1]
+            for i in range(1, steps):
+                h = _paged_draft_step(head, cache, emb[t + 1 + i : t + 2 + i], h, torch.tensor([t + i]), t + 1 + i)
+                torch.testing.assert_close(h[0], ttt_out[i][t], rtol=1e-5, atol=1e-5)
+
+
+def test_simulated_accept_length() -> None:
+    # base 0 accepts 2 drafts (+1 bonus) -> base 3 accepts 0 -> base 4 accepts 1 (+1): 6 tokens, 3 steps
+    runs = [[2, 5, 5, 0, 1, 0]]
+    assert simulate_accept_length(runs, k=5) == (6, 3)
+    assert simulate_accept_length(runs, k=1) == (6, 3)  # bases 0, 2, 4 each emit 1 draft + 1 bonus
+    assert simulate_accept_length([[0, 0, 0]], k=3) == (3, 3)
+
+
+# ---- tiny end-to-end run ----------------------------------------------------------------------
+
+
+def _conversations(n: int) -> list[list[dict[str, str]]]:
+    words = ["apple", "river", "stone", "cloud", "green", "table", "music", "light"]
+    out = []
+    for i in range(n):
+        a, b = words[i % 8], words[(3 * i + 1) % 8]
+        out.append([{"role": "user", "content": f"say {a} {b}"},
+                    {"role": "assistant", "content": f"{a} {b} {a} {b}. the {a} is near the {b}."}])
+    return out
+
+
+def test_tiny_training_run_loss_falls_and_head_reloads(tmp_path) -> None:
+    tok = tiny_tokenizer()
+    target = tiny_target(tok)
+    data = tmp_path / "convs.jsonl"
+    with open(data, "w") as f:
+        for c in _conversations(24):
+            f.write(json.dumps(c) + "\n")
+    out = tmp_path / "head"
+    cfg = TrainConfig(output_dir=str(out), data=str(data), draft_vocab_size=48, heldout=4, max_len=128,
+                      batch_tokens=512, epochs=1, max_steps=20, lr=3e-3, warmup_ratio=0.05, ttt_steps=3,
+                      eval_conversations=2, eval_max_tokens=8, distill_backend="simple", save_every=20,
+                      log_every=1, progress=False)
+    summary = train(cfg, target)
+    log = [json.loads(line) for line in open(out / "train_log.jsonl")]
+    first = sum(r["loss"] for r in log[:5]) / 5
+    last = sum(r["loss"] for r in log[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert summary["steps"] == 20
+    assert len(json.load(open(out / "heldout.json"))["indices"]) == 4
+    assert summary["train_conversations"] == 20  # the held-out four were not trained on
+    assert (out / "README.md").read_text().count("accept length") >= 1
+
+    head = Eagle3DraftModel.from_pretrained(str(out))
+    assert head.config.draft_vocab_size == 48 and head.config.aux_layer_ids == (1, 1, 0)
+    ids = torch.tensor([5, 6, 7, 8])
+    target.model.set_aux_hidden_layers(head.config.aux_layer_ids)
+    from specserve.train.attention import DenseCausalBackend
+
+    with torch.no_grad(), forward_context(DenseCausalBackend(1, 4, 16 ** -0.5)):
+        _, aux = target.model(ids, torch.arange(4))
+    be = TTTBackend(1, 4, scale=head.config.head_dim ** -0.5)
+    with torch.no_grad(), forward_context(be):
+        h = head(target.model.embed_tokens(ids), head.combine(aux), torch.arange(4))
+    logits = head.compute_logits(h)
+    assert logits.shape == (4, 48) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    drafted = head.draft_to_target(logits.argmax(-1))
+    assert bool(head.t2d[drafted].all())
+    acc = summary["heldout_acceptance"]
+    assert acc["heldout_prompts"] == 2 and acc["chain_accept_length"]["1"] >= 1.0
+
+    # resume: continue the finished run's checkpoint for 3 more steps
+    cfg2 = TrainConfig(**{**cfg.__dict__, "max_steps": 23, "resume": True, "eval_conversations": 0})
+    s2 = train(cfg2, target)
+    assert s2["steps"] == 23
+    assert os.path.isfile(out / "checkpoint.pt")
+
+
+def test_self_distillation_replaces_replies(tmp_path) -> None:
+    tok = tiny_tokenizer()
+    target = tiny_target(tok)
+    data = tmp_path / "convs.jsonl"
+    with open(data, "w") as f:
+        for c in _conversations(6):
+            f.write(json.dumps({"messages": c}) + "\n")
+    cfg = TrainConfig(output_dir=str(tmp_path / "o"), data=str(data), heldout=1, self_distill=True,
+                      distill_backend="simple", distill_max_tokens=6, max_len=128, batch_tokens=512)
+    from specserve.train.eagle3 import distill
+
+    convs = D.load_conversations(str(data))
+    got = distill(cfg, target, list(enumerate(convs)))
+    assert len(got) >= 1
+    for i, c in got:
+        assert c[0] == convs[i][0] and c[-1]["role"] == "assistant"
+        assert c[-1]["content"] != convs[i][1]["content"]  # the target's own (random) reply
+        assert 0 < len(c[-1]["content"]) <= 6 * len("<unk>")  # at most 6 generated tokens
