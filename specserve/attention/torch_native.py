@@ -48,7 +48,8 @@ class TorchNativeBackend(AttentionBackend):
         mask[:, :, 0] |= ~q_valid  # padded query rows attend something, avoiding NaN
 
         self._q_index = q_index.to(device)
-        self._q_valid = q_valid.to(device)
+        # flat position of each real query in the padded [B * max_q] layout (no mask indexing per layer)
+        self._q_flat = q_valid.reshape(-1).nonzero()[:, 0].to(device)
         self._kv_slots = kv_slots.to(device)
         self._mask = mask[:, None].to(device)
         self._slot_mapping = meta.slot_mapping
@@ -71,4 +72,4 @@ class TorchNativeBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(
             qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=self._mask, scale=self.scale, enable_gqa=h != kvh
         )
-        return out.transpose(1, 2)[self._q_valid]  # [T, H, D] in flat order
+        return out.transpose(1, 2).reshape(B * max_q, h, d)[self._q_flat]  # [T, H, D] in flat order

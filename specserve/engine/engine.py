@@ -5,7 +5,9 @@ Not thread-safe: one thread drives ``step()`` (the server's engine thread, or LL
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +55,14 @@ class EngineStats:
         return (self.spec_accepted_tokens + self.spec_verify_steps) / self.spec_verify_steps
 
 
+def served_model_name(path: str | None) -> str:
+    """Name clients use for the model: the file or folder name, without a .gguf suffix."""
+    if path is None:
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(path))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +77,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from specserve.loader import load_model_source
+        from specserve.loader import dummy_weights, load_model_source
         from specserve.models.registry import build_model
 
         t0 = time.perf_counter()
@@ -77,16 +87,21 @@ class LLMEngine:
         src = load_model_source(config.model)
         self.model_config = src.config
         self.tokenizer = src.tokenizer
-        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.model_name = served_model_name(config.model)
         model = build_model(src.config, self.device, self.dtype)
-        if config.load_format == "auto":
+        if config.load_format == "dummy":
+            model.load_weights(dummy_weights(src.config, self.device))
+        else:
             model.load_weights(src.weights())
         model.eval()
         num_blocks = num_kv_blocks_for(config, src.config, self.dtype, self.device)
         self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_capacity = num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or src.config.max_position_embeddings, kv_capacity)
+        ctx = src.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > ctx:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {ctx}")
+        self.max_model_len = min(config.max_model_len or ctx, kv_capacity)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -192,7 +207,10 @@ class LLMEngine:
                              new_token_ids=new_ids, new_text=new_text)
 
     def get_stats(self) -> EngineStats:
+        """A snapshot (safe to keep while the engine runs on)."""
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_usage = self.blocks.usage
-        return self.stats
+        return dataclasses.replace(self.stats, k_histogram=dict(self.stats.k_histogram),
+                                   spec_accepted_per_position=list(self.stats.spec_accepted_per_position),
+                                   spec_drafted_per_position=list(self.stats.spec_drafted_per_position))

@@ -40,6 +40,7 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     # speculation: tokens drafted for the next verify (target ids)
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_tree: object | None = None  # spec.tree.DraftTree when the drafts form a tree
     # tokens already handed to the caller (for deltas)
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

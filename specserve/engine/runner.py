@@ -77,16 +77,21 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         spans: list[tuple[int, int]] = []
+        tree_masks: dict[int, torch.Tensor] = {}
         bs = self.block_size
-        for s in plan.scheduled:
+        for b, s in enumerate(plan.scheduled):
             r = s.req
             nc = r.num_computed_tokens
             toks = r.all_token_ids[nc : nc + s.num_new_tokens] + s.draft_token_ids
             n = len(toks)
             start = len(ids)
             ids.extend(toks)
-            p = range(nc, nc + n)
-            pos.extend(p)
+            p = range(nc, nc + n)  # KV slots in order; a tree's RoPE positions follow node depth
+            if s.tree is not None:
+                pos.extend(nc + d for d in s.tree.depths[:n])
+                tree_masks[b] = s.tree.mask()[:n, :n]
+            else:
+                pos.extend(p)
             bt = r.kv.block_table
             slots.extend(bt[i // bs] * bs + i % bs for i in p)
             q_lens.append(n)
@@ -103,6 +108,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=table_t.to(dev),
+            tree_masks=tree_masks or None,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

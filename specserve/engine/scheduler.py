@@ -112,6 +112,7 @@ class Scheduler:
         self._release(req)
         req.num_computed_tokens = 0
         req.draft_token_ids = []
+        req.draft_tree = None
         req.status = Status.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -140,8 +141,9 @@ class Scheduler:
             if req.status != Status.RUNNING:
                 break
             if len(drafts) < len(req.draft_token_ids):
-                req.draft_token_ids = drafts
-            scheduled.append(ScheduledRequest(req, n_new, list(drafts)))
+                req.draft_token_ids = drafts  # a tree's nodes are in depth order: any prefix is a tree
+            tree = req.draft_tree if drafts else None
+            scheduled.append(ScheduledRequest(req, n_new, list(drafts), tree))
             budget -= n_new + len(drafts)
             i += 1
 
@@ -195,6 +197,7 @@ class Scheduler:
                 m.spec_draft_tokens += len(s.draft_token_ids)
                 m.spec_accepted_tokens += n_acc
             req.draft_token_ids = []
+            req.draft_tree = None
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now

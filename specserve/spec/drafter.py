@@ -209,7 +209,7 @@ class EagleSpeculator:
             t0 = time.perf_counter()
             self._draft(todo)
             self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
-        self.engine.stats.k_histogram = self.controller.k_histogram
+        self.engine.stats.k_histogram = dict(self.controller.k_histogram)
 
     def _prefill_tokens_waiting(self) -> int:
         sched = self.engine.scheduler
