@@ -33,6 +33,8 @@ from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
+from specserve.spec.tree import Candidate, select_tree, verify_tree_greedy, verify_tree_sampled
+from specserve.spec.tree_attention import TreeDraftBackend
 from specserve.spec.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -89,10 +91,13 @@ class EagleSpeculator:
                                    engine.config.block_size, hc.num_key_value_heads, hc.head_dim,
                                    engine.dtype, self.device)
         self.attn = TorchNativeBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
+        self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
+        self.topk = cfg.eagle_topk
         engine.blocks.require_draft_kv = True
         self.states: dict[str, DraftState] = {}
         self.controller = SpecController(cfg)
-        self.max_k = cfg.num_steps
+        # most tokens one request verifies: the chain's steps or the tree's nodes
+        self.max_k = cfg.resolved_num_draft_tokens - 1
         log.info("speculation: %s head from %s (draft vocab %d), policy %s, up to %d tokens",
                  hc.algorithm, path, hc.draft_vocab_size, cfg.policy, self.max_k)
 
@@ -123,6 +128,7 @@ class EagleSpeculator:
 
         token_ids: list[list[int]] = []
         accepted: list[int] = []
+        kept_rows: list[list[int]] = []  # per sampling request: query rows whose KV/features are kept
         want_lps = any(s.req.params.logprobs is not None for s in sampling)
         lps: list | None = [] if want_lps else None
         off = 0
@@ -131,55 +137,92 @@ class EagleSpeculator:
             span = slice(off, off + k + 1)
             off += k + 1
             p = s.req.params
-            if p.greedy:
-                res = verify_greedy(greedy_argmax[span], s.draft_token_ids)
+            if s.tree is not None:
+                tree = s.tree.truncated(k)
+                if p.greedy:
+                    res = verify_tree_greedy(tree, greedy_argmax[span])
+                else:
+                    probs = sampler.processed_probs(logits[span], sb_all.select([i] * (k + 1)))
+                    res = verify_tree_sampled(tree, probs, s.req.generator or self.runner.generator)
+                self._compact(s, res.path)
+                path = res.path
             else:
-                st = self._state(s.req)
-                sb = sb_all.select([i] * (k + 1))
-                res = verify_sampled(logits[span], s.draft_token_ids, st.draft_probs, sb, self.runner.generator)
+                if p.greedy:
+                    res = verify_greedy(greedy_argmax[span], s.draft_token_ids)
+                else:
+                    sb = sb_all.select([i] * (k + 1))
+                    res = verify_sampled(logits[span], s.draft_token_ids, self._state(s.req).draft_probs, sb,
+                                         self.runner.generator)
+                path = list(range(1, res.num_accepted + 1))
             token_ids.append(res.tokens)
             accepted.append(res.num_accepted)
+            kept_rows.append([0] + path)
             if lps is not None:
-                if p.logprobs is None:
-                    lps.append(None)
-                else:
-                    n = len(res.tokens)
-                    lps.append(sampler.top_logprobs(logits[span][:n], torch.tensor(res.tokens, device=self.device),
-                                                    p.logprobs))
+                lps.append(None if p.logprobs is None else sampler.top_logprobs(
+                    logits[span][[0] + path], torch.tensor(res.tokens, device=self.device), p.logprobs))
         # keep target features of the tokens that will be committed
         j = 0
         start = 0
         for s in plan.scheduled:
             st = self._state(s.req)
-            keep = s.num_new_tokens
             if s.samples:
-                keep += accepted[j]
+                n0 = s.num_new_tokens - 1  # prefill rows before the last known token
+                rows_kept = list(range(start, start + n0)) + [start + n0 + r for r in kept_rows[j]]
+                st.pending.append(feats[torch.tensor(rows_kept, device=self.device)])
                 j += 1
-            st.pending.append(feats[start : start + keep])
+            else:
+                st.pending.append(feats[start : start + s.num_new_tokens])
             start += s.num_query_tokens
         self._record(plan, sampling, accepted, time.perf_counter() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
+
+    def _compact(self, s, path: list[int]) -> None:
+        """Move the target KV of accepted tree nodes to the slots right after the root."""
+        r = s.req
+        bs = self.engine.config.block_size
+        bt = r.kv.block_table
+        base = r.num_computed_tokens  # the root's position (commit has not run yet)
+        src, dst = [], []
+        for m, node in enumerate(path):
+            if node != m + 1:
+                a, b = base + node, base + m + 1
+                src.append(bt[a // bs] * bs + a % bs)
+                dst.append(bt[b // bs] * bs + b % bs)
+        if not src:
+            return
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        for k_cache, v_cache in self.runner.kv_caches:
+            kf = k_cache.view(-1, *k_cache.shape[2:])
+            vf = v_cache.view(-1, *v_cache.shape[2:])
+            kf[dst_t] = kf[src_t]
+            vf[dst_t] = vf[src_t]
+
+    def _depth(self, s) -> int:
+        """Draft positions a verify could accept: chain length, or a tree's depth."""
+        if s.tree is not None:
+            return max(s.tree.depths[: len(s.draft_token_ids) + 1])
+        return len(s.draft_token_ids)
 
     def _record(self, plan: StepPlan, sampling, accepted: list[int], seconds: float) -> None:
         stats = self.engine.stats
         verified = [(s, a) for s, a in zip(sampling, accepted) if s.draft_token_ids]
         if verified:
             stats.spec_steps += 1
-        K = self.max_k
+        K = self.cfg.num_steps
         if len(stats.spec_drafted_per_position) < K:
             stats.spec_drafted_per_position = [0] * K
             stats.spec_accepted_per_position = [0] * K
         for s, a in verified:
-            k = len(s.draft_token_ids)
             stats.spec_verify_steps += 1
-            stats.spec_draft_tokens += k
+            stats.spec_draft_tokens += len(s.draft_token_ids)
             stats.spec_accepted_tokens += a
-            for pos in range(k):
+            for pos in range(self._depth(s)):
                 stats.spec_drafted_per_position[pos] += 1
                 if pos < a:
                     stats.spec_accepted_per_position[pos] += 1
         for s, a in zip(sampling, accepted):
-            self.controller.observe(s.req.request_id, len(s.draft_token_ids), a)
+            self.controller.observe(s.req.request_id, self._depth(s), a)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds)
 
     # -- drafting -------------------------------------------------------------------------------
@@ -257,51 +300,108 @@ class EagleSpeculator:
 
     def _draft(self, todo: list[tuple[Request, int]]) -> None:
         reqs = [r for r, _ in todo]
-        # 1. catch up: pairs (embed(token i+1), feature i) for every position without draft KV
+        h = self._catch_up(reqs)
+        if self.topk > 1:
+            self._draft_tree(todo, h)
+        else:
+            self._draft_chain(todo, h)
+
+    def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
+        """Draft KV over every position that lacks it: pairs (embed(token i+1), feature i).
+
+        Returns the head's output at each request's last committed position (predicts the next token).
+        """
         q_lens, positions, next_tokens, feats = [], [], [], []
         for r in reqs:
             st = self.states[r.request_id]
-            n = r.num_computed_tokens - st.draft_pos
-            q_lens.append(n)
+            q_lens.append(r.num_computed_tokens - st.draft_pos)
             positions.extend(range(st.draft_pos, r.num_computed_tokens))
             next_tokens.extend(r.all_token_ids[st.draft_pos + 1 : r.num_computed_tokens + 1])
             feats.extend(st.pending)
-        feat = torch.cat(feats, 0)
         emb = self.target.embed_tokens(torch.tensor(next_tokens, dtype=torch.long, device=self.device))
         seq_lens = [r.num_computed_tokens for r in reqs]
-        h = self._run_head(reqs, q_lens, positions, seq_lens, emb, self.head.combine(feat))
-        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
-        h = h[last]
+        h = self._run_head(reqs, q_lens, positions, seq_lens, emb, self.head.combine(torch.cat(feats, 0)))
         bs = self.engine.config.block_size
         for r in reqs:
             st = self.states[r.request_id]
             st.draft_pos = r.num_computed_tokens
             st.pending = []
             self.engine.blocks.mark_draft_ready(r.kv.block_table[: st.draft_pos // bs])
+        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
+        return h[last]
+
+    def _draft_chain(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
+        reqs = [r for r, _ in todo]
         toks, qs = self._pick(reqs, self.head.compute_logits(h))
         drafts = [[t] for t in toks]
         dprobs = [[q] for q in qs]
-        # 2. draft steps 2..k: position of step j is num_tokens - 2 + j - 1
+        # draft step j (2..k) runs at position num_tokens + j - 3
         active = list(range(len(reqs)))
         for j in range(2, max(k for _, k in todo) + 1):
             active = [i for i in active if todo[i][1] >= j]
             if not active:
                 break
             sub = [reqs[i] for i in active]
+            idx = torch.tensor(active, device=self.device)
             pos = [r.num_tokens + j - 3 for r in sub]
             emb = self.target.embed_tokens(torch.tensor([drafts[i][-1] for i in active], device=self.device))
-            h_sub = self._run_head(sub, [1] * len(sub), pos, [p + 1 for p in pos], emb,
-                                   h[torch.tensor(active, device=self.device)])
-            h = h.clone()
-            h[torch.tensor(active, device=self.device)] = h_sub
+            h_sub = self._run_head(sub, [1] * len(sub), pos, [p + 1 for p in pos], emb, h[idx])
+            h = h.index_copy(0, idx, h_sub)
             toks, qs = self._pick(sub, self.head.compute_logits(h_sub))
             for i, t, q in zip(active, toks, qs):
                 drafts[i].append(t)
                 dprobs[i].append(q)
         for i, r in enumerate(reqs):
             r.draft_token_ids = drafts[i]
-            st = self.states[r.request_id]
-            st.draft_probs = None if r.params.greedy else torch.stack(dprobs[i])
+            r.draft_tree = None
+            self.states[r.request_id].draft_probs = None if r.params.greedy else torch.stack(dprobs[i])
+
+    def _draft_tree(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
+        """EAGLE-2: expand the topk best frontier nodes per step; keep the best k candidates."""
+        reqs = [r for r, _ in todo]
+        B, K, dev = len(reqs), self.topk, self.device
+        logp = torch.log_softmax(self.head.compute_logits(h), -1)
+        score, tok = logp.topk(K, dim=-1)  # [B, K]
+        tok = self.head.draft_to_target(tok)
+        cands: list[list[Candidate]] = [[] for _ in range(B)]
+        sc_l, tok_l = score.tolist(), tok.tolist()
+        for b in range(B):
+            cands[b] = [Candidate(tok_l[b][i], sc_l[b][i], -1, 1) for i in range(K)]
+        front_cand = [[i for i in range(K)] for _ in range(B)]
+        front_h = h[:, None, :].expand(B, K, h.shape[-1]).reshape(B * K, -1)
+        front_tok, front_score = tok, score
+        self.tree_attn.begin([r.kv.block_table for r in reqs], [r.num_computed_tokens for r in reqs], K)
+        anc = None
+        for depth in range(2, self.cfg.num_steps + 1):
+            pos = torch.tensor([r.num_tokens + depth - 3 for r in reqs], device=dev).repeat_interleave(K)
+            self.tree_attn.set_ancestors(anc)
+            with forward_context(self.tree_attn):
+                h_out = self.head(self.target.embed_tokens(front_tok.reshape(-1)), front_h, pos)
+            lp = torch.log_softmax(self.head.compute_logits(h_out), -1)
+            c_score, c_tok = lp.topk(K, dim=-1)  # [B*K, K]
+            c_score = (front_score.reshape(-1, 1) + c_score).reshape(B, K * K)
+            c_tok = self.head.draft_to_target(c_tok).reshape(B, K * K)
+            best_score, best = c_score.topk(K, dim=-1)  # next frontier [B, K]
+            cs_l, ct_l, best_l = c_score.tolist(), c_tok.tolist(), best.tolist()
+            new_front = []
+            for b in range(B):
+                first = len(cands[b])
+                for c in range(K * K):
+                    cands[b].append(Candidate(ct_l[b][c], cs_l[b][c], front_cand[b][c // K], depth))
+                new_front.append([first + c for c in best_l[b]])
+            front_cand = new_front
+            parent = best // K  # which current query each new frontier node hangs under [B, K]
+            onehot = torch.nn.functional.one_hot(parent, K).bool()
+            anc = onehot if anc is None else torch.cat([anc.gather(1, parent[:, :, None].expand(-1, -1, anc.shape[2])),
+                                                        onehot], 2)
+            front_h = h_out.view(B, K, -1).gather(1, parent[:, :, None].expand(-1, -1, h_out.shape[-1]))
+            front_h = front_h.reshape(B * K, -1)
+            front_tok = c_tok.gather(1, best)
+            front_score = best_score
+        for b, (r, k) in enumerate(todo):
+            tree = select_tree(r.all_token_ids[-1], cands[b], k)
+            r.draft_tree = tree
+            r.draft_token_ids = tree.tokens[1:]
 
 
 def build_speculator(engine: "LLMEngine") -> EagleSpeculator:

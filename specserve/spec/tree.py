@@ -37,6 +37,11 @@ class DraftTree:
     def num_nodes(self) -> int:
         return len(self.tokens) - 1
 
+    def truncated(self, num_nodes: int) -> "DraftTree":
+        """The first ``num_nodes`` nodes (depth order keeps every parent)."""
+        n = num_nodes + 1
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n])
+
     def children(self, i: int) -> list[int]:
         return [j for j in range(1, len(self.tokens)) if self.parents[j] == i]
 
