@@ -31,6 +31,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     a("--distill-backend", choices=["engine", "simple"], default=d.distill_backend)
     a("--distill-batch", type=int, default=d.distill_batch, help="concurrent sequences while generating")
     a("--distill-time-budget", type=float, default=None, dest="distill_time_budget_s")
+    a("--distill-keep-original", action=argparse.BooleanOptionalAction, default=d.distill_keep_original,
+      help="conversations the distillation budget did not reach keep their dataset replies")
+    a("--prepare-only", action="store_true", help="build and cache the training data, then stop")
     a("--epochs", type=int, default=d.epochs)
     a("--max-steps", type=int, default=None)
     a("--time-budget", type=float, default=None, dest="time_budget_s",
@@ -49,6 +52,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     a("--eval-conversations", type=int, default=d.eval_conversations,
       help="held-out prompts for the acceptance measurement (0: skip)")
     a("--eval-max-tokens", type=int, default=d.eval_max_tokens)
+    a("--eval-time-budget", type=float, default=None, dest="eval_time_budget_s",
+      help="seconds for generating the held-out replies (groups not started in time are skipped)")
     a("--save-dtype", choices=["float32", "bfloat16", "float16"], default=d.save_dtype)
     a("--init-from-target", action=argparse.BooleanOptionalAction, default=d.init_from_target,
       help="start lm_head/norm from the target's rows for the draft vocab")

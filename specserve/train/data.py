@@ -66,10 +66,14 @@ def _parse_conversation(obj: Any) -> Conversation:
     return msgs
 
 
-def save_conversations(path: str, convs: Iterable[tuple[int, Conversation]]) -> None:
+def save_conversations(path: str, convs: Iterable[tuple[int, Conversation]], distilled: set[int] | None = None) -> None:
+    """JSONL of {"index", "messages"[, "distilled"]}; ``load_conversations`` reads it back."""
     with open(path, "w") as f:
         for i, c in convs:
-            f.write(json.dumps({"index": i, "messages": c}, ensure_ascii=False) + "\n")
+            rec: dict[str, Any] = {"index": i, "messages": c}
+            if distilled is not None:
+                rec["distilled"] = i in distilled
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
 def heldout_split(num_conversations: int, num_heldout: int, seed: int) -> tuple[list[int], list[int]]:
@@ -174,6 +178,23 @@ def tokenize_all(tokenizer: Any, convs: Iterable[tuple[int, Conversation]], stop
         ex = tokenize_conversation(tokenizer, c, stop_ids, max_len, index=i)
         if ex is not None:
             out.append(ex)
+    return out
+
+
+def save_examples(path: str, examples: Sequence[Example]) -> None:
+    lens = torch.tensor([len(e.ids) for e in examples], dtype=torch.int64)
+    torch.save({"ids": torch.tensor([t for e in examples for t in e.ids], dtype=torch.int32),
+                "mask": torch.tensor([m for e in examples for m in e.mask], dtype=torch.bool),
+                "lens": lens, "index": torch.tensor([e.index for e in examples], dtype=torch.int64)}, path)
+
+
+def load_examples(path: str) -> list[Example]:
+    d = torch.load(path, weights_only=True)
+    ids, mask = d["ids"].tolist(), d["mask"].tolist()
+    out, off = [], 0
+    for n, i in zip(d["lens"].tolist(), d["index"].tolist()):
+        out.append(Example(ids=ids[off : off + n], mask=mask[off : off + n], index=i))
+        off += n
     return out
 
 

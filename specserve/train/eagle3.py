@@ -56,6 +56,8 @@ class TrainConfig:
     distill_backend: str = "engine"  # engine | simple
     distill_batch: int = 256
     distill_time_budget_s: float | None = None
+    distill_keep_original: bool = True  # conversations the budget did not reach keep their own replies
+    prepare_only: bool = False  # build (and cache) the training data, then stop
     epochs: int = 3
     max_steps: int | None = None
     time_budget_s: float | None = None  # training loop wall-clock; the LR schedule follows it
@@ -72,6 +74,7 @@ class TrainConfig:
     resume: bool = False
     eval_conversations: int = 64
     eval_max_tokens: int = 256
+    eval_time_budget_s: float | None = None  # cap on generating the held-out replies
     save_dtype: str = "bfloat16"
     init_from_target: bool = True
     log_every: int = 10
@@ -280,7 +283,8 @@ def acceptance_report(runs: list[tuple[list[int], list[int]]], steps: int, topk:
 
 
 def heldout_examples(target: Target, convs: Sequence[tuple[int, D.Conversation]], n: int, max_tokens: int,
-                     max_prompt_len: int, backend: str, batch: int) -> list[D.Example]:
+                     max_prompt_len: int, backend: str, batch: int, time_budget_s: float | None = None
+                     ) -> list[D.Example]:
     """Greedy target replies to the first user turn of held-out conversations, as examples."""
     prompts: list[tuple[int, D.Conversation]] = []
     for i, c in convs:
@@ -295,7 +299,8 @@ def heldout_examples(target: Target, convs: Sequence[tuple[int, D.Conversation]]
             break
     from specserve.train.generate import generate_replies
 
-    replies = generate_replies(target, [p for _, p in prompts], max_tokens, backend=backend, batch_size=batch)
+    replies = generate_replies(target, [p for _, p in prompts], max_tokens, backend=backend, batch_size=batch,
+                               time_budget_s=time_budget_s)
     out = []
     for (i, _), r in zip(prompts, replies):
         if r is None or len(r.token_ids) < 2:
@@ -347,19 +352,30 @@ def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], l
     held = [(i, convs[i]) for i in held_idx]
     facts: dict[str, Any] = {"source_conversations": len(convs), "heldout_conversations": len(held_idx)}
     cache = os.path.join(cfg.output_dir, "train_conversations.jsonl")
+    distilled: set[int] = set()
     if cfg.resume and os.path.isfile(cache):
         train = []
         with open(cache) as f:
             for line in f:
                 o = json.loads(line)
                 train.append((o["index"], o["messages"]))
+                if o.get("distilled"):
+                    distilled.add(o["index"])
     elif cfg.self_distill:
-        train = distill(cfg, target, [(i, convs[i]) for i in train_idx])
-        D.save_conversations(cache, train)
+        t0 = time.monotonic()
+        train = distill(cfg, target, [(i, convs[i]) for i in train_idx], distilled)
+        facts["distill_s"] = round(time.monotonic() - t0, 1)
+        D.save_conversations(cache, train, distilled)
     else:
         train = [(i, convs[i]) for i in train_idx]
+    facts["distilled_conversations"] = len(distilled)
     t0 = time.monotonic()
-    examples = D.tokenize_all(target.tokenizer, train, target.stop_ids, cfg.max_len)
+    ex_cache = os.path.join(cfg.output_dir, f"examples_len{cfg.max_len}.pt")
+    if cfg.resume and os.path.isfile(ex_cache):
+        examples = D.load_examples(ex_cache)
+    else:
+        examples = D.tokenize_all(target.tokenizer, train, target.stop_ids, cfg.max_len)
+        D.save_examples(ex_cache, examples)
     facts.update(train_conversations=len(train), train_examples=len(examples),
                  train_tokens=sum(len(e.ids) for e in examples),
                  train_loss_tokens=sum(e.num_loss_tokens for e in examples),
@@ -367,9 +383,13 @@ def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], l
     return examples, held, facts
 
 
-def distill(cfg: TrainConfig, target: Target, convs: list[tuple[int, D.Conversation]]
-            ) -> list[tuple[int, D.Conversation]]:
-    """Replace assistant turns with the target's own greedy replies, one turn depth at a time."""
+def distill(cfg: TrainConfig, target: Target, convs: list[tuple[int, D.Conversation]],
+            distilled: set[int] | None = None) -> list[tuple[int, D.Conversation]]:
+    """Replace assistant turns with the target's own greedy replies, one turn depth at a time.
+
+    Indices of conversations that got the target's replies are added to ``distilled``.
+    """
+    distilled = set() if distilled is None else distilled
     from specserve.train.generate import generate_replies
 
     work: list[tuple[int, D.Conversation, D.Conversation]] = []  # (index, source, rebuilt so far)
@@ -401,7 +421,14 @@ def distill(cfg: TrainConfig, target: Target, convs: list[tuple[int, D.Conversat
                 continue
             i, src, _ = work[w]
             work[w] = (i, src, prompt + [{"role": "assistant", "content": r.text}])
-    return [(i, built) for i, _, built in work if built and built[-1]["role"] == "assistant"]
+    out = []
+    for i, src, built in work:
+        if built and built[-1]["role"] == "assistant":
+            out.append((i, built))
+            distilled.add(i)
+        elif cfg.distill_keep_original and any(m["role"] == "assistant" for m in src):
+            out.append((i, src))
+    return out
 
 
 def _save_checkpoint(path: str, head: Eagle3DraftModel, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -425,6 +452,8 @@ def train(cfg: TrainConfig, target: Target, argv: Sequence[str] | None = None) -
     if not examples:
         raise ValueError("no training example has an assistant token within max_len")
     log.info("data: %s", facts)
+    if cfg.prepare_only:
+        return facts
 
     counts = count_tokens(((e.ids[1:], e.mask[1:]) for e in examples), target.config.vocab_size)
     dvs = min(cfg.draft_vocab_size, target.config.vocab_size)
@@ -517,12 +546,15 @@ def train(cfg: TrainConfig, target: Target, argv: Sequence[str] | None = None) -
     summary: dict[str, Any] = {
         **facts, "steps": step, "epochs_completed": epoch, "train_loop_s": round(train_s, 1),
         "final_loss": last.loss if last else None, "final_acc_ema": [round(a, 4) for a in (ema or [])],
-        "device": _device_name(dev), "target": target.path or "default", "draft_vocab_size": dvs,
+        "device": _device_name(dev), "target": target.name, "draft_vocab_size": dvs,
     }
     if cfg.eval_conversations > 0:
+        if dev.type == "cuda":
+            del opt
+            torch.cuda.empty_cache()  # the engine sizes its KV cache from what is free
         t0 = time.monotonic()
         evex = heldout_examples(target, held, cfg.eval_conversations, cfg.eval_max_tokens, cfg.max_prompt_len,
-                                cfg.distill_backend, cfg.distill_batch)
+                                cfg.distill_backend, cfg.distill_batch, time_budget_s=cfg.eval_time_budget_s)
         # evaluate the head as saved (e.g. bf16 weights), not the fp32 master copy
         saved = Eagle3DraftModel.from_pretrained(cfg.output_dir, device=dev, dtype=torch.float32)
         runs = accept_runs(saved, target, evex, steps=cfg.ttt_steps, topk=4, batch_tokens=cfg.batch_tokens)
@@ -556,8 +588,9 @@ def write_model_card(cfg: TrainConfig, s: dict[str, Any], argv: Sequence[str] | 
         "",
         f"- Data: {cfg.data} — {s['train_conversations']} conversations, {s['train_examples']} examples, "
         f"{s['train_tokens']} tokens, {s['train_loss_tokens']} assistant (loss) tokens; "
-        + ("assistant turns regenerated greedily by the target (self-distillation, "
-           f"{cfg.distill_turns} turn(s), up to {cfg.distill_max_tokens} tokens)." if cfg.self_distill
+        + (f"assistant turns of {s.get('distilled_conversations')} conversations regenerated greedily by the "
+           f"target (self-distillation, {cfg.distill_turns} turn(s), up to {cfg.distill_max_tokens} tokens"
+           f"{', the rest keep the dataset replies' if cfg.distill_keep_original else ''})." if cfg.self_distill
            else "the dataset's own assistant turns."),
         f"- Held-out split: the first {cfg.heldout} indices of `random.Random({cfg.seed}).shuffle(range(n))` "
         f"over the {s['source_conversations']} conversations (`heldout.json`); none was trained on.",

@@ -45,17 +45,34 @@ def generate_replies(target: Target, convs: Sequence[Conversation], max_tokens: 
     t0 = time.monotonic()
     # longest first inside each group keeps padding and scheduling steady
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    group = batch_size * 4 if backend == "engine" else batch_size
-    llm = _make_llm(target, batch_size, max_num_batched_tokens) if backend == "engine" else None
-    for g0 in range(0, len(order), group):
+    group = batch_size * 2 if backend == "engine" else batch_size
+    llm = None
+    if backend == "engine" and prompts:
+        try:
+            # KV for a full batch of the longest prompts and replies, not a share of free memory:
+            # the trainer holds GPU memory of its own
+            blocks = batch_size * (-(-(max(map(len, prompts)) + max_tokens) // 16) + 1)
+            llm = _make_llm(target, batch_size, max_num_batched_tokens, blocks)
+        except Exception as e:  # keep a long run alive: the simple loop gives the same greedy tokens
+            log.warning("engine unusable here (%s: %s); generating with the simple loop", type(e).__name__, e)
+            group = batch_size
+    g0 = 0
+    while g0 < len(order):
         if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
             log.info("generation budget spent after %d of %d replies", g0, len(order))
             break
         idx = order[g0 : g0 + group]
+        gens = None
         if llm is not None:
-            gens = _engine_generate(llm, [prompts[i] for i in idx], max_tokens)
-        else:
+            try:
+                gens = _engine_generate(llm, [prompts[i] for i in idx], max_tokens)
+            except Exception as e:
+                log.warning("engine generation failed (%s: %s); switching to the simple loop", type(e).__name__, e)
+                llm, group = None, batch_size
+                idx = idx[:group]
+        if gens is None:
             gens = simple_greedy(target, [prompts[i] for i in idx], max_tokens)
+        g0 += len(idx)
         for i, ids in zip(idx, gens):
             out[i] = Reply(prompt_ids=prompts[i], token_ids=ids,
                            text=target.tokenizer.decode(_strip_stop(ids, target.stop_ids)))
@@ -66,12 +83,13 @@ def _strip_stop(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in set(stop_ids) else ids
 
 
-def _make_llm(target: Target, max_num_seqs: int, max_num_batched_tokens: int):
+def _make_llm(target: Target, max_num_seqs: int, max_num_batched_tokens: int, num_kv_blocks: int):
     from specserve import LLM
 
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target.dtype]
     return LLM(model=target.path, device=str(target.device), dtype=dtype, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
+               num_kv_blocks=num_kv_blocks, block_size=16)
 
 
 def _engine_generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ class Target:
     device: torch.device
     dtype: torch.dtype
     path: str | None = None  # where it was loaded from (None: the default model)
+    name: str = "target"  # for logs and the model card
 
     @property
     def stop_ids(self) -> list[int]:
@@ -53,7 +55,7 @@ def load_target(path: str | None, device: torch.device, dtype: torch.dtype | Non
     model.load_weights(src.weights())
     model.eval()
     return Target(model=model, config=src.config, tokenizer=src.tokenizer, device=device, dtype=dtype,
-                  path=path)
+                  path=path, name=os.path.basename(src.path))
 
 
 @torch.no_grad()
