@@ -14,11 +14,11 @@ set -euo pipefail
 : "${GGUF:?path to the target GGUF}" "${DATA:?ShareGPT first-exchange JSONL}"
 WORK=${WORK:-/tmp/train_head}
 LRS=${LRS:-"3e-4 1e-3"}
-TRAIN_S=${TRAIN_S:-220}
+TRAIN_S=${TRAIN_S:-210}
 COMMON=(--model "$GGUF" --data "$DATA" --draft-vocab-size 8192 --heldout 1000 --seed 0
         --max-len 1536 --max-prompt-len 1024 --self-distill --distill-max-tokens 512 --distill-batch 512
-        --distill-time-budget "${DISTILL_S:-170}" --batch-tokens 16384 --ttt-steps 7
-        --eval-conversations 200 --eval-max-tokens 256 --eval-time-budget 60 --no-progress ${EXTRA:-})
+        --distill-time-budget "${DISTILL_S:-150}" --batch-tokens 16384 --ttt-steps 7
+        --eval-conversations 200 --eval-max-tokens 256 --eval-time-budget 45 --no-progress ${EXTRA:-})
 mkdir -p "$WORK"
 python3 -m specserve.cli train-draft "${COMMON[@]}" --output-dir "$WORK/prep" --prepare-only 2>&1 | tee "$WORK/prep.log"
 i=0

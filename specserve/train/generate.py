@@ -34,48 +34,40 @@ def generate_replies(target: Target, convs: Sequence[Conversation], max_tokens: 
                      time_budget_s: float | None = None) -> list[Reply | None]:
     """Greedy reply to each conversation (its last message must be a user message).
 
-    With ``time_budget_s`` the work is done in groups and stops starting new groups once the
-    budget is spent; conversations not reached get None.
+    With ``time_budget_s`` generation stops at the deadline (the engine aborts what is in flight;
+    the simple loop finishes its batch); conversations not reached get None.
     """
     for c in convs:
         if not c or c[-1]["role"] != "user":
             raise ValueError("each conversation to reply to must end with a user message")
     prompts = [render_ids(target.tokenizer, c, add_generation_prompt=True) for c in convs]
     out: list[Reply | None] = [None] * len(convs)
-    t0 = time.monotonic()
-    # longest first inside each group keeps padding and scheduling steady
+    deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+    # longest first keeps padding (simple loop) and late stragglers (engine) down
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    group = batch_size * 2 if backend == "engine" else batch_size
-    llm = None
+    gens: dict[int, list[int]] = {}
     if backend == "engine" and prompts:
         try:
             # KV for a full batch of the longest prompts and replies, not a share of free memory:
             # the trainer holds GPU memory of its own
             blocks = batch_size * (-(-(max(map(len, prompts)) + max_tokens) // 16) + 1)
             llm = _make_llm(target, batch_size, max_num_batched_tokens, blocks)
+            order = _engine_generate(llm, prompts, order, max_tokens, batch_size, deadline, gens)
         except Exception as e:  # keep a long run alive: the simple loop gives the same greedy tokens
-            log.warning("engine unusable here (%s: %s); generating with the simple loop", type(e).__name__, e)
-            group = batch_size
-    g0 = 0
-    while g0 < len(order):
-        if time_budget_s is not None and time.monotonic() - t0 > time_budget_s:
-            log.info("generation budget spent after %d of %d replies", g0, len(order))
+            log.warning("engine generation failed (%s: %s); using the simple loop", type(e).__name__, e)
+            order = [i for i in order if i not in gens]
+    elif backend == "engine":
+        order = []
+    for g0 in range(0, len(order), batch_size):
+        if deadline is not None and time.monotonic() > deadline:
+            log.info("generation budget spent with %d of %d replies done", len(gens), len(prompts))
             break
-        idx = order[g0 : g0 + group]
-        gens = None
-        if llm is not None:
-            try:
-                gens = _engine_generate(llm, [prompts[i] for i in idx], max_tokens)
-            except Exception as e:
-                log.warning("engine generation failed (%s: %s); switching to the simple loop", type(e).__name__, e)
-                llm, group = None, batch_size
-                idx = idx[:group]
-        if gens is None:
-            gens = simple_greedy(target, [prompts[i] for i in idx], max_tokens)
-        g0 += len(idx)
-        for i, ids in zip(idx, gens):
-            out[i] = Reply(prompt_ids=prompts[i], token_ids=ids,
-                           text=target.tokenizer.decode(_strip_stop(ids, target.stop_ids)))
+        idx = order[g0 : g0 + batch_size]
+        for i, ids in zip(idx, simple_greedy(target, [prompts[i] for i in idx], max_tokens)):
+            gens[i] = ids
+    for i, ids in gens.items():
+        out[i] = Reply(prompt_ids=prompts[i], token_ids=ids,
+                       text=target.tokenizer.decode(_strip_stop(ids, target.stop_ids)))
     return out
 
 
@@ -92,18 +84,49 @@ def _make_llm(target: Target, max_num_seqs: int, max_num_batched_tokens: int, nu
                num_kv_blocks=num_kv_blocks, block_size=16)
 
 
-def _engine_generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _engine_generate(llm, prompts: list[list[int]], order: list[int], max_tokens: int, concurrency: int,
+                     deadline: float | None, gens: dict[int, list[int]]) -> list[int]:
+    """Feed prompts to the engine (continuous batching) until done or the deadline; fills ``gens``.
+
+    Returns the prompts not attempted (empty unless the engine rejected some).
+    """
+    from tqdm.auto import tqdm
+
     from specserve import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
-    res = []
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     stops = set(llm.tokenizer.eos_token_ids)
-    for o in outs:
-        ids = list(o.outputs[0].token_ids)
-        if o.outputs[0].finish_reason == "stop" and (not ids or ids[-1] not in stops) and stops:
-            ids.append(min(stops))  # the engine may drop the stop token from the output ids
-        res.append(ids)
-    return res
+    queue = list(order)
+    inflight: dict[str, int] = {}
+    rejected: list[int] = []
+    bar = tqdm(total=len(order), desc="generate", mininterval=10)
+    while queue or inflight:
+        while queue and len(inflight) < 2 * concurrency:
+            i = queue.pop(0)
+            rid = f"distill-{i}"
+            try:
+                engine.add_request(rid, prompts[i], params)
+            except ValueError:  # e.g. longer than the engine's context
+                rejected.append(i)
+                continue
+            inflight[rid] = i
+        if deadline is not None and time.monotonic() > deadline:
+            for rid in inflight:
+                engine.abort_request(rid)
+            log.info("generation budget spent with %d of %d replies done", len(gens), len(order))
+            queue = []
+            break
+        for o in engine.step():
+            if o.finished and o.request_id in inflight:
+                i = inflight.pop(o.request_id)
+                ids = list(o.outputs[0].token_ids)
+                if o.outputs[0].finish_reason == "stop" and stops and (not ids or ids[-1] not in stops):
+                    ids.append(min(stops))  # keep the end-of-turn token as a training target
+                gens[i] = ids
+                bar.update(1)
+    bar.close()
+    return rejected
 
 
 # ---- the simple path: static batch, dense KV cache --------------------------------------------
