@@ -17,6 +17,7 @@ Message = dict[str, str]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        engine_args.setdefault("max_waiting_requests", 2**31 - 1)  # offline: every prompt queues at once
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 

@@ -19,7 +19,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared and looked up by object
 class Request:
     request_id: str
     prompt: str | None

@@ -33,9 +33,10 @@ from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
-from specserve.spec.tree import Candidate, select_tree, verify_tree_greedy, verify_tree_sampled
+from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, verify_tree_greedy,
+                                 verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
-from specserve.spec.verify import verify_greedy, verify_sampled
+from specserve.spec.verify import verify_chains_sampled, verify_greedy
 
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
@@ -126,40 +127,19 @@ class EagleSpeculator:
                                              [s.req.generator for s in sampling], self.device)
         greedy_argmax = logits.argmax(-1).tolist() if logits is not None else []  # the one host sync
 
-        token_ids: list[list[int]] = []
-        accepted: list[int] = []
-        kept_rows: list[list[int]] = []  # per sampling request: query rows whose KV/features are kept
-        want_lps = any(s.req.params.logprobs is not None for s in sampling)
-        lps: list | None = [] if want_lps else None
-        off = 0
-        for i, s in enumerate(sampling):
-            k = len(s.draft_token_ids)
-            span = slice(off, off + k + 1)
-            off += k + 1
-            p = s.req.params
-            if s.tree is not None:
-                tree = s.tree.truncated(k)
-                if p.greedy:
-                    res = verify_tree_greedy(tree, greedy_argmax[span])
-                else:
-                    probs = sampler.processed_probs(logits[span], sb_all.select([i] * (k + 1)))
-                    res = verify_tree_sampled(tree, probs, s.req.generator or self.runner.generator)
-                self._compact(s, res.path)
-                path = res.path
-            else:
-                if p.greedy:
-                    res = verify_greedy(greedy_argmax[span], s.draft_token_ids)
-                else:
-                    sb = sb_all.select([i] * (k + 1))
-                    res = verify_sampled(logits[span], s.draft_token_ids, self._state(s.req).draft_probs, sb,
-                                         self.runner.generator)
-                path = list(range(1, res.num_accepted + 1))
-            token_ids.append(res.tokens)
-            accepted.append(res.num_accepted)
-            kept_rows.append([0] + path)
-            if lps is not None:
-                lps.append(None if p.logprobs is None else sampler.top_logprobs(
-                    logits[span][[0] + path], torch.tensor(res.tokens, device=self.device), p.logprobs))
+        results = self._verify_all(sampling, logits, greedy_argmax, sb_all)
+        token_ids = [r.tokens for r in results]
+        accepted = [r.num_accepted for r in results]
+        kept_rows = [[0] + r.path for r in results]  # query rows whose KV/features are kept
+        lps: list | None = None
+        if any(s.req.params.logprobs is not None for s in sampling):
+            lps, off = [], 0
+            for s, res, kept in zip(sampling, results, kept_rows):
+                n = len(s.draft_token_ids) + 1
+                lp = s.req.params.logprobs
+                lps.append(None if lp is None else sampler.top_logprobs(
+                    logits[off : off + n][kept], torch.tensor(res.tokens, device=self.device), lp))
+                off += n
         # keep target features of the tokens that will be committed
         j = 0
         start = 0
@@ -175,6 +155,53 @@ class EagleSpeculator:
             start += s.num_query_tokens
         self._record(plan, sampling, accepted, time.perf_counter() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
+
+    def _verify_all(self, sampling, logits, greedy_argmax: list[int], sb_all) -> list[TreeVerifyResult]:
+        """Per sampling request: accepted node path, tokens to commit. Sampled chains go in one batch."""
+        results: list[TreeVerifyResult | None] = [None] * len(sampling)
+        chains: list[int] = []
+        offs, off = [], 0
+        for i, s in enumerate(sampling):
+            offs.append(off)
+            k = len(s.draft_token_ids)
+            span = slice(off, off + k + 1)
+            off += k + 1
+            if s.tree is not None:
+                tree = s.tree.truncated(k)
+                if s.req.params.greedy:
+                    res = verify_tree_greedy(tree, greedy_argmax[span])
+                else:
+                    probs = sampler.processed_probs(logits[span], sb_all.select([i] * (k + 1)))
+                    res = verify_tree_sampled(tree, probs, s.req.generator or self.runner.generator)
+                self._compact(s, res.path)
+                results[i] = res
+            elif s.req.params.greedy:
+                r = verify_greedy(greedy_argmax[span], s.draft_token_ids)
+                results[i] = TreeVerifyResult(list(range(1, r.num_accepted + 1)), r.tokens, r.num_accepted)
+            else:
+                chains.append(i)
+        if chains:
+            K = max(len(sampling[i].draft_token_ids) for i in chains)
+            V = logits.shape[-1]
+            row_idx = torch.tensor([offs[i] + min(j, len(sampling[i].draft_token_ids)) for i in chains
+                                    for j in range(K + 1)], device=self.device)
+            sb = sb_all.select([i for i in chains for _ in range(K + 1)])
+            p = sampler.processed_probs(logits[row_idx], sb).view(len(chains), K + 1, V)
+            drafts = torch.zeros(len(chains), K, dtype=torch.long)
+            q = torch.zeros(len(chains), K, V, device=self.device)
+            for c, i in enumerate(chains):
+                d = sampling[i].draft_token_ids
+                if d:
+                    drafts[c, : len(d)] = torch.tensor(d)
+                    q[c, : len(d)] = self.states[sampling[i].req.request_id].draft_probs[: len(d)]
+            n_d = torch.tensor([len(sampling[i].draft_token_ids) for i in chains], device=self.device)
+            acc, bonus = verify_chains_sampled(p, drafts.to(self.device), n_d, q,
+                                               [sampling[i].req.generator for i in chains], self.runner.generator)
+            for c, (a, b) in enumerate(zip(acc.tolist(), bonus.tolist())):
+                i = chains[c]
+                d = sampling[i].draft_token_ids
+                results[i] = TreeVerifyResult(list(range(1, a + 1)), d[:a] + [b], a)
+        return results  # type: ignore[return-value]
 
     def _compact(self, s, path: list[int]) -> None:
         """Move the target KV of accepted tree nodes to the slots right after the root."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.sampler import SamplingBatch, exponential_noise, processed_probs
+from specserve.engine.sampler import exponential_noise
 
 
 @dataclass
@@ -32,29 +32,41 @@ def verify_greedy(target_argmax: list[int], drafts: list[int]) -> ChainVerifyRes
     return ChainVerifyResult(drafts[:a] + [target_argmax[a]], a)
 
 
-def verify_sampled(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-                   sb: SamplingBatch, shared: torch.Generator | None) -> ChainVerifyResult:
-    """target_logits [k+1, V]; draft_probs [k, V] (q_j over the target vocab); sb has k+1 rows of one request."""
-    k = len(drafts)
-    p = processed_probs(target_logits, sb)  # [k+1, V]
-    gen = sb.generators[0] or shared
-    a = k
-    if k:
-        d = torch.tensor(drafts, device=p.device)
-        rows = torch.arange(k, device=p.device)
-        p_d = p[rows, d]
-        q_d = draft_probs[rows, d]
-        u = torch.rand(k, generator=gen, device=p.device)
-        reject = (u * q_d > p_d).nonzero()
-        if len(reject):
-            a = int(reject[0, 0])
-    if a < k:
-        residual = (p[a] - draft_probs[a]).clamp_min(0)
-        if float(residual.sum()) <= 0:  # p == q: any draw from p is exact
-            residual = p[a]
-        dist = residual[None]
+def uniform_noise(shape: tuple[int, ...], generators: list[torch.Generator | None],
+                  shared: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """U(0,1) draws, row i from generators[i] when it has one (seeded requests), else from ``shared``."""
+    u = torch.rand(shape, generator=shared, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(shape[1:], generator=g, device=device)
+    return u
+
+
+def verify_chains_sampled(p: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, q: torch.Tensor,
+                          generators: list[torch.Generator | None], shared: torch.Generator | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling for R chains at once (padded to K drafts).
+
+    p [R, K+1, V] target distributions; drafts [R, K]; num_drafts [R]; q [R, K, V] draft distributions.
+    Returns (accepted count [R], the target's token after the accepted drafts [R]).
+    """
+    R, K1, V = p.shape
+    K = K1 - 1
+    rows = torch.arange(R, device=p.device)
+    if K:
+        p_d = p[:, :K].gather(-1, drafts[..., None])[..., 0]
+        q_d = q.gather(-1, drafts[..., None])[..., 0]
+        u = uniform_noise((R, K), generators, shared, p.device)
+        ok = (u * q_d <= p_d) & (torch.arange(K, device=p.device)[None] < num_drafts[:, None])
+        acc = ok.long().cumprod(1).sum(1)
+        rejected = acc < num_drafts
+        q_at = q[rows, acc.clamp(max=K - 1)] * rejected[:, None]
     else:
-        dist = p[k : k + 1]
-    q = exponential_noise((1, dist.shape[-1]), [gen], shared, p.device)
-    tok = int((dist / q).argmax(-1))
-    return ChainVerifyResult(drafts[:a] + [tok], a)
+        acc = torch.zeros(R, dtype=torch.long, device=p.device)
+        q_at = torch.zeros(R, V, device=p.device)
+    p_at = p[rows, acc]
+    residual = (p_at - q_at).clamp_min(0)
+    empty = residual.sum(-1, keepdim=True) <= 0  # p == q there: drawing from p is exact
+    residual = torch.where(empty, p_at, residual)
+    noise = exponential_noise((R, V), generators, shared, p.device)
+    return acc, (residual / noise).argmax(-1)

@@ -1,0 +1,51 @@
+"""A tiny random Llama with a word-level tokenizer, written as an HF model directory, plus a
+random EAGLE-3 head for it. Used where the real model would make a test too slow."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+
+def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, logit_scale: float = 1.0) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
+    cfg.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # peaky next-token distributions so that drafts get rejected sometimes
+        model.lm_head.weight.mul_(logit_scale)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "t0", "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}, f)
+    return path
+
+
+def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5) -> str:
+    from specserve.loader import load_model_source
+    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    mc = load_model_source(model_dir).config
+    torch.manual_seed(seed)
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=mc.vocab_size))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, std)
+    head.save_pretrained(path)
+    return path
