@@ -136,6 +136,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 4096
     speculative: SpeculativeConfig | None = None
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # True: no CUDA graphs
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

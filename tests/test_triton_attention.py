@@ -178,3 +178,21 @@ def test_bad_inputs_raise():
         tri.plan(AttentionMetadata([1], [9], torch.zeros(1, dtype=torch.long, device=DEVICE), bt))
     with pytest.raises(ValueError, match="multiple"):
         TritonBackend(caches, 4, 0.25, num_heads=3, max_num_tokens=4, max_num_seqs=2, max_blocks_per_seq=2)
+
+
+def _random_tree_mask(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def test_64_token_tree():
+    """The largest tree the int64 bitmask holds (bit 63 is the sign bit)."""
+    ref, out, _ = _case([64, 2], [7, 5], trees={0: _random_tree_mask(64, 3)}, num_blocks=48)
+    _assert_close(ref, out, torch.float32)

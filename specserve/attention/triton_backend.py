@@ -105,6 +105,13 @@ def _paged_attention_kernel(
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _pack_rows(mask: np.ndarray) -> np.ndarray:
+    """bool [q, q] (q <= 64) -> int64 [q]: bit j of row i set iff mask[i, j]."""
+    q = mask.shape[1]
+    weights = np.left_shift(np.ones(q, dtype=np.uint64), np.arange(q, dtype=np.uint64))
+    return (mask.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64).view(np.int64)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -119,7 +126,8 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float, *,
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 scratch_slot: int | None = None, block_n: int = 64) -> None:
+                 scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
+                 num_stages: int | None = None) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -137,6 +145,8 @@ class TritonBackend(AttentionBackend):
         self.max_blocks_per_seq = max_blocks_per_seq
         self.scratch_slot = num_blocks * block_size - 1 if scratch_slot is None else scratch_slot
         self.block_n = block_n
+        self.num_warps = num_warps
+        self.num_stages = num_stages  # None: Triton's default
         self.device = k0.device
         dev = self.device
 
@@ -152,7 +162,6 @@ class TritonBackend(AttentionBackend):
         self._num_tiles = 0
         self._num_tokens = 0
         self._block_m = GRAPH_BLOCK_M
-        self._had_trees = False
 
     # -- per step ----------------------------------------------------------------------------
     def block_m_for(self, num_tokens: int) -> int:
@@ -218,16 +227,18 @@ class TritonBackend(AttentionBackend):
         h[5 * n : 5 * n + T] = tree_start
         self._meta.copy_(host, non_blocking=True)
 
-        if trees or self._had_trees:
-            self._tree_bits.zero_()
+        # tree bits: only tokens of tree requests read theirs, so stale entries elsewhere are harmless
         for b, tm in trees.items():
-            ql = int(q_lens[b])
-            weights = torch.ones(ql, dtype=torch.int64, device=tm.device).bitwise_left_shift_(
-                torch.arange(ql, dtype=torch.int64, device=tm.device))
-            bits = (tm.to(torch.int64) * weights).sum(-1)
-            s = int(starts[b])
+            ql, s = int(q_lens[b]), int(starts[b])
+            if tm.device.type == "cpu":
+                bits = torch.from_numpy(_pack_rows(tm.numpy().astype(bool)))
+                if self._pin:
+                    bits = bits.pin_memory()
+            else:
+                weights = torch.ones(ql, dtype=torch.int64, device=tm.device).bitwise_left_shift_(
+                    torch.arange(ql, dtype=torch.int64, device=tm.device))
+                bits = (tm.to(torch.int64) * weights).sum(-1)
             self._tree_bits[s : s + ql].copy_(bits, non_blocking=True)
-        self._had_trees = bool(trees)
 
         self._block_table[:B, : bt.shape[1]].copy_(bt, non_blocking=True)
         self._slots[:T].copy_(meta.slot_mapping, non_blocking=True)
@@ -262,6 +273,7 @@ class TritonBackend(AttentionBackend):
             G=self.group, BLOCK_M=self._block_m, BLOCK_N=self.block_n,
             HEAD_DIM=self.head_dim, BLOCK_D=max(16, _next_pow2(self.head_dim)), PAGE=self.block_size,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
         )
         return out
 

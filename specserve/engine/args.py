@@ -24,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--max-waiting-requests", type=int, default=4096)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton paged attention on CUDA, torch-native on CPU")
+    g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     s = parser.add_argument_group("speculative decoding (named like SGLang's flags)")
     s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NONE"],
                    help="EAGLE3 (default head ships with the default model) or EAGLE; NONE disables")
@@ -38,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_FIELDS = (
     "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
-    "enable_chunked_prefill", "max_waiting_requests",
+    "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
 )
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",

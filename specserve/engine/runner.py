@@ -2,20 +2,29 @@
 
 It owns the target model, its paged KV cache and the attention backend. Host lists become
 device tensors once per step; the only device->host copy is the sampled/verified tokens.
+
+On CUDA the default is the Triton paged-attention backend with CUDA graphs of the forward for
+padded token counts up to 512 (``--enforce-eager`` turns graphs off); on the CPU the
+torch-native backend.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention.base import AttentionMetadata, forward_context
+from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine import sampler
 from specserve.engine.scheduler import CommitResult, StepPlan
+
+if TYPE_CHECKING:
+    from specserve.engine.cuda_graph import CUDAGraphRunner
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,26 @@ def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
     return max(1, int(budget // per_block))
 
 
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA (when triton is installed), 'torch' elsewhere."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
+    if name == "torch":
+        return name
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError(f"the triton attention backend needs a CUDA device, got {device}")
+        if not has_triton:
+            raise ValueError("attention_backend=triton but the triton package is not installed")
+        return name
+    if device.type == "cuda":
+        if has_triton:
+            return "triton"
+        log.warning("triton is not installed: using the torch-native attention backend on %s", device)
+    return "torch"
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  num_blocks: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -63,10 +92,39 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.kv_caches = allocate_kv_cache(model_config.num_hidden_layers, num_blocks, config.block_size,
-                                           model_config.num_key_value_heads, model_config.head_dim, dtype, device)
-        self.attn = TorchNativeBackend(self.kv_caches, config.block_size, model_config.head_dim**-0.5)
+        self.backend_name = resolve_attention_backend(config.attention_backend, device)
+        mc, bs = model_config, config.block_size
+        scale = mc.head_dim**-0.5
+        self.graphs: CUDAGraphRunner | None = None
+        self.attn: AttentionBackend
+        if self.backend_name == "triton":
+            from specserve.attention.triton_backend import TritonBackend
+
+            # one block beyond the block manager's: padded (graph) tokens write their K/V there
+            self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, bs, mc.num_key_value_heads,
+                                               mc.head_dim, dtype, device)
+            max_len = config.max_model_len or mc.max_position_embeddings
+            self.attn = TritonBackend(
+                self.kv_caches, bs, scale, num_heads=mc.num_attention_heads,
+                max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                max_blocks_per_seq=min(num_blocks, -(-max_len // bs)), scratch_slot=num_blocks * bs)
+            if not config.enforce_eager:
+                from specserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
+
+                self.graphs = CUDAGraphRunner(model, self.attn, capture_sizes(config.max_num_batched_tokens), device)
+        else:
+            self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks, bs, mc.num_key_value_heads,
+                                               mc.head_dim, dtype, device)
+            self.attn = TorchNativeBackend(self.kv_caches, bs, scale)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        log.info("model runner: %s attention, CUDA graphs %s", self.backend_name,
+                 f"for up to {self.graphs.max_size} tokens" if self.graphs else "off")
+
+    def capture_graphs(self) -> None:
+        """Capture the CUDA graphs now (otherwise the first step does). Call once the model's outputs
+        are final: turning on EAGLE-3 aux hidden states after capture costs a re-capture."""
+        if self.graphs is not None:
+            self.graphs.capture()
 
     # -- inputs ------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> StepInputs:
@@ -101,25 +159,34 @@ class ModelRunner:
                 k = len(s.draft_token_ids)
                 spans.append((start + n - 1 - k, k + 1))
         width = max(len(t) for t in tables)
-        table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        dev = self.device
+        T, B = len(ids), len(tables)
+        # one host buffer (pinned on CUDA), one asynchronous copy: ids | positions | slots | block tables
+        on_cuda = self.device.type == "cuda"
+        host = torch.zeros(3 * T + B * width, dtype=torch.long, pin_memory=on_cuda)
+        h = host.numpy()
+        h[:T] = ids
+        h[T : 2 * T] = pos
+        h[2 * T : 3 * T] = slots
+        tab = h[3 * T :].reshape(B, width)
+        for i, t in enumerate(tables):
+            tab[i, : len(t)] = t
+        buf = host.to(self.device, non_blocking=True) if on_cuda else host
         meta = AttentionMetadata(
             query_lens=q_lens,
             seq_lens=seq_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=table_t.to(dev),
+            slot_mapping=buf[2 * T : 3 * T],
+            block_tables=buf[3 * T :].view(B, width),
             tree_masks=tree_masks or None,
         )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            meta=meta,
-            sample_spans=spans,
-        )
+        return StepInputs(input_ids=buf[:T], positions=buf[T : 2 * T], meta=meta, sample_spans=spans)
 
     # -- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H], or (hidden, aux) when EAGLE-3 aux layers are set: a CUDA graph replay when
+        one fits the step's token count, else an eager forward."""
+        if self.graphs is not None and self.graphs.fits(inputs.input_ids.shape[0]):
+            return self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[return-value]
         self.attn.plan(inputs.meta)
         with forward_context(self.attn):
             return self.model(inputs.input_ids, inputs.positions)

@@ -1,0 +1,352 @@
+"""Decode and verify step times of an 8B-shaped Llama on one GPU, against the linear-layers floor.
+
+The model (Llama-3-8B shapes: hidden 4096, 32 layers, 32 heads / 8 KV heads, head_dim 128,
+intermediate 14336, vocab 128256) gets random bf16 weights built on the GPU. Every request has
+`--context` tokens of (random) KV already cached. Measured in one run:
+
+- decode at batch 1, 16, 64: the target forward through ModelRunner (Triton attention, CUDA graph
+  replay, metadata planned every step), the same with the LM head + greedy pick + the one host
+  sync of an engine step, and the floor: the same 32 x 4 matmuls alone, also graph-captured;
+- the verify cost curve: forward time vs tokens per step (1 .. 2048) for one request and for 16
+  requests sharing the tokens, each with its floor;
+- the attention kernel alone (batch 64 decode, one layer) as achieved KV bandwidth.
+
+    python benchmarks/gpu_decode.py --out benchmarks/results/gpu_decode.json
+    python benchmarks/gpu_decode.py --tiny   # a small model, for a dry run anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.base import AttentionMetadata
+from specserve.config import EngineConfig, ModelConfig
+from specserve.engine.runner import ModelRunner, StepInputs
+from specserve.loader import dummy_weights
+from specserve.models import build_model
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+}
+TINY = dict(LLAMA_8B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+
+
+def make_inputs(q_lens: list[int], ctx: int, block_size: int, first_block: int, device: torch.device,
+                gen: torch.Generator, vocab: int) -> tuple[StepInputs, int]:
+    """A step where request b has `ctx` cached tokens and q_lens[b] new ones (blocks shuffled)."""
+    seq = [ctx + q for q in q_lens]
+    nblk = [-(-s // block_size) for s in seq]
+    total = sum(nblk)
+    perm = (torch.randperm(total, generator=gen) + first_block).tolist()
+    tables, off = [], 0
+    for n in nblk:
+        tables.append(perm[off : off + n])
+        off += n
+    width = max(nblk)
+    slots = [t[p // block_size] * block_size + p % block_size for t, s, q in zip(tables, seq, q_lens)
+             for p in range(s - q, s)]
+    T = sum(q_lens)
+    meta = AttentionMetadata(
+        query_lens=list(q_lens), seq_lens=seq,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device),
+    )
+    ids = torch.randint(0, vocab, (T,), generator=gen).to(device)
+    pos = torch.cat([torch.arange(ctx, ctx + q) for q in q_lens]).to(device)
+    spans, start = [], 0
+    for q in q_lens:
+        spans.append((start, q))
+        start += q
+    return StepInputs(ids, pos, meta, spans), total
+
+
+def gpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Mean time per call of back-to-back calls (device events; CPU work overlaps the GPU)."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def synced_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median wall time of calls that each end in a host sync (what an engine step sees)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2] * 1e3
+
+
+class LinearFloor:
+    """The decoder's matmuls alone (qkv, o, gate_up, down per layer) on the model's own weights."""
+
+    def __init__(self, model: torch.nn.Module, use_graphs: bool) -> None:
+        self.weights = [(l.self_attn.qkv_proj.weight, l.self_attn.o_proj.weight, l.mlp.gate_up_proj.weight,
+                         l.mlp.down_proj.weight) for l in model.model.layers]
+        self.use_graphs = use_graphs
+        self.graphs: dict[int, Callable[[], None]] = {}
+
+    def _fn(self, T: int) -> Callable[[], None]:
+        w0 = self.weights[0]
+        dev, dt = w0[0].device, w0[0].dtype
+        x = torch.randn(T, w0[0].shape[1], device=dev, dtype=dt)
+        a = torch.randn(T, w0[1].shape[1], device=dev, dtype=dt)
+        m = torch.randn(T, w0[3].shape[1], device=dev, dtype=dt)
+
+        def run() -> None:
+            for wqkv, wo, wgu, wd in self.weights:
+                F.linear(x, wqkv)
+                F.linear(a, wo)
+                F.linear(x, wgu)
+                F.linear(m, wd)
+
+        return run
+
+    def get(self, T: int) -> Callable[[], None]:
+        if T not in self.graphs:
+            run = self._fn(T)
+            if self.use_graphs:
+                run()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    run()
+                self.graphs[T] = g.replay
+            else:
+                self.graphs[T] = run
+        return self.graphs[T]
+
+
+def spread(T: int, B: int) -> list[int]:
+    B = min(B, T)
+    return [T // B + (1 if i < T % B else 0) for i in range(B)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write results JSON here")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--verify-tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--tiny", action="store_true", help="small model (dry run)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    hf = TINY if args.tiny else LLAMA_8B
+    mc = ModelConfig.from_hf(hf)
+    batches = [int(b) for b in args.batches.split(",")]
+    verify = [int(t) for t in args.verify_tokens.split(",")]
+    max_tokens = max(verify + batches)
+    bs = 16
+
+    t0 = time.perf_counter()
+    model = build_model(mc, dev, dtype)
+    model.load_weights(dummy_weights(mc, dev))
+    model.eval()
+    build_s = time.perf_counter() - t0
+
+    # KV room for the largest scenario (each step's blocks start at block 0)
+    max_req = max(batches + [16])
+    need = [b * -(-(args.context + 1) // bs) for b in batches]
+    need += [sum(-(-(args.context + q) // bs) for q in spread(T, n)) for n in (1, 16) for T in verify]
+    num_blocks = max(need) + 16
+    cfg = EngineConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max(max_req, 64), block_size=bs,
+                       num_kv_blocks=num_blocks, max_model_len=args.context + max_tokens)
+    runner = ModelRunner(model, mc, cfg, num_blocks, dev, dtype)
+    for kc, vc in runner.kv_caches:  # random context K/V (never time on zeros)
+        kc.normal_()
+        vc.normal_()
+    t0 = time.perf_counter()
+    runner.capture_graphs()
+    capture = {"seconds": round(time.perf_counter() - t0, 3)}
+    if runner.graphs is not None:
+        capture.update(sizes=runner.graphs.sizes, mib=round(runner.graphs.capture_bytes / 2**20, 1))
+
+    floor = LinearFloor(model, use_graphs=cuda)
+    lm_head_w = model.lm_head_weight
+
+    def forward_fn(inputs: StepInputs) -> Callable[[], object]:
+        return lambda: runner.forward(inputs)
+
+    def step_fn(inputs: StepInputs) -> Callable[[], object]:
+        rows = torch.tensor([a + n - 1 for a, n in inputs.sample_spans], device=dev)
+
+        def step() -> object:
+            hidden = runner.forward(inputs)
+            return model.compute_logits(hidden[rows]).argmax(-1).tolist()  # the one host sync
+
+        return step
+
+    results: dict = {
+        "command": "python " + " ".join(sys.argv),
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model": {k: hf[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")},
+        "dtype": str(dtype).replace("torch.", ""),
+        "context": args.context,
+        "attention_backend": runner.backend_name,
+        "model_build_seconds": round(build_s, 2),
+        "graph_capture": capture,
+        "decode": [],
+        "verify_curve": [],
+    }
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+    it = args.iters
+    for B in batches:
+        inputs, _ = make_inputs([1] * B, args.context, bs, 0, dev, gen, mc.vocab_size)
+        fwd = gpu_time_ms(forward_fn(inputs), it)
+        step = synced_time_ms(step_fn(inputs), it)
+        fl = gpu_time_ms(floor.get(B), it)
+        x = torch.randn(B, mc.hidden_size, device=dev, dtype=dtype)
+        lm = gpu_time_ms(lambda: F.linear(x, lm_head_w), it)
+        row = {"batch": B, "forward_ms": round(fwd, 3), "step_ms": round(step, 3), "floor_ms": round(fl, 3),
+               "lm_head_ms": round(lm, 3), "forward_over_floor": round(fwd / fl, 3),
+               "step_over_floor_plus_lm_head": round(step / (fl + lm), 3)}
+        results["decode"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+    if runner.graphs is not None:  # eager forward at batch 1, to show what graphs save
+        inputs, _ = make_inputs([1], args.context, bs, 0, dev, gen, mc.vocab_size)
+        g, runner.graphs = runner.graphs, None
+        results["decode_batch1_eager_forward_ms"] = round(gpu_time_ms(forward_fn(inputs), it), 3)
+        runner.graphs = g
+
+    for nreq in (1, 16):
+        for T in verify:
+            q_lens = spread(T, nreq)
+            inputs, _ = make_inputs(q_lens, args.context, bs, 0, dev, gen, mc.vocab_size)
+            n_it = max(5, min(it, int(2000 / max(T, 1))))
+            fwd = gpu_time_ms(forward_fn(inputs), n_it)
+            fl = gpu_time_ms(floor.get(T), n_it)
+            graphed = runner.graphs is not None and runner.graphs.fits(T)
+            row = {"requests": len(q_lens), "tokens": T, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3),
+                   "graph": graphed}
+            results["verify_curve"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+
+    # attention alone (KV write + kernel, one layer) per decode batch; bytes = the K and V it must read.
+    # On the Triton backend also a few launch configurations, to tune the default.
+    attn = runner.attn
+    H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    variants = [(64, 4, None)]
+    if runner.backend_name == "triton":
+        variants += [(32, 4, None), (128, 4, None), (128, 8, None), (64, 4, 2), (64, 8, 3)]
+    default = (getattr(attn, "block_n", None), getattr(attn, "num_warps", None), getattr(attn, "num_stages", None))
+    results["attention_layer"] = []
+    for B in batches:
+        inputs, _ = make_inputs([1] * B, args.context, bs, 0, dev, gen, mc.vocab_size)
+        attn.plan(inputs.meta)
+        q = torch.randn(B, H, D, device=dev, dtype=dtype)
+        k = torch.randn(B, KVH, D, device=dev, dtype=dtype)
+        kv_bytes = 2 * B * (args.context + 1) * KVH * D * torch.empty((), dtype=dtype).element_size()
+        for bn, nw, ns in variants:
+            if runner.backend_name == "triton":
+                attn.block_n, attn.num_warps, attn.num_stages = bn, nw, ns
+            try:
+                us = gpu_time_ms(lambda: attn.forward(0, q, k, k), it * 5) * 1e3
+            except Exception as e:  # a variant that fails to compile is reported, not fatal
+                results["attention_layer"].append({"batch": B, "block_n": bn, "num_warps": nw, "error": repr(e)[:200]})
+                continue
+            row = {"batch": B, "block_n": bn, "num_warps": nw, "num_stages": ns, "us": round(us, 2),
+                   "kv_gb_per_s": round(kv_bytes / us / 1e3, 1), "x_layers_ms": round(us * mc.num_hidden_layers / 1e3, 3)}
+            results["attention_layer"].append(row)
+            print(json.dumps(row), flush=True)
+    if runner.backend_name == "triton":
+        attn.block_n, attn.num_warps, attn.num_stages = default
+    save()
+
+    # where a decode step's GPU time goes: kernels of one eager forward at the middle batch
+    if cuda:
+        B = batches[len(batches) // 2]
+        inputs, _ = make_inputs([1] * B, args.context, bs, 0, dev, gen, mc.vocab_size)
+        g, runner.graphs = runner.graphs, None
+        runner.forward(inputs)
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.forward(inputs)
+            torch.cuda.synchronize()
+        runner.graphs = g
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t > 0 and e.count > 0:
+                rows.append({"kernel": e.key[:90], "count": e.count, "total_us": round(t, 1)})
+        rows.sort(key=lambda r: -r["total_us"])
+        total = sum(r["total_us"] for r in rows)
+        results["kernel_profile"] = {"batch": B, "eager_forward_kernel_us": round(total, 1),
+                                     "num_kernels": sum(r["count"] for r in rows), "top": rows[:25]}
+        save()
+
+    print(f"\n{results['device']}, {results['dtype']}, context {args.context}, graphs: {capture}")
+    print(f"{'batch':>6} {'forward':>9} {'step':>9} {'floor':>9} {'lm_head':>8} {'fwd/floor':>10} {'step/(floor+lm)':>16}")
+    for r in results["decode"]:
+        print(f"{r['batch']:>6} {r['forward_ms']:>9.3f} {r['step_ms']:>9.3f} {r['floor_ms']:>9.3f} "
+              f"{r['lm_head_ms']:>8.3f} {r['forward_over_floor']:>10.3f} {r['step_over_floor_plus_lm_head']:>16.3f}")
+    print(f"\n{'reqs':>5} {'tokens':>7} {'forward':>9} {'floor':>9} {'ratio':>6} graph")
+    for r in results["verify_curve"]:
+        print(f"{r['requests']:>5} {r['tokens']:>7} {r['forward_ms']:>9.3f} {r['floor_ms']:>9.3f} "
+              f"{r['forward_ms'] / r['floor_ms']:>6.2f} {r['graph']}")
+    print(f"\n{'batch':>6} {'block_n':>7} {'warps':>5} {'stages':>6} {'us/layer':>9} {'GB/s':>7} {'x layers ms':>11}")
+    for r in results["attention_layer"]:
+        if "us" in r:
+            print(f"{r['batch']:>6} {r['block_n']:>7} {r['num_warps']:>5} {str(r['num_stages']):>6} {r['us']:>9.2f} "
+                  f"{r['kv_gb_per_s']:>7.1f} {r['x_layers_ms']:>11.3f}")
+    if "kernel_profile" in results:
+        kp = results["kernel_profile"]
+        print(f"\neager forward at batch {kp['batch']}: {kp['num_kernels']} kernels, {kp['eager_forward_kernel_us']:.0f} us of kernel time")
+        for r in kp["top"][:15]:
+            print(f"  {r['total_us']:>9.1f} us {r['count']:>5}x  {r['kernel']}")
+    if "decode_batch1_eager_forward_ms" in results:
+        print(f"batch 1 eager forward (no graphs): {results['decode_batch1_eager_forward_ms']} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""CUDA graphs for the target model's forward, one per padded token count.
+
+A step of T tokens replays the graph of the smallest captured size n >= T: its input ids and
+positions are copied into static buffers, the attention backend's ``plan`` writes the step's
+metadata into the backend's persistent buffers, and the n - T padding tokens write their K/V
+into the backend's scratch slot and are dropped from the output. Graphs depend on the token
+count only, so any mix of prefill chunks, decodes and verifies of any k replays the same graphs.
+Steps larger than the largest size run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any
+
+import torch
+
+from specserve.attention.base import AttentionMetadata, forward_context
+from specserve.attention.triton_backend import TritonBackend
+
+log = logging.getLogger(__name__)
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MAX_CAPTURE_TOKENS = 512  # above this the forward is matmul-bound and launch overhead is noise
+
+
+def capture_sizes(max_tokens: int, cap: int = MAX_CAPTURE_TOKENS) -> list[int]:
+    """Padded token counts to capture: the standard ladder up to min(max_tokens, cap), plus that
+    limit itself so every step up to it replays."""
+    limit = min(max_tokens, cap)
+    if limit < 1:
+        raise ValueError(f"need a positive token limit for CUDA graphs, got {limit}")
+    sizes = [s for s in CAPTURE_SIZES if s <= limit]
+    if not sizes or sizes[-1] != limit:
+        sizes.append(limit)
+    return sizes
+
+
+def _aux_key(model: torch.nn.Module) -> Any:
+    return getattr(model, "aux_hidden_layers", None)
+
+
+class CUDAGraphRunner:
+    """Captures ``model(input_ids[:n], positions[:n])`` for each size and replays them."""
+
+    def __init__(self, model: torch.nn.Module, attn: TritonBackend, sizes: list[int], device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        if max(sizes) > attn.max_num_tokens:
+            raise ValueError(f"graph size {max(sizes)} exceeds the attention backend's {attn.max_num_tokens} tokens")
+        self.model = model
+        self.attn = attn
+        self.sizes = sorted(sizes)
+        self.device = device
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        self._captured_for: Any = "none"  # the model's aux-layer setting the graphs were captured with
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1]
+
+    def padded_size(self, num_tokens: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    @property
+    def is_current(self) -> bool:
+        """Captured, and with the model's current outputs (EAGLE-3 aux layers change them)."""
+        return bool(self.graphs) and self._captured_for == _aux_key(self.model)
+
+    def _dummy_meta(self, n: int) -> AttentionMetadata:
+        """A valid step of n tokens that reads and writes only the scratch block."""
+        a = self.attn
+        bs = a.block_size
+        per_req = max(bs, -(-n // a.max_num_seqs))
+        per_req = min(per_req, bs * a.max_blocks_per_seq)
+        q_lens = []
+        left = n
+        while left > 0:
+            q_lens.append(min(per_req, left))
+            left -= q_lens[-1]
+        if len(q_lens) > a.max_num_seqs:
+            raise ValueError(f"cannot lay out {n} tokens over {a.max_num_seqs} requests of "
+                             f"{bs * a.max_blocks_per_seq} tokens for graph capture")
+        width = -(-per_req // bs)
+        scratch_block = a.scratch_slot // bs
+        return AttentionMetadata(
+            query_lens=q_lens, seq_lens=list(q_lens),
+            slot_mapping=torch.full((n,), a.scratch_slot, dtype=torch.long, device=self.device),
+            block_tables=torch.full((len(q_lens), width), scratch_block, dtype=torch.long, device=self.device),
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            self.attn.plan(self._dummy_meta(n))
+            with forward_context(self.attn):
+                self.model(self.input_ids[:n], self.positions[:n])  # warm-up: compiles kernels
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                with forward_context(self.attn):
+                    out = self.model(self.input_ids[:n], self.positions[:n])
+            self.graphs[n] = graph
+            self.outputs[n] = out
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        self._captured_for = _aux_key(self.model)
+        log.info("captured %d CUDA graphs (token counts %s) in %.2fs using %.1f MiB of GPU memory",
+                 len(self.graphs), ",".join(map(str, self.sizes)), self.capture_seconds, self.capture_bytes / 2**20)
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The forward of this step's T tokens (T <= max_size), as fresh tensors of T rows."""
+        if not self.is_current:
+            if self.graphs:
+                log.info("model outputs changed since capture (aux hidden layers): re-capturing CUDA graphs")
+            self.capture()
+        T = input_ids.shape[0]
+        n = self.padded_size(T)
+        self.attn.plan(meta)
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(positions)
+        self.graphs[n].replay()
+        out = self.outputs[n]
+        # clone: the next replay overwrites the graph's output memory (callers keep features)
+        if isinstance(out, tuple):
+            return tuple(o[:T].clone() for o in out)
+        return out[:T].clone()
