@@ -32,40 +32,62 @@ class Plan:
     lam: float  # marginal-acceptance floor
 
 
-def plan_ks(cumacc: np.ndarray, caps: np.ndarray, plan: Plan) -> np.ndarray:
-    """k per request under ``plan``: cumacc [B, K] = prod_{i<=j} alpha (non-increasing in j)."""
+def plan_ks(cumacc: np.ndarray, caps: np.ndarray, plan: Plan, tree: bool = False) -> np.ndarray:
+    """Draft depth per request under ``plan``: cumacc [B, K] = prod_{i<=j} alpha (non-increasing in j).
+
+    Chains draft while the next token's marginal gain is >= lam. A tree is all or nothing: the
+    full depth K for requests whose first-position acceptance is >= lam (and whose cap allows).
+    """
     if plan.depth == 0 or cumacc.shape[1] == 0:
         return np.zeros(len(caps), dtype=np.int64)
+    if tree:
+        on = (cumacc[:, 0] >= plan.lam) & (caps > 0)
+        return np.where(on, cumacc.shape[1], 0).astype(np.int64)
     ok = (cumacc[:, : plan.depth] >= plan.lam).sum(axis=1)
     return np.minimum(np.minimum(ok, caps), plan.depth)
 
 
-def goodput(cumacc: np.ndarray, ks: np.ndarray, n_base: int, cost: CostModel) -> tuple[float, float, float]:
-    """(expected tokens, predicted seconds, tokens per second) of a step with drafts ``ks``."""
+def goodput(cumacc: np.ndarray, ks: np.ndarray, n_base: int, cost: CostModel,
+            tree: tuple[int, int] | None = None) -> tuple[float, float, float]:
+    """(expected tokens, predicted seconds, tokens per second) of a step where request r drafts to depth ks[r].
+
+    tree: (nodes per tree, topk) when drafting trees: a drafted request verifies that many tokens
+    and every draft step runs topk queries per request.
+    """
     K = cumacc.shape[1]
     mask = np.arange(K)[None, :] < ks[:, None]
     tokens = float(len(ks) + (cumacc * mask).sum())
-    steps = [int((ks >= j).sum()) for j in range(1, int(ks.max(initial=0)) + 1)]
-    seconds = cost.step_time(n_base + int(ks.sum())) + cost.draft_time(steps)
+    depth = int(ks.max(initial=0))
+    if tree is None:
+        verify_tokens = int(ks.sum())
+        steps = [int((ks >= j).sum()) for j in range(1, depth + 1)]
+    else:
+        nodes, topk = tree
+        on = int((ks > 0).sum())
+        verify_tokens = on * nodes
+        steps = [on] + [on * topk] * (depth - 1) if on else []
+    seconds = cost.step_time(n_base + verify_tokens) + cost.draft_time(steps)
     return tokens, seconds, tokens / seconds if seconds > 0 else 0.0
 
 
 def decide_adaptive(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel,
-                    current: Plan | None, margin: float = 0.03) -> tuple[Plan, np.ndarray]:
+                    current: Plan | None, margin: float = 0.03,
+                    tree: tuple[int, int] | None = None) -> tuple[Plan, np.ndarray]:
     """Best plan for the step (see module doc); keeps ``current`` unless beaten by ``margin``."""
     K = cumacc.shape[1]
     best_plan, best_ks = Plan(0, 0.0), np.zeros(len(caps), dtype=np.int64)
-    best = goodput(cumacc, best_ks, n_base, cost)[2]
-    for depth in range(1, K + 1):
+    best = goodput(cumacc, best_ks, n_base, cost, tree)[2]
+    depths = [K] if tree is not None else range(1, K + 1)
+    for depth in depths:
         for lam in LAMBDAS:
             p = Plan(depth, lam)
-            ks = plan_ks(cumacc, caps, p)
-            g = goodput(cumacc, ks, n_base, cost)[2]
+            ks = plan_ks(cumacc, caps, p, tree is not None)
+            g = goodput(cumacc, ks, n_base, cost, tree)[2]
             if g > best * (1 + 1e-9):
                 best_plan, best_ks, best = p, ks, g
     if current is not None and current != best_plan:
-        cur_ks = plan_ks(cumacc, caps, current)
-        if goodput(cumacc, cur_ks, n_base, cost)[2] * (1 + margin) >= best:
+        cur_ks = plan_ks(cumacc, caps, current, tree is not None)
+        if goodput(cumacc, cur_ks, n_base, cost, tree)[2] * (1 + margin) >= best:
             return current, cur_ks
     return best_plan, best_ks
 
@@ -106,7 +128,9 @@ class SpecController:
     spec_on: bool = True  # threshold policy state
     k_histogram: Counter = field(default_factory=Counter)
     last_prediction: tuple[float, float] | None = None  # (predicted, measured) seconds of the last step
+    probe_every: int = 64  # while off, let one request draft every this many decisions (keeps acceptance fresh)
     _predicted: float | None = None
+    _since_spec: int = 0
 
     def __post_init__(self) -> None:
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
@@ -150,8 +174,17 @@ class SpecController:
                                else prior for r in requests])
             cumacc = np.cumprod(alphas, axis=1)
             n_base = num_running + prefill_tokens
-            self.plan, ks = decide_adaptive(cumacc, caps_a, n_base, self.cost, self.plan)
-            self._predicted = goodput(cumacc, ks, n_base, self.cost)[1]
+            tree = (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk) if not self.cfg.is_chain else None
+            self.plan, ks = decide_adaptive(cumacc, caps_a, n_base, self.cost, self.plan, tree=tree)
+            self._predicted = goodput(cumacc, ks, n_base, self.cost, tree)[1]
+            if tree is not None:  # depth -> nodes of the tree to verify
+                ks = np.where(ks > 0, caps_a, 0)
+            self._since_spec = 0 if ks.any() else self._since_spec + 1
+            if self._since_spec >= self.probe_every and caps_a.any():
+                ks = ks.copy()
+                i = int(np.argmax(caps_a))
+                ks[i] = caps_a[i]
+                self._since_spec = 0
         out = [int(k) for k in ks]
         self.k_histogram.update(out)
         return out

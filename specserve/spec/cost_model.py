@@ -100,3 +100,25 @@ class CostModel:
                 return cls.from_json(json.load(f))
         except (OSError, ValueError, KeyError):
             return None
+
+
+def profile_grid(max_tokens: int, num_blocks: int) -> list[int]:
+    """Token counts to profile: powers of two up to max_tokens, one KV block per fake request."""
+    return [n for n in GRID if n <= min(max_tokens, num_blocks - 1)]
+
+
+def time_call(fn, repeats: int = 3, sync=None) -> float:
+    """Median wall time of fn() over ``repeats`` runs after one warm-up."""
+    import time
+
+    fn()
+    if sync:
+        sync()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]

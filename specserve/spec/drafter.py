@@ -33,6 +33,7 @@ from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
+from specserve.spec.cost_model import CostModel, profile_grid, time_call
 from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
@@ -97,10 +98,74 @@ class EagleSpeculator:
         engine.blocks.require_draft_kv = True
         self.states: dict[str, DraftState] = {}
         self.controller = SpecController(cfg)
+        if cfg.policy == "adaptive":
+            self.controller.cost = self._load_or_profile_costs(path)
         # most tokens one request verifies: the chain's steps or the tree's nodes
         self.max_k = cfg.resolved_num_draft_tokens - 1
         log.info("speculation: %s head from %s (draft vocab %d), policy %s, up to %d tokens",
                  hc.algorithm, path, hc.draft_vocab_size, cfg.policy, self.max_k)
+
+    # -- start-up cost profile ------------------------------------------------------------------
+    def _load_or_profile_costs(self, head_path: str) -> CostModel:
+        """Target step time vs. tokens and draft time vs. batch, measured here; cached per model+device."""
+        import hashlib
+
+        from specserve.loader.gguf import cache_root
+
+        e = self.engine
+        dev_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        key = f"{e.model_name}|{e.model_config}|{head_path}|{dev_name}|{e.dtype}|{torch.get_num_threads()}"
+        path = os.path.join(cache_root(), "profiles", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+        cost = CostModel.load(path)
+        if cost is not None:
+            log.info("cost model loaded from %s", path)
+            return cost
+        t0 = time.perf_counter()
+        cost = self._profile_costs()
+        try:
+            cost.save(path)
+        except OSError as err:
+            log.warning("could not cache the cost profile at %s: %s", path, err)
+        log.info("cost model profiled in %.1fs: target %s, draft %s", time.perf_counter() - t0,
+                 {k: round(v * 1e3, 2) for k, v in sorted(cost.target.values.items())},
+                 {k: round(v * 1e3, 2) for k, v in sorted(cost.draft.values.items())})
+        return cost
+
+    @torch.inference_mode()
+    def _profile_costs(self) -> CostModel:
+        """Decode-shaped batches on scratch blocks (the engine is idle at start-up): n requests x 1 token."""
+        e = self.engine
+        bs = e.config.block_size
+        cost = CostModel()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        # CPU: a decode step of more than ~64 tokens is already far past where drafting pays
+        max_tokens = e.config.max_num_batched_tokens if self.device.type == "cuda" else min(
+            e.config.max_num_batched_tokens, 64)
+        hc = self.head.config
+        for n in profile_grid(max_tokens, e.blocks.num_blocks):
+            meta = AttentionMetadata(
+                query_lens=[1] * n, seq_lens=[bs] * n,
+                slot_mapping=torch.arange(n, device=self.device) * bs + bs - 1,
+                block_tables=torch.arange(n, device=self.device)[:, None],
+            )
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.full((n,), bs - 1, dtype=torch.long, device=self.device)
+
+            def target() -> None:
+                self.runner.attn.plan(meta)
+                with forward_context(self.runner.attn):
+                    self.target(ids, pos)
+
+            def draft() -> None:
+                self.attn.plan(meta)
+                emb = self.target.embed_tokens(ids)
+                with forward_context(self.attn):
+                    self.head.compute_logits(self.head(emb, torch.zeros(n, hc.hidden_size, device=self.device,
+                                                                         dtype=e.dtype), pos))
+
+            cost.target.values[n] = time_call(target, repeats=2, sync=sync)
+            cost.draft.values[n] = time_call(draft, repeats=2, sync=sync)
+        return cost
 
     # -- lifecycle ------------------------------------------------------------------------------
     def release(self, req: Request) -> None:
