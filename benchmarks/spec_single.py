@@ -1,0 +1,243 @@
+"""Concurrency-1 speed and accept length of EAGLE-3 speculation on SmolLM2-135M-Instruct (fp32, CPU).
+
+One engine per configuration, all in this process, all on the same target weights and draft head:
+
+    nospec           no speculation
+    chain3, chain5   speculative_num_steps 3 / 5, topk 1 (a chain)
+    tree             steps 5, topk 4, 16 draft tokens (EAGLE-2 dynamic tree)
+
+Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration in turn, the
+order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens, policy
+``static`` (always draft). Per configuration: tokens/s end to end (prefill included) and over the
+decode part only (after the first token), accept length from RequestOutput.metrics
+((accepted + verify steps) / verify steps, SGLang's count), per-position acceptance from
+engine.get_stats(), and whether the output tokens equal the no-spec ones (greedy is lossless).
+
+Head: --draft PATH; by default the shipped head at models/smollm2-135m-eagle3 when it exists, else
+a random head in the public EAGLE-3 layout (draft vocab 8192) built in a temp dir, whose accept
+length is ~1 and speed-up < 1 by construction.
+
+    python benchmarks/spec_single.py --output-file benchmarks/results/spec_single.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, chat_prompt_ids, load_average, median, run_metadata, write_json  # noqa: E402
+
+from specserve import LLM, SamplingParams  # noqa: E402
+
+DEFAULT_HEAD = os.path.join(REPO, "models", "smollm2-135m-eagle3")
+CONFIGS: dict[str, dict[str, Any]] = {
+    "nospec": {},
+    "chain3": {"speculative_num_steps": 3, "speculative_eagle_topk": 1},
+    "chain5": {"speculative_num_steps": 5, "speculative_eagle_topk": 1},
+    "tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16},
+}
+_ids = itertools.count()
+
+
+def make_random_head(path: str, draft_vocab_size: int = 8192, seed: int = 1, std: float = 0.02) -> str:
+    """A random EAGLE-3 head for the default SmolLM2, saved in the public layout.
+
+    Its draft vocab is the first ``draft_vocab_size`` target ids (d2t = 0, t2d true on those ids).
+    """
+    from specserve.loader import load_model_source
+    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    mc = load_model_source(None).config
+    torch.manual_seed(seed)
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=draft_vocab_size))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, std)
+    t2d = torch.zeros(mc.vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab_size] = True
+    head.set_vocab_map(torch.zeros(draft_vocab_size, dtype=torch.int64), t2d)
+    head.save_pretrained(path)
+    return path
+
+
+def run_one(llm: LLM, prompt: list[int], output_len: int) -> dict[str, Any]:
+    """One request alone; step timestamps split prefill (until the first token) from decode."""
+    eng = llm.engine
+    rid = f"spec-bench-{next(_ids)}"
+    t0 = time.perf_counter()
+    eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    req = eng.requests[rid]
+    final = None
+    t_first = None
+    n_first = 0
+    steps = 0
+    while final is None:
+        outs = eng.step()
+        steps += 1
+        now = time.perf_counter()
+        if t_first is None and req.num_output_tokens >= 1:
+            t_first, n_first = now, req.num_output_tokens
+        final = next((o for o in outs if o.request_id == rid and o.finished), None)
+        if final is None and not eng.has_unfinished_requests():
+            raise RuntimeError(f"engine went idle before {rid} finished")
+    t_end = time.perf_counter()
+    m = final.metrics
+    n = len(final.outputs[0].token_ids)
+    assert t_first is not None
+    return {
+        "prompt_tokens": len(prompt),
+        "output_tokens": n,
+        "total_s": t_end - t0,
+        "prefill_s": t_first - t0,
+        "tok_s": n / (t_end - t0),
+        "decode_tok_s": (n - n_first) / (t_end - t_first) if t_end > t_first else None,
+        "engine_steps": steps,
+        "spec_verify_steps": m.spec_verify_steps,
+        "spec_draft_tokens": m.spec_draft_tokens,
+        "spec_accepted_tokens": m.spec_accepted_tokens,
+        "accept_length": m.accept_length,
+        "token_ids": list(final.outputs[0].token_ids),
+    }
+
+
+def stats_delta(after: Any, before: Any) -> dict[str, Any]:
+    """Engine counters accumulated between two get_stats() snapshots (warm-up excluded)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(after):
+        a, b = getattr(after, f.name), getattr(before, f.name)
+        if f.name in ("num_running", "num_waiting", "kv_usage"):
+            continue
+        if isinstance(a, list):
+            out[f.name] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+        elif isinstance(a, dict):
+            out[f.name] = {str(k): v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0)}
+        else:
+            out[f.name] = a - b
+    vs = out.get("spec_verify_steps") or 0
+    out["avg_accept_length"] = (out["spec_accepted_tokens"] + vs) / vs if vs else None
+    drafted, accepted = out.get("spec_drafted_per_position") or [], out.get("spec_accepted_per_position") or []
+    out["acceptance_rate_per_position"] = [a / d if d else None for a, d in zip(accepted, drafted)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--draft", default=None, help="EAGLE-3 head directory (default: the shipped head, else random)")
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--output-len", type=int, default=64, help="new tokens per request (exact)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
+    ap.add_argument("--max-prompt-chars", type=int, default=1200)
+    ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="KV budget per engine (all engines alike)")
+    ap.add_argument("--output-file", default="benchmarks/results/spec_single.json")
+    args = ap.parse_args(argv)
+    names = args.configs.split(",")
+    bad = [n for n in names if n not in CONFIGS]
+    if bad or "nospec" not in names:
+        raise SystemExit(f"--configs: unknown {bad}; must include nospec (the baseline); known: {list(CONFIGS)}")
+    if args.num_prompts < 1 or args.output_len < 2:
+        raise SystemExit("need --num-prompts >= 1 and --output-len >= 2")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    result: dict[str, Any] = {"benchmark": "spec_single", **run_metadata()}
+    tmp = None
+    if args.draft:
+        head, head_kind = os.path.abspath(args.draft), "given"
+    elif os.path.isfile(os.path.join(DEFAULT_HEAD, "config.json")):
+        head, head_kind = DEFAULT_HEAD, "shipped"
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="random-eagle3-")
+        head, head_kind = make_random_head(os.path.join(tmp.name, "head")), "random (std 0.02, draft vocab 8192)"
+    result["draft_head"] = {"path": head, "kind": head_kind}
+    print(f"draft head: {head} ({head_kind})", flush=True)
+
+    base = {"kv_cache_memory_gb": args.kv_cache_memory_gb}
+    engines: dict[str, LLM] = {}
+    engine_args: dict[str, dict[str, Any]] = {}
+    for name in names:
+        spec = dict(CONFIGS[name])
+        if spec:
+            spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                        speculative_policy="static")
+        engine_args[name] = {**base, **spec}
+        engines[name] = LLM(**engine_args[name])
+    result["engine_args"] = engine_args
+    result["settings"] = {"num_prompts": args.num_prompts, "output_len": args.output_len, "seed": args.seed,
+                          "max_prompt_chars": args.max_prompt_chars, "greedy": True, "concurrency": 1}
+
+    tok = engines["nospec"].tokenizer
+    prompts = chat_prompt_ids(tok, args.num_prompts + 1, seed=args.seed, max_chars=args.max_prompt_chars)
+    warm, prompts = prompts[0], prompts[1:]
+    before = {}
+    for name, llm in engines.items():
+        run_one(llm, warm, 8)
+        before[name] = llm.engine.get_stats()
+
+    runs: list[dict[str, Any]] = []
+    for i, p in enumerate(prompts):
+        order = names[i % len(names):] + names[: i % len(names)]
+        got = {}
+        for name in order:
+            la = load_average()
+            got[name] = run_one(engines[name], p, args.output_len)
+            got[name]["load_average_before"] = la
+        ref = got["nospec"]["token_ids"]
+        for name in order:
+            r = got[name]
+            r["same_tokens_as_nospec"] = r["token_ids"] == ref
+            runs.append({"prompt_index": i, "config": name, "order": order.index(name),
+                         **{k: v for k, v in r.items() if k != "token_ids"}})
+        print(f"prompt {i} ({len(p)} tok): " + " | ".join(
+            f"{n} {got[n]['tok_s']:.1f} tok/s" + (f" al {got[n]['accept_length']:.2f}" if got[n]["accept_length"] else "")
+            for n in names) + f" | load {load_average()}", flush=True)
+    result["runs"] = runs
+
+    summary = []
+    for name in names:
+        mine = [r for r in runs if r["config"] == name]
+        base_runs = {r["prompt_index"]: r for r in runs if r["config"] == "nospec"}
+        tokens = sum(r["output_tokens"] for r in mine)
+        row = {
+            "config": name,
+            **{k.replace("speculative_", ""): v for k, v in CONFIGS[name].items()},
+            "tok_s": tokens / sum(r["total_s"] for r in mine),
+            "decode_tok_s_median": median([r["decode_tok_s"] for r in mine]),
+            "speedup_vs_nospec_median": median([base_runs[r["prompt_index"]]["total_s"] / r["total_s"] for r in mine]),
+            "accept_length": None,
+            "same_tokens_as_nospec": f"{sum(r['same_tokens_as_nospec'] for r in mine)}/{len(mine)}",
+            "engine_stats": stats_delta(engines[name].engine.get_stats(), before[name]),
+        }
+        vs = sum(r["spec_verify_steps"] for r in mine)
+        if vs:
+            row["accept_length"] = (sum(r["spec_accepted_tokens"] for r in mine) + vs) / vs
+            row["accept_length_per_prompt_median"] = median([r["accept_length"] for r in mine])
+        summary.append(row)
+    result["summary"] = summary
+    write_json(args.output_file, result)
+
+    print(f"\n{'config':>8} {'tok/s':>7} {'decode tok/s':>13} {'speed-up':>9} {'accept len':>11} {'same':>6}")
+    for row in summary:
+        al = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
+        print(f"{row['config']:>8} {row['tok_s']:>7.2f} {row['decode_tok_s_median']:>13.2f} "
+              f"{row['speedup_vs_nospec_median']:>8.2f}x {al:>11} {row['same_tokens_as_nospec']:>6}")
+    if tmp is not None:
+        tmp.cleanup()
+    return result
+
+
+if __name__ == "__main__":
+    main()
