@@ -112,6 +112,7 @@ class LinearFloor:
                          l.mlp.down_proj.weight) for l in model.model.layers]
         self.use_graphs = use_graphs
         self.graphs: dict[int, Callable[[], None]] = {}
+        self._keep: dict[int, object] = {}  # a graph's input buffers must outlive it
 
     def _fn(self, T: int) -> Callable[[], None]:
         w0 = self.weights[0]
@@ -139,6 +140,7 @@ class LinearFloor:
                 with torch.cuda.graph(g):
                     run()
                 self.graphs[T] = g.replay
+                self._keep[T] = (g, run)
             else:
                 self.graphs[T] = run
         return self.graphs[T]
@@ -149,6 +151,39 @@ def spread(T: int, B: int) -> list[int]:
     return [T // B + (1 if i < T % B else 0) for i in range(B)]
 
 
+def fused_elementwise_patch() -> Callable[[], None]:
+    """Experiment, not product code: swap the model's RMSNorm, rotary and SiLU*mul for
+    torch.compile'd versions (one fused kernel each) to show what fusing them would save.
+    Returns a function that restores the originals."""
+    from specserve.models import layers, llama
+
+    try:  # compiled functions are shared by all 65 norms: never fall back for too many recompiles
+        torch._dynamo.config.cache_size_limit = 64
+    except AttributeError:
+        pass
+
+    @torch.compile(dynamic=True)
+    def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    @torch.compile(dynamic=True)
+    def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    saved = (layers.RMSNorm.forward, layers.GatedMLP.forward, llama.apply_rotary)
+    layers.RMSNorm.forward = lambda self, x: rms(x, self.weight, self.eps)  # type: ignore[method-assign]
+    layers.GatedMLP.forward = lambda self, x: self.down_proj(silu_mul(self.gate_up_proj(x)))  # type: ignore[method-assign]
+    llama.apply_rotary = torch.compile(saved[2], dynamic=True)
+
+    def restore() -> None:
+        layers.RMSNorm.forward, layers.GatedMLP.forward, llama.apply_rotary = saved
+
+    return restore
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write results JSON here")
@@ -157,6 +192,8 @@ def main() -> None:
     ap.add_argument("--verify-tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--tiny", action="store_true", help="small model (dry run)")
+    ap.add_argument("--no-fused-experiment", dest="fused_experiment", action="store_false",
+                    help="skip the torch.compile'd elementwise experiment")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -171,6 +208,7 @@ def main() -> None:
     verify = [int(t) for t in args.verify_tokens.split(",")]
     max_tokens = max(verify + batches)
     bs = 16
+    it = args.iters
 
     t0 = time.perf_counter()
     model = build_model(mc, dev, dtype)
@@ -210,6 +248,9 @@ def main() -> None:
 
         return step
 
+    def decode_inputs(B: int) -> StepInputs:
+        return make_inputs([1] * B, args.context, bs, 0, dev, gen, mc.vocab_size)[0]
+
     results: dict = {
         "command": "python " + " ".join(sys.argv),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -219,10 +260,14 @@ def main() -> None:
         "dtype": str(dtype).replace("torch.", ""),
         "context": args.context,
         "attention_backend": runner.backend_name,
+        "notes": ("forward_ms: ModelRunner.forward (plan + graph replay), back-to-back steps, device events; "
+                  "step_ms: forward + LM head + greedy argmax + host sync, median wall time; floor_ms: the 128 "
+                  "decoder matmuls alone (no LM head), graph-captured; KV context is random, blocks shuffled"),
         "model_build_seconds": round(build_s, 2),
         "graph_capture": capture,
         "decode": [],
         "verify_curve": [],
+        "errors": [],
     }
     try:
         import triton
@@ -236,116 +281,164 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
 
-    it = args.iters
-    for B in batches:
-        inputs, _ = make_inputs([1] * B, args.context, bs, 0, dev, gen, mc.vocab_size)
-        fwd = gpu_time_ms(forward_fn(inputs), it)
-        step = synced_time_ms(step_fn(inputs), it)
-        fl = gpu_time_ms(floor.get(B), it)
-        x = torch.randn(B, mc.hidden_size, device=dev, dtype=dtype)
-        lm = gpu_time_ms(lambda: F.linear(x, lm_head_w), it)
-        row = {"batch": B, "forward_ms": round(fwd, 3), "step_ms": round(step, 3), "floor_ms": round(fl, 3),
-               "lm_head_ms": round(lm, 3), "forward_over_floor": round(fwd / fl, 3),
-               "step_over_floor_plus_lm_head": round(step / (fl + lm), 3)}
-        results["decode"].append(row)
-        print(json.dumps(row), flush=True)
-        save()
-    if runner.graphs is not None:  # eager forward at batch 1, to show what graphs save
-        inputs, _ = make_inputs([1], args.context, bs, 0, dev, gen, mc.vocab_size)
-        g, runner.graphs = runner.graphs, None
-        results["decode_batch1_eager_forward_ms"] = round(gpu_time_ms(forward_fn(inputs), it), 3)
-        runner.graphs = g
+    def section(name: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:  # keep what the other sections measured
+            import traceback
 
-    for nreq in (1, 16):
-        for T in verify:
-            q_lens = spread(T, nreq)
-            inputs, _ = make_inputs(q_lens, args.context, bs, 0, dev, gen, mc.vocab_size)
-            n_it = max(5, min(it, int(2000 / max(T, 1))))
-            fwd = gpu_time_ms(forward_fn(inputs), n_it)
-            fl = gpu_time_ms(floor.get(T), n_it)
-            graphed = runner.graphs is not None and runner.graphs.fits(T)
-            row = {"requests": len(q_lens), "tokens": T, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3),
-                   "graph": graphed}
-            results["verify_curve"].append(row)
+            traceback.print_exc()
+            results["errors"].append({"section": name, "error": repr(e)[:400]})
+            if cuda:
+                torch.cuda.synchronize()
+        save()
+
+    def decode() -> None:
+        for B in batches:
+            inputs = decode_inputs(B)
+            fwd = gpu_time_ms(forward_fn(inputs), it)
+            step = synced_time_ms(step_fn(inputs), it)
+            fl = gpu_time_ms(floor.get(B), it)
+            x = torch.randn(B, mc.hidden_size, device=dev, dtype=dtype)
+            lm = gpu_time_ms(lambda: F.linear(x, lm_head_w), it)
+            row = {"batch": B, "forward_ms": round(fwd, 3), "step_ms": round(step, 3), "floor_ms": round(fl, 3),
+                   "lm_head_ms": round(lm, 3), "forward_over_floor": round(fwd / fl, 3),
+                   "step_over_floor_plus_lm_head": round(step / (fl + lm), 3)}
+            results["decode"].append(row)
             print(json.dumps(row), flush=True)
             save()
-
-    # attention alone (KV write + kernel, one layer) per decode batch; bytes = the K and V it must read.
-    # On the Triton backend also a few launch configurations, to tune the default.
-    attn = runner.attn
-    H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
-    variants = [(64, 4, None)]
-    if runner.backend_name == "triton":
-        variants += [(32, 4, None), (128, 4, None), (128, 8, None), (64, 4, 2), (64, 8, 3)]
-    default = (getattr(attn, "block_n", None), getattr(attn, "num_warps", None), getattr(attn, "num_stages", None))
-    results["attention_layer"] = []
-    for B in batches:
-        inputs, _ = make_inputs([1] * B, args.context, bs, 0, dev, gen, mc.vocab_size)
-        attn.plan(inputs.meta)
-        q = torch.randn(B, H, D, device=dev, dtype=dtype)
-        k = torch.randn(B, KVH, D, device=dev, dtype=dtype)
-        kv_bytes = 2 * B * (args.context + 1) * KVH * D * torch.empty((), dtype=dtype).element_size()
-        for bn, nw, ns in variants:
-            if runner.backend_name == "triton":
-                attn.block_n, attn.num_warps, attn.num_stages = bn, nw, ns
+        if runner.graphs is not None:  # eager forward at batch 1, to show what graphs save
+            g, runner.graphs = runner.graphs, None
             try:
-                us = gpu_time_ms(lambda: attn.forward(0, q, k, k), it * 5) * 1e3
-            except Exception as e:  # a variant that fails to compile is reported, not fatal
-                results["attention_layer"].append({"batch": B, "block_n": bn, "num_warps": nw, "error": repr(e)[:200]})
-                continue
-            row = {"batch": B, "block_n": bn, "num_warps": nw, "num_stages": ns, "us": round(us, 2),
-                   "kv_gb_per_s": round(kv_bytes / us / 1e3, 1), "x_layers_ms": round(us * mc.num_hidden_layers / 1e3, 3)}
-            results["attention_layer"].append(row)
-            print(json.dumps(row), flush=True)
-    if runner.backend_name == "triton":
-        attn.block_n, attn.num_warps, attn.num_stages = default
-    save()
+                results["decode_batch1_eager_forward_ms"] = round(gpu_time_ms(forward_fn(decode_inputs(1)), it), 3)
+            finally:
+                runner.graphs = g
 
-    # where a decode step's GPU time goes: kernels of one eager forward at the middle batch
-    if cuda:
-        B = batches[len(batches) // 2]
-        inputs, _ = make_inputs([1] * B, args.context, bs, 0, dev, gen, mc.vocab_size)
-        g, runner.graphs = runner.graphs, None
-        runner.forward(inputs)
-        torch.cuda.synchronize()
+    def verify_curve() -> None:
+        for nreq in (1, 16):
+            for T in verify:
+                q_lens = spread(T, nreq)
+                inputs, _ = make_inputs(q_lens, args.context, bs, 0, dev, gen, mc.vocab_size)
+                n_it = max(5, min(it, int(1000 / max(T, 1))))
+                fwd = gpu_time_ms(forward_fn(inputs), n_it)
+                fl = gpu_time_ms(floor.get(T), n_it)
+                graphed = runner.graphs is not None and runner.graphs.fits(T)
+                row = {"requests": len(q_lens), "tokens": T, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3),
+                       "graph": graphed}
+                results["verify_curve"].append(row)
+                print(json.dumps(row), flush=True)
+                save()
+
+    def attention_layer() -> None:
+        """KV write + kernel of one layer per decode batch; bytes = the K and V it must read. On the
+        Triton backend also a few launch configurations, to tune the default."""
+        attn = runner.attn
+        H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+        variants: list[tuple] = [(None, None, None)]
+        if runner.backend_name == "triton":
+            default = (attn.block_n, attn.num_warps, attn.num_stages)
+            variants = [default, (32, 4, None), (128, 4, None), (128, 8, None), (64, 4, 2), (64, 8, 3)]
+        results["attention_layer"] = []
+        try:
+            for B in batches:
+                inputs = decode_inputs(B)
+                attn.plan(inputs.meta)
+                q = torch.randn(B, H, D, device=dev, dtype=dtype)
+                k = torch.randn(B, KVH, D, device=dev, dtype=dtype)
+                kv_bytes = 2 * B * (args.context + 1) * KVH * D * torch.empty((), dtype=dtype).element_size()
+                for bn, nw, ns in variants:
+                    if runner.backend_name == "triton":
+                        attn.block_n, attn.num_warps, attn.num_stages = bn, nw, ns
+                    try:
+                        us = gpu_time_ms(lambda: attn.forward(0, q, k, k), it * 5) * 1e3
+                    except Exception as e:  # a variant that fails to compile is reported, not fatal
+                        results["attention_layer"].append({"batch": B, "block_n": bn, "num_warps": nw,
+                                                           "error": repr(e)[:200]})
+                        continue
+                    row = {"batch": B, "block_n": bn, "num_warps": nw, "num_stages": ns, "us": round(us, 2),
+                           "kv_gb_per_s": round(kv_bytes / us / 1e3, 1),
+                           "x_layers_ms": round(us * mc.num_hidden_layers / 1e3, 3)}
+                    results["attention_layer"].append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            if runner.backend_name == "triton":
+                attn.block_n, attn.num_warps, attn.num_stages = variants[0]
+
+    def kernel_profile() -> None:
+        """Where a decode step's GPU time goes: the kernels of one eager forward."""
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        B = batches[len(batches) // 2]
+        inputs = decode_inputs(B)
+        g, runner.graphs = runner.graphs, None
+        try:
             runner.forward(inputs)
             torch.cuda.synchronize()
-        runner.graphs = g
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.forward(inputs)
+                torch.cuda.synchronize()
+        finally:
+            runner.graphs = g
         rows = []
         for e in prof.key_averages():
             t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
             if t > 0 and e.count > 0:
                 rows.append({"kernel": e.key[:90], "count": e.count, "total_us": round(t, 1)})
         rows.sort(key=lambda r: -r["total_us"])
-        total = sum(r["total_us"] for r in rows)
-        results["kernel_profile"] = {"batch": B, "eager_forward_kernel_us": round(total, 1),
+        results["kernel_profile"] = {"batch": B, "eager_forward_kernel_us": round(sum(r["total_us"] for r in rows), 1),
                                      "num_kernels": sum(r["count"] for r in rows), "top": rows[:25]}
-        save()
+
+    def fused_experiment() -> None:
+        restore = fused_elementwise_patch()
+        try:
+            t0 = time.perf_counter()
+            runner.capture_graphs()  # compiles at each size's warm-up, then captures
+            exp = {"what": "RMSNorm, rotary and SiLU*mul torch.compile'd (dynamic shapes) inside the same graphs",
+                   "compile_and_capture_s": round(time.perf_counter() - t0, 1), "decode": []}
+            results["fused_elementwise_experiment"] = exp
+            for B in batches:
+                fwd = gpu_time_ms(forward_fn(decode_inputs(B)), it)
+                fl = gpu_time_ms(floor.get(B), it)
+                exp["decode"].append({"batch": B, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3),
+                                      "forward_over_floor": round(fwd / fl, 3)})
+                print(json.dumps(exp["decode"][-1]), flush=True)
+        finally:
+            restore()
+
+    section("decode", decode)
+    section("verify_curve", verify_curve)
+    section("attention_layer", attention_layer)
+    if cuda:
+        section("kernel_profile", kernel_profile)
+        if args.fused_experiment:
+            section("fused_experiment", fused_experiment)
 
     print(f"\n{results['device']}, {results['dtype']}, context {args.context}, graphs: {capture}")
     print(f"{'batch':>6} {'forward':>9} {'step':>9} {'floor':>9} {'lm_head':>8} {'fwd/floor':>10} {'step/(floor+lm)':>16}")
     for r in results["decode"]:
         print(f"{r['batch']:>6} {r['forward_ms']:>9.3f} {r['step_ms']:>9.3f} {r['floor_ms']:>9.3f} "
               f"{r['lm_head_ms']:>8.3f} {r['forward_over_floor']:>10.3f} {r['step_over_floor_plus_lm_head']:>16.3f}")
+    if "decode_batch1_eager_forward_ms" in results:
+        print(f"batch 1 eager forward (no graphs): {results['decode_batch1_eager_forward_ms']} ms")
     print(f"\n{'reqs':>5} {'tokens':>7} {'forward':>9} {'floor':>9} {'ratio':>6} graph")
     for r in results["verify_curve"]:
         print(f"{r['requests']:>5} {r['tokens']:>7} {r['forward_ms']:>9.3f} {r['floor_ms']:>9.3f} "
               f"{r['forward_ms'] / r['floor_ms']:>6.2f} {r['graph']}")
     print(f"\n{'batch':>6} {'block_n':>7} {'warps':>5} {'stages':>6} {'us/layer':>9} {'GB/s':>7} {'x layers ms':>11}")
-    for r in results["attention_layer"]:
+    for r in results.get("attention_layer", []):
         if "us" in r:
-            print(f"{r['batch']:>6} {r['block_n']:>7} {r['num_warps']:>5} {str(r['num_stages']):>6} {r['us']:>9.2f} "
-                  f"{r['kv_gb_per_s']:>7.1f} {r['x_layers_ms']:>11.3f}")
+            print(f"{r['batch']:>6} {str(r['block_n']):>7} {str(r['num_warps']):>5} {str(r['num_stages']):>6} "
+                  f"{r['us']:>9.2f} {r['kv_gb_per_s']:>7.1f} {r['x_layers_ms']:>11.3f}")
     if "kernel_profile" in results:
         kp = results["kernel_profile"]
-        print(f"\neager forward at batch {kp['batch']}: {kp['num_kernels']} kernels, {kp['eager_forward_kernel_us']:.0f} us of kernel time")
+        print(f"\neager forward at batch {kp['batch']}: {kp['num_kernels']} kernels, "
+              f"{kp['eager_forward_kernel_us']:.0f} us of kernel time")
         for r in kp["top"][:15]:
             print(f"  {r['total_us']:>9.1f} us {r['count']:>5}x  {r['kernel']}")
-    if "decode_batch1_eager_forward_ms" in results:
-        print(f"batch 1 eager forward (no graphs): {results['decode_batch1_eager_forward_ms']} ms")
+    if "fused_elementwise_experiment" in results:
+        print(f"\nfused elementwise experiment: {json.dumps(results['fused_elementwise_experiment'])}")
+    if results["errors"]:
+        print(f"\nERRORS: {json.dumps(results['errors'])}")
 
 
 if __name__ == "__main__":
