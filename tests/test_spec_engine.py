@@ -1,0 +1,87 @@
+"""EAGLE speculation on the real SmolLM2: greedy output is token-for-token the no-spec output."""
+
+import os
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.spec.drafter import DEFAULT_HEAD
+
+SHIPPED = (DEFAULT_HEAD / "config.json").exists()
+CHAIN = dict(speculative_num_steps=3)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory):
+    from specserve.loader import load_model_source
+    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    torch.manual_seed(0)
+    mc = load_model_source(None).config
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=8192))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+        head.d2t.zero_()
+        head.t2d[:8192] = True
+    path = str(tmp_path_factory.mktemp("head"))
+    head.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(chat_prompts):
+    llm = LLM(max_num_seqs=8)
+    return [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
+
+
+def heads(random_head):
+    return [random_head] + ([str(DEFAULT_HEAD)] if SHIPPED else [])
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_lossless_batch8_with_preemption(random_head, reference, chat_prompts, shape):
+    for head in heads(random_head):
+        llm = LLM(max_num_seqs=8, num_kv_blocks=100, block_size=4, speculative_algorithm="EAGLE3",
+                  speculative_draft_model_path=head, speculative_policy="static", **shape)
+        out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert out == reference, f"head {head}"
+
+
+@pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
+def test_greedy_lossless_batch1(random_head, reference, chat_prompts, shape):
+    for head in heads(random_head):
+        llm = LLM(max_num_seqs=1, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_policy="static", **shape)
+        out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts[:3], SP)]
+        assert out == reference[:3], f"head {head}"
+        m = llm.chat(chat_prompts[:1], SP)[0].metrics
+        assert m.spec_verify_steps > 0 and m.spec_draft_tokens >= m.spec_verify_steps
+
+
+@pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree yet")
+def test_shipped_head_is_the_default_and_accepts(chat_prompts):
+    llm = LLM(speculative_algorithm="EAGLE3", speculative_policy="static")
+    outs = llm.chat(chat_prompts[:4], SamplingParams(temperature=0, max_tokens=32))
+    st = llm.engine.get_stats()
+    assert st.avg_accept_length is not None and st.avg_accept_length > 1.5
+
+
+def test_adaptive_turns_a_useless_head_off(random_head, reference, chat_prompts):
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
+    assert out == reference
+    hist = llm.engine.get_stats().k_histogram
+    # a random head is never accepted: after the first observations the controller stops drafting
+    assert hist.get(0, 0) > 3 * sum(v for k, v in hist.items() if k > 0)
+
+
+def test_per_request_cap_disables_speculation(random_head, chat_prompts):
+    llm = LLM(speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, speculative_policy="static")
+    sp = SamplingParams(temperature=0, max_tokens=8, max_spec_tokens=0)
+    m = llm.chat(chat_prompts[:1], sp)[0].metrics
+    assert m.spec_verify_steps == 0 and m.spec_draft_tokens == 0
