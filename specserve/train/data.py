@@ -145,17 +145,35 @@ class Example:
         return sum(self.mask)
 
 
+def _renders(conv: Conversation) -> list[tuple[Conversation, bool]]:
+    """The renderings the mask needs: the whole conversation, then per assistant turn j the
+    prefix before it with the generation prompt and (unless j is last) the prefix through it."""
+    out = [(conv, False)]
+    for j, m in enumerate(conv):
+        if m["role"] == "assistant":
+            out.append((conv[:j], True))
+            if j + 1 < len(conv):
+                out.append((conv[: j + 1], False))
+    return out
+
+
 def tokenize_conversation(tokenizer: Any, conv: Conversation, stop_ids: Sequence[int], max_len: int,
-                          index: int = -1) -> Example | None:
-    """Ids and assistant mask of one conversation; None when it has no assistant token within max_len."""
-    full = render_ids(tokenizer, conv, add_generation_prompt=False)
+                          index: int = -1, rendered: list[list[int]] | None = None) -> Example | None:
+    """Ids and assistant mask of one conversation; None when it has no assistant token within max_len.
+
+    ``rendered``: the ids of ``_renders(conv)`` in order, when already computed (batched).
+    """
+    if rendered is None:
+        rendered = [render_ids(tokenizer, c, add_generation_prompt=g) for c, g in _renders(conv)]
+    it = iter(rendered)
+    full = next(it)
     mask = [False] * len(full)
     stops = set(int(s) for s in stop_ids)
     for j, m in enumerate(conv):
         if m["role"] != "assistant":
             continue
-        before = render_ids(tokenizer, conv[:j], add_generation_prompt=True)
-        upto = render_ids(tokenizer, conv[: j + 1], add_generation_prompt=False)
+        before = next(it)
+        upto = next(it) if j + 1 < len(conv) else full
         start = _common_prefix(before, full)
         end = _common_prefix(upto, full)
         # the turn ends at its first end-of-turn token; template text after it is no target
@@ -172,12 +190,27 @@ def tokenize_conversation(tokenizer: Any, conv: Conversation, stop_ids: Sequence
 
 
 def tokenize_all(tokenizer: Any, convs: Iterable[tuple[int, Conversation]], stop_ids: Sequence[int],
-                 max_len: int) -> list[Example]:
+                 max_len: int, chunk: int = 2048) -> list[Example]:
+    """Examples of many conversations. With our Tokenizer the template texts are encoded in
+    batches (the tokenizer library runs those on all cores)."""
+    convs = list(convs)
+    batched = hasattr(tokenizer, "apply_chat_template_text") and hasattr(tokenizer, "backend")
     out = []
-    for i, c in convs:
-        ex = tokenize_conversation(tokenizer, c, stop_ids, max_len, index=i)
-        if ex is not None:
-            out.append(ex)
+    for c0 in range(0, len(convs), chunk):
+        part = convs[c0 : c0 + chunk]
+        rendered: list[list[list[int]] | None] = [None] * len(part)
+        if batched:
+            jobs = [(k, c, g) for k, (_, conv) in enumerate(part) for c, g in _renders(conv)]
+            texts = [tokenizer.apply_chat_template_text(list(c), add_generation_prompt=g) for _, c, g in jobs]
+            encs = tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+            per: list[list[list[int]]] = [[] for _ in part]
+            for (k, _, _), e in zip(jobs, encs):
+                per[k].append(e.ids)
+            rendered = list(per)
+        for (i, c), r in zip(part, rendered):
+            ex = tokenize_conversation(tokenizer, c, stop_ids, max_len, index=i, rendered=r)
+            if ex is not None:
+                out.append(ex)
     return out
 
 

@@ -13,13 +13,13 @@ import torch
 
 def count_tokens(sequences: Iterable[tuple[list[int], list[bool]]], vocab_size: int) -> torch.Tensor:
     """Frequency of each target token over loss-masked positions: [vocab_size] int64."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    kept: list[int] = []
     for ids, mask in sequences:
-        t = torch.tensor(ids, dtype=torch.int64)[torch.tensor(mask, dtype=torch.bool)]
-        if t.numel() and int(t.max()) >= vocab_size:
-            raise ValueError(f"token id {int(t.max())} >= vocab_size {vocab_size}")
-        counts += torch.bincount(t, minlength=vocab_size)
-    return counts
+        kept.extend(t for t, m in zip(ids, mask) if m)
+    t = torch.tensor(kept, dtype=torch.int64)
+    if t.numel() and int(t.max()) >= vocab_size:
+        raise ValueError(f"token id {int(t.max())} >= vocab_size {vocab_size}")
+    return torch.bincount(t, minlength=vocab_size)
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
