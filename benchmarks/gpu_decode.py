@@ -319,7 +319,7 @@ def main() -> None:
             for T in verify:
                 q_lens = spread(T, nreq)
                 inputs, _ = make_inputs(q_lens, args.context, bs, 0, dev, gen, mc.vocab_size)
-                n_it = max(5, min(it, int(1000 / max(T, 1))))
+                n_it = max(3, min(it, int(500 / max(T, 1))))
                 fwd = gpu_time_ms(forward_fn(inputs), n_it)
                 fl = gpu_time_ms(floor.get(T), n_it)
                 graphed = runner.graphs is not None and runner.graphs.fits(T)
@@ -330,39 +330,65 @@ def main() -> None:
                 save()
 
     def attention_layer() -> None:
-        """KV write + kernel of one layer per decode batch; bytes = the K and V it must read. On the
-        Triton backend also a few launch configurations, to tune the default."""
+        """KV write + attention of one layer per decode batch, graph-captured (GPU time only); bytes =
+        the K and V it must read. On the Triton backend also other launch settings, to tune the default."""
         attn = runner.attn
         H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
-        variants: list[tuple] = [(None, None, None)]
+        variants: list[tuple[str, dict]] = [("default", {})]
+        knobs = ("split_kv", "block_n", "num_warps", "num_stages")
         if runner.backend_name == "triton":
-            default = (attn.block_n, attn.num_warps, attn.num_stages)
-            variants = [default, (32, 4, None), (128, 4, None), (128, 8, None), (64, 4, 2), (64, 8, 3)]
+            variants += [("no_split", {"split_kv": False}), ("block_n=32", {"block_n": 32}),
+                         ("block_n=128", {"block_n": 128}), ("warps=8", {"num_warps": 8}),
+                         ("stages=2", {"num_stages": 2}), ("no_split,block_n=128,warps=8",
+                                                           {"split_kv": False, "block_n": 128, "num_warps": 8})]
+            saved = {k: getattr(attn, k) for k in knobs}
         results["attention_layer"] = []
-        try:
-            for B in batches:
-                inputs = decode_inputs(B)
-                attn.plan(inputs.meta)
-                q = torch.randn(B, H, D, device=dev, dtype=dtype)
-                k = torch.randn(B, KVH, D, device=dev, dtype=dtype)
-                kv_bytes = 2 * B * (args.context + 1) * KVH * D * torch.empty((), dtype=dtype).element_size()
-                for bn, nw, ns in variants:
-                    if runner.backend_name == "triton":
-                        attn.block_n, attn.num_warps, attn.num_stages = bn, nw, ns
-                    try:
-                        us = gpu_time_ms(lambda: attn.forward(0, q, k, k), it * 5) * 1e3
-                    except Exception as e:  # a variant that fails to compile is reported, not fatal
-                        results["attention_layer"].append({"batch": B, "block_n": bn, "num_warps": nw,
-                                                           "error": repr(e)[:200]})
-                        continue
-                    row = {"batch": B, "block_n": bn, "num_warps": nw, "num_stages": ns, "us": round(us, 2),
-                           "kv_gb_per_s": round(kv_bytes / us / 1e3, 1),
+        for B in batches:
+            inputs = decode_inputs(B)
+            q = torch.randn(B, H, D, device=dev, dtype=dtype)
+            k = torch.randn(B, KVH, D, device=dev, dtype=dtype)
+            kv_bytes = 2 * B * (args.context + 1) * KVH * D * torch.empty((), dtype=dtype).element_size()
+            for name, over in variants:
+                try:
+                    for key, val in over.items():
+                        setattr(attn, key, val)
+                    attn.plan(inputs.meta)
+                    if cuda:
+                        attn.forward(0, q, k, k)  # compile outside the capture
+                        torch.cuda.synchronize()
+                        attn.graph_min_tokens = B
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            attn.forward(0, q, k, k)
+                        fn: Callable[[], object] = graph.replay
+                    else:
+                        fn = lambda: attn.forward(0, q, k, k)  # noqa: E731
+                    us = gpu_time_ms(fn, it * 5) * 1e3
+                    row = {"batch": B, "variant": name, "us": round(us, 2), "kv_gb_per_s": round(kv_bytes / us / 1e3, 1),
                            "x_layers_ms": round(us * mc.num_hidden_layers / 1e3, 3)}
-                    results["attention_layer"].append(row)
-                    print(json.dumps(row), flush=True)
+                except Exception as e:  # a variant that fails is reported, not fatal
+                    row = {"batch": B, "variant": name, "error": repr(e)[:200]}
+                finally:
+                    if runner.backend_name == "triton":
+                        for key, val in saved.items():
+                            setattr(attn, key, val)
+                        attn.graph_min_tokens = 1
+                results["attention_layer"].append(row)
+                print(json.dumps(row), flush=True)
+
+    def decode_without_split() -> None:
+        """The decode forward again with split-KV off (re-captured graphs), to show what splitting buys."""
+        runner.attn.split_kv = False
+        try:
+            runner.capture_graphs()
+            rows = []
+            for B in batches:
+                rows.append({"batch": B, "forward_ms": round(gpu_time_ms(forward_fn(decode_inputs(B)), it), 3)})
+                print(json.dumps(rows[-1]), flush=True)
+            results["decode_forward_no_split_kv"] = rows
         finally:
-            if runner.backend_name == "triton":
-                attn.block_n, attn.num_warps, attn.num_stages = variants[0]
+            runner.attn.split_kv = True
+            runner.capture_graphs()
 
     def kernel_profile() -> None:
         """Where a decode step's GPU time goes: the kernels of one eager forward."""
@@ -408,6 +434,8 @@ def main() -> None:
     section("decode", decode)
     section("verify_curve", verify_curve)
     section("attention_layer", attention_layer)
+    if runner.backend_name == "triton" and cuda:
+        section("decode_without_split", decode_without_split)
     if cuda:
         section("kernel_profile", kernel_profile)
         if args.fused_experiment:
@@ -424,11 +452,12 @@ def main() -> None:
     for r in results["verify_curve"]:
         print(f"{r['requests']:>5} {r['tokens']:>7} {r['forward_ms']:>9.3f} {r['floor_ms']:>9.3f} "
               f"{r['forward_ms'] / r['floor_ms']:>6.2f} {r['graph']}")
-    print(f"\n{'batch':>6} {'block_n':>7} {'warps':>5} {'stages':>6} {'us/layer':>9} {'GB/s':>7} {'x layers ms':>11}")
+    if "decode_forward_no_split_kv" in results:
+        print(f"decode forward without split-KV: {results['decode_forward_no_split_kv']}")
+    print(f"\n{'batch':>6} {'attention variant':>30} {'us/layer':>9} {'GB/s':>7} {'x layers ms':>11}")
     for r in results.get("attention_layer", []):
         if "us" in r:
-            print(f"{r['batch']:>6} {str(r['block_n']):>7} {str(r['num_warps']):>5} {str(r['num_stages']):>6} "
-                  f"{r['us']:>9.2f} {r['kv_gb_per_s']:>7.1f} {r['x_layers_ms']:>11.3f}")
+            print(f"{r['batch']:>6} {r['variant']:>30} {r['us']:>9.2f} {r['kv_gb_per_s']:>7.1f} {r['x_layers_ms']:>11.3f}")
     if "kernel_profile" in results:
         kp = results["kernel_profile"]
         print(f"\neager forward at batch {kp['batch']}: {kp['num_kernels']} kernels, "

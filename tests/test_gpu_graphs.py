@@ -85,16 +85,21 @@ def _chain_tree_mask(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_triton_matches_torch_native_llama8b_heads(dtype):
+@pytest.mark.parametrize("batch", ["mixed", "small"])
+def test_triton_matches_torch_native_llama8b_heads(dtype, batch, monkeypatch):
+    """'mixed': decodes, verifies, a tree and prefill chunks; 'small': few tokens, so keys are split."""
     from specserve.attention.torch_native import TorchNativeBackend
     from specserve.attention.triton_backend import TritonBackend
 
     dev = torch.device("cuda")
     H, KVH, D, bs, nb = 32, 8, 128, 16, 4096
-    q_lens = [1] * 20 + [4] * 8 + [10, 300, 57]
-    ctx = [(i * 97) % 1500 for i in range(len(q_lens))]
-    tree = _chain_tree_mask(10)
-    meta = _random_step(q_lens, ctx, bs, nb, dev, trees={28: tree.to(dev)})
+    if batch == "mixed":
+        q_lens = [1] * 20 + [4] * 8 + [10, 300, 57]
+        ctx = [(i * 97) % 1500 for i in range(len(q_lens))]
+        trees = {28: _chain_tree_mask(10).to(dev)}
+    else:
+        q_lens, ctx, trees = [1, 1, 5, 4], [1000, 77, 3000, 511], {2: _chain_tree_mask(5).to(dev)}
+    meta = _random_step(q_lens, ctx, bs, nb, dev, trees=trees)
     g = torch.Generator(device=dev).manual_seed(0)
     shape = (nb, bs, KVH, D)
     caches = [(torch.randn(shape, generator=g, device=dev).to(dtype), torch.randn(shape, generator=g, device=dev).to(dtype))]
@@ -105,10 +110,15 @@ def test_triton_matches_torch_native_llama8b_heads(dtype):
     ref = TorchNativeBackend([(a.clone(), b.clone()) for a, b in caches], bs, D**-0.5)
     ref.plan(meta)
     out_ref = ref.forward(0, q, k, v).float()
-    for max_tokens in (T, 4096):  # graph-sized tiles, then (T > 512) the large-step tiles
+    from specserve.attention import triton_backend
+
+    for large in (False, True):  # graph-sized tiles (16 rows), then the large-step tiles (64 rows)
+        monkeypatch.setattr(triton_backend, "LARGE_STEP_TOKENS", 0 if large else 512)
         tri = TritonBackend([(a.clone(), b.clone()) for a, b in caches], bs, D**-0.5, num_heads=H,
-                            max_num_tokens=max_tokens, max_num_seqs=64, max_blocks_per_seq=128)
+                            max_num_tokens=1024, max_num_seqs=64, max_blocks_per_seq=256)
         tri.plan(meta)
+        assert tri._block_m == (64 if large else 16)
+        assert (tri._num_merges > 0) == (batch == "small")
         out = tri.forward(0, q, k, v).float()
         err = ((out - out_ref).norm() / out_ref.norm()).item()
         tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]

@@ -49,10 +49,15 @@ from specserve.attention import triton_backend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # interpreter
+
+
+SPLIT = {"target_programs": 256, "min_split_keys": 16}  # split the keys of every tile of a small step
+NO_SPLIT = {"split_kv": False}
 
 
 def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
-          trees=None, num_blocks=64, seed=0, block_n=16):
+          trees=None, num_blocks=64, seed=0, block_n=16, backend=NO_SPLIT):
     """Run both backends on the same random step; return (out_ref, out_triton, caches equal)."""
     g = torch.Generator().manual_seed(seed)
     seq = [c + q for c, q in zip(ctx_lens, q_lens)]
@@ -83,8 +88,10 @@ def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, d
     ref.plan(meta)
     out_ref = ref.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
     tri = TritonBackend(caches_tri, block_size, head_dim**-0.5, num_heads=heads, max_num_tokens=128,
-                        max_num_seqs=8, max_blocks_per_seq=32, block_n=block_n)
+                        max_num_seqs=8, max_blocks_per_seq=32, block_n=block_n, **backend)
     tri.plan(meta)
+    if backend is SPLIT and max(seq) > 2 * block_n:
+        assert tri._num_merges > 0, "the case was meant to split keys"
     out_tri = tri.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
     same_cache = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(caches_ref, caches_tri))
     return out_ref.float(), out_tri.float(), same_cache
@@ -117,14 +124,16 @@ TREE = torch.tensor([[1, 0, 0, 0, 0],
                  marks=pytest.mark.skipif(not CUDA, reason="Triton 3.6's interpreter multiplies bf16 dot "
                                                            "operands as raw bits (checked on the GPU)")),
 ])
-def test_matches_torch_native(name, q_lens, ctx_lens, kw):
-    ref, out, same_cache = _case(q_lens, ctx_lens, **kw)
+@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT], ids=["whole", "split_kv"])
+def test_matches_torch_native(name, q_lens, ctx_lens, kw, backend):
+    ref, out, same_cache = _case(q_lens, ctx_lens, backend=backend, **kw)
     assert same_cache, "K/V written to different cache slots"
     _assert_close(ref, out, kw.get("dtype", torch.float32))
 
 
-def test_tree_masks_and_causal_in_one_batch():
-    ref, out, same_cache = _case([5, 1, 5, 3], [9, 3, 0, 14], trees={0: TREE, 2: TREE})
+@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT], ids=["whole", "split_kv"])
+def test_tree_masks_and_causal_in_one_batch(backend):
+    ref, out, same_cache = _case([5, 1, 5, 3], [9, 3, 0, 14], trees={0: TREE, 2: TREE}, backend=backend)
     assert same_cache
     _assert_close(ref, out, torch.float32)
     # the mask matters: a causal run of the same step differs on the tree rows
@@ -139,25 +148,32 @@ def test_large_step_tiles(monkeypatch):
     _assert_close(ref, out, torch.float32)
 
 
-def test_padded_launch_ignores_extra_tokens():
-    """A launch over more tokens than planned (graph padding) leaves real rows unchanged and
-    writes the padded tokens' K/V only into the scratch slot."""
+@pytest.mark.parametrize("backend", [NO_SPLIT, {"target_programs": 64, "min_split_keys": 4}],
+                         ids=["whole", "split_kv"])
+def test_padded_launch_ignores_extra_tokens(monkeypatch, backend):
+    """A launch as captured in a CUDA graph (more tokens than planned, every possible work item
+    and merge) leaves real rows unchanged and writes padded tokens' K/V only into the scratch slot."""
     g = torch.Generator().manual_seed(1)
-    bs, kvh, hd, nb = 4, 2, 16, 16
+    bs, kvh, hd, nb = 8, 2, 16, 16
     caches = [(torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE), torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE))]
     before = [(a.clone(), b.clone()) for a, b in caches]
-    tri = TritonBackend(caches, bs, hd**-0.5, num_heads=4, max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=4)
-    meta = AttentionMetadata(query_lens=[1, 2], seq_lens=[3, 6],
-                             slot_mapping=torch.tensor([2, 4 + 0, 4 + 1], device=DEVICE),
-                             block_tables=torch.tensor([[0, 0], [3, 1]], device=DEVICE))
+    tri = TritonBackend(caches, bs, hd**-0.5, num_heads=4, max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8,
+                        block_n=16, **backend)
+    meta = AttentionMetadata(query_lens=[1, 2], seq_lens=[35, 40],
+                             slot_mapping=torch.tensor([4 * 8 + 2, 9 * 8 + 6, 9 * 8 + 7], device=DEVICE),
+                             block_tables=torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], device=DEVICE))
     tri.plan(meta)
+    assert (tri._num_merges > 0) == (backend is not NO_SPLIT)
     q = torch.randn(5, 4, hd, generator=g).to(DEVICE)
     kv = torch.randn(5, kvh, hd, generator=g).to(DEVICE)
-    out_pad = tri.forward(0, q, kv, kv)
-    caches_pad = [(a.clone(), b.clone()) for a, b in caches]
+    out = tri.forward(0, q[:3], kv[:3], kv[:3])
+    caches_eager = [(a.clone(), b.clone()) for a, b in caches]
     caches[0][0].copy_(before[0][0])
     caches[0][1].copy_(before[0][1])
-    out = tri.forward(0, q[:3], kv[:3], kv[:3])
+    monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+    out_pad = tri.forward(0, q, kv, kv)
+    caches_pad = [(a.clone(), b.clone()) for a, b in caches]
+    caches = caches_eager
     assert torch.equal(out_pad[:3], out)
     scratch = nb * bs - 1
     flat_pad, flat = caches_pad[0][0].view(-1, kvh, hd), caches[0][0].view(-1, kvh, hd)
@@ -192,7 +208,8 @@ def _random_tree_mask(n: int, seed: int) -> torch.Tensor:
     return m
 
 
-def test_64_token_tree():
+@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT], ids=["whole", "split_kv"])
+def test_64_token_tree(backend):
     """The largest tree the int64 bitmask holds (bit 63 is the sign bit)."""
-    ref, out, _ = _case([64, 2], [7, 5], trees={0: _random_tree_mask(64, 3)}, num_blocks=48)
+    ref, out, _ = _case([64, 2], [7, 5], trees={0: _random_tree_mask(64, 3)}, num_blocks=48, backend=backend)
     _assert_close(ref, out, torch.float32)

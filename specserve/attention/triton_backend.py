@@ -1,9 +1,15 @@
 """Paged attention in Triton (the GPU backend), graph-friendly.
 
-One program handles one *tile* (up to ``block_q`` consecutive query tokens of one request) for
-one KV head: its rows are the tile's tokens times the query heads that share that KV head (GQA),
-so decode (1 token), verify (1+k) and prefill chunks all run through one kernel. Keys and values
-are read through the block table, a ``block_n``-key chunk at a time, with an online softmax.
+A *tile* is up to ``block_q`` consecutive query tokens of one request; its rows are those tokens
+times the query heads that share one KV head (GQA), so decode (1 token), verify (1+k) and prefill
+chunks all run through one kernel. A *work item* is a tile and a range of its keys: one program
+per (work item, KV head) reads keys and values through the block table, ``block_n`` keys at a
+time, with an online softmax.
+
+Small steps (few tiles: decode at low batch) would leave most of the GPU idle, so the plan splits
+each tile's keys over several work items (flash-decoding); those write partial outputs with
+their log-sum-exp, and a second kernel merges them. Tiles with one work item write the output
+directly.
 
 Masking is per query token, from three numbers the plan writes:
   ``kv_limit``   keys at positions >= kv_limit are never seen (causal: own position + 1),
@@ -15,9 +21,10 @@ mask has kv_limit = seq_len and tree_start = seq_len - q_len for all its tokens 
 
 CUDA graphs: ``plan`` writes every per-step number into preallocated device buffers (one packed
 host->device copy plus device->device copies; no host sync), and ``forward`` only reads them, so
-a graph captured once replays with any step's metadata. Captured launches use one program per
-token slot (tiles <= tokens); unused programs find ``tile_len == 0`` and store nothing. Tokens past
-the step's real count (padding up to a captured size) write their K/V into ``scratch_slot``.
+a graph captured once replays with any step's metadata. A captured launch has a program for every
+work item a step of its token count can have; unused programs find ``item_len == 0`` and store
+nothing. Tokens past the step's real count (padding up to a captured size) write their K/V into
+``scratch_slot``.
 """
 
 from __future__ import annotations
@@ -34,30 +41,38 @@ from specserve.attention.base import AttentionBackend, AttentionMetadata
 
 MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
 GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens (all captured sizes)
-LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps
+LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; never split
 LARGE_STEP_TOKENS = 512
 _LOG2E = 1.4426950408889634
+
+# packed int32 metadata sections: per work item, per split tile (merge), per token
+_ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part")
+_MERGE_FIELDS = ("tok", "len", "first", "count")
 
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K_cache, V_cache, O,
-    tile_req, tile_tok, tile_len, tile_kv_end,  # [tiles] int32: request, first token, tokens, keys seen
+    Q, K_cache, V_cache, O, PartO, PartLse,
+    item_req, item_tok, item_len, item_lo, item_hi, item_part,  # [items] int32
     kv_limit, tree_start, tree_bits,  # [tokens] int32, int32, int64
     block_table,  # [max_seqs, max_blocks] int32
     bt_stride, qk_scale,  # qk_scale = softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,  # K and V caches share their layout
+    stride_pi, stride_ph,  # partial outputs: [parts, kv_heads, BLOCK_M, HEAD_DIM]; lse: [parts, kv_heads, BLOCK_M]
     G: tl.constexpr,  # query heads per KV head
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    item = tl.program_id(0)
     kvh = tl.program_id(1)
-    n_q = tl.load(tile_len + tile)
-    req = tl.load(tile_req + tile).to(tl.int64)
-    t0 = tl.load(tile_tok + tile)
+    n_q = tl.load(item_len + item)
+    req = tl.load(item_req + item).to(tl.int64)
+    t0 = tl.load(item_tok + item)
+    lo = tl.load(item_lo + item)
+    hi = tl.load(item_hi + item)
+    part = tl.load(item_part + item)
 
     rows = tl.arange(0, BLOCK_M)
     q_off = rows // G
@@ -72,14 +87,13 @@ def _paged_attention_kernel(
     limit = tl.load(kv_limit + tok, mask=row_ok, other=0)
     tstart = tl.load(tree_start + tok, mask=row_ok, other=0)
     bits = tl.load(tree_bits + tok, mask=row_ok, other=0)
-    kv_end = tl.load(tile_kv_end + tile)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < kv_end
+        j_ok = j < hi
         blk = tl.load(block_table + req * bt_stride + j // PAGE, mask=j_ok, other=0).to(tl.int64)
         kv_off = blk * stride_kb + (j % PAGE) * stride_ks + kvh * stride_kh
         kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -101,6 +115,55 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=io_mask & (part < 0))
+    # one of several work items of its tile: partial output + log2-sum-exp for the merge kernel
+    slot = tl.maximum(part, 0).to(tl.int64)
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    tl.store(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :], out,
+             mask=io_mask & (part >= 0))
+    tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, lse, mask=row_ok & (part >= 0))
+
+
+@triton.jit
+def _merge_kernel(
+    PartO, PartLse, O,
+    merge_tok, merge_len, merge_first, merge_count,  # [split tiles] int32
+    stride_ot, stride_oh, stride_pi, stride_ph,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_q = tl.load(merge_len + t)
+    t0 = tl.load(merge_tok + t)
+    first = tl.load(merge_first + t)
+    count = tl.load(merge_count + t)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_off = rows // G
+    row_ok = (q_off < n_q) & (count > 0)
+    tok = (t0 + q_off).to(tl.int64)
+    head = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    wsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(0, count):
+        slot = (first + i).to(tl.int64)
+        lse = tl.load(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, mask=row_ok,
+                      other=float("-inf"))
+        o = tl.load(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        wsum = wsum * alpha + w
+        m = m_new
+    out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
     tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -112,8 +175,23 @@ def _pack_rows(mask: np.ndarray) -> np.ndarray:
     return (mask.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64).view(np.int64)
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether this launch is being recorded into a CUDA graph (then it must cover any step)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _cdiv(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
+    return -(-a // b)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _default_target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
 
 
 class TritonBackend(AttentionBackend):
@@ -122,12 +200,15 @@ class TritonBackend(AttentionBackend):
     Capacity is fixed at construction: ``max_num_tokens`` tokens and ``max_num_seqs`` requests
     per step, ``max_blocks_per_seq`` block-table entries per request. ``scratch_slot`` is a
     cache slot no request owns (the runner reserves one block for it); padded tokens write there.
+    Steps of fewer tokens than ``split_tiles = target_programs / kv_heads`` split each tile's keys
+    into ranges of at least ``min_split_keys`` (``split_kv=False`` turns that off).
     """
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float, *,
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int | None = None) -> None:
+                 num_stages: int | None = None, split_kv: bool = True, target_programs: int | None = None,
+                 min_split_keys: int = 128) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -149,19 +230,34 @@ class TritonBackend(AttentionBackend):
         self.num_stages = num_stages  # None: Triton's default
         self.device = k0.device
         dev = self.device
+        self.split_kv = split_kv
+        target = target_programs if target_programs is not None else _default_target_programs(dev)
+        self.split_tiles = max(1, -(-target // self.num_kv_heads))  # split below this many tiles
+        self.min_split_keys = min_split_keys
 
-        # packed int32 metadata, one host->device copy per step: 6 sections of max_num_tokens
-        n = max_num_tokens
-        self._meta = torch.zeros(6 * n, dtype=torch.int32, device=dev)
-        (self._tile_req, self._tile_tok, self._tile_len, self._tile_kv_end, self._kv_limit,
-         self._tree_start) = self._meta.split(n)
-        self._tree_bits = torch.zeros(n, dtype=torch.int64, device=dev)
+        # capacities: items <= tokens without splits, < 2 * split_tiles with them
+        self.max_items = max_num_tokens + 2 * self.split_tiles
+        self.max_parts = 2 * self.split_tiles
+        self._sections = [self.max_items] * len(_ITEM_FIELDS) + [self.split_tiles] * len(_MERGE_FIELDS) \
+            + [max_num_tokens] * 2
+        self._meta = torch.zeros(sum(self._sections), dtype=torch.int32, device=dev)
+        views = self._meta.split(self._sections)
+        self._item = dict(zip(_ITEM_FIELDS, views[: len(_ITEM_FIELDS)]))
+        self._merge = dict(zip(_MERGE_FIELDS, views[len(_ITEM_FIELDS) : len(_ITEM_FIELDS) + len(_MERGE_FIELDS)]))
+        self._kv_limit, self._tree_start = views[-2:]
+        self._tree_bits = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self._block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self._slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
+        self._slots = torch.full((max_num_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
+        bm = self.block_m_for(1)
+        self._part_o = torch.zeros(self.max_parts, self.num_kv_heads, bm, self.head_dim, dtype=torch.float32,
+                                   device=dev)
+        self._part_lse = torch.zeros(self.max_parts, self.num_kv_heads, bm, dtype=torch.float32, device=dev)
         self._pin = dev.type == "cuda"
-        self._num_tiles = 0
-        self._num_tokens = 0
-        self._block_m = GRAPH_BLOCK_M
+        self._num_items = 0
+        self._num_merges = 0
+        self._block_m = bm
+        # set by the graph runner while capturing: the fewest tokens a step replaying this graph has
+        self.graph_min_tokens = 1
 
     # -- per step ----------------------------------------------------------------------------
     def block_m_for(self, num_tokens: int) -> int:
@@ -169,6 +265,11 @@ class TritonBackend(AttentionBackend):
         padded size and the plan of any step that replays it agree."""
         bm = GRAPH_BLOCK_M if num_tokens <= LARGE_STEP_TOKENS else LARGE_BLOCK_M
         return max(bm, _next_pow2(self.group))
+
+    def can_split(self, num_tokens: int) -> bool:
+        """Steps of fewer tokens than ``split_tiles`` (so fewer tiles too) split their keys."""
+        return (self.split_kv and num_tokens < self.split_tiles
+                and self.block_m_for(num_tokens) == self._part_o.shape[2])
 
     def plan(self, meta: AttentionMetadata) -> None:
         q_lens = np.asarray(meta.query_lens, dtype=np.int64)
@@ -191,19 +292,13 @@ class TritonBackend(AttentionBackend):
         if meta.slot_mapping.shape[0] != T:
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {T} tokens")
 
-        bq = self.block_m_for(T) // self.group
+        block_m = self.block_m_for(T)
+        bq = block_m // self.group
         starts = np.cumsum(q_lens) - q_lens
         req_of_tok = np.repeat(np.arange(B), q_lens)
         idx_in_req = np.arange(T) - starts[req_of_tok]
         kv_limit = seq_lens[req_of_tok] - q_lens[req_of_tok] + idx_in_req + 1
         tree_start = kv_limit.copy()
-
-        n_tiles = (q_lens + bq - 1) // bq
-        tile_req = np.repeat(np.arange(B), n_tiles)
-        tile_idx = np.arange(int(n_tiles.sum())) - (np.cumsum(n_tiles) - n_tiles)[tile_req]
-        tile_tok = starts[tile_req] + tile_idx * bq
-        tile_len = np.minimum(bq, q_lens[tile_req] - tile_idx * bq)
-
         trees = meta.tree_masks or {}
         for b, tm in trees.items():
             ql, sl = int(q_lens[b]), int(seq_lens[b])
@@ -215,16 +310,43 @@ class TritonBackend(AttentionBackend):
             kv_limit[s : s + ql] = sl
             tree_start[s : s + ql] = sl - ql
 
-        n = self.max_num_tokens
-        host = torch.zeros(6 * n, dtype=torch.int32, pin_memory=self._pin)
-        h = host.numpy()
+        # tiles: bq consecutive tokens of one request
+        n_tiles = (q_lens + bq - 1) // bq
+        tile_req = np.repeat(np.arange(B), n_tiles)
+        tile_idx = np.arange(int(n_tiles.sum())) - (np.cumsum(n_tiles) - n_tiles)[tile_req]
+        tile_tok = starts[tile_req] + tile_idx * bq
+        tile_len = np.minimum(bq, q_lens[tile_req] - tile_idx * bq)
+        tile_kv_end = kv_limit[tile_tok + tile_len - 1]  # the tile's last token sees the most keys
         nt = len(tile_req)
-        h[0:nt] = tile_req
-        h[n : n + nt] = tile_tok
-        h[2 * n : 2 * n + nt] = tile_len
-        h[3 * n : 3 * n + nt] = kv_limit[tile_tok + tile_len - 1]  # the tile's last token sees the most keys
-        h[4 * n : 4 * n + T] = kv_limit
-        h[5 * n : 5 * n + T] = tree_start
+
+        # work items: split the keys of every tile when there are too few tiles to fill the GPU
+        n_split = np.ones(nt, dtype=np.int64)
+        if self.can_split(T):
+            per_tile = -(-self.split_tiles // nt)
+            n_split = np.clip(np.minimum(per_tile, _cdiv(tile_kv_end, self.min_split_keys)), 1, None)
+        chunk = _cdiv(_cdiv(tile_kv_end, n_split), self.block_n) * self.block_n  # keys per item
+        n_split = _cdiv(tile_kv_end, chunk)
+        item_tile = np.repeat(np.arange(nt), n_split)
+        item_idx = np.arange(len(item_tile)) - (np.cumsum(n_split) - n_split)[item_tile]
+        item_lo = item_idx * chunk[item_tile]
+        item_hi = np.minimum(item_lo + chunk[item_tile], tile_kv_end[item_tile])
+        split = n_split[item_tile] > 1
+        item_part = np.full(len(item_tile), -1, dtype=np.int64)
+        item_part[split] = np.arange(int(split.sum()))
+        merged = np.nonzero(n_split > 1)[0]
+        merge_count = n_split[merged]
+        merge_first = np.cumsum(merge_count) - merge_count
+        ni, nm = len(item_tile), len(merged)
+        if ni > self.max_items or nm > self.split_tiles or int(split.sum()) > self.max_parts:
+            raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
+
+        host = torch.zeros(sum(self._sections), dtype=torch.int32, pin_memory=self._pin)
+        h = host.numpy()
+        offs = np.cumsum([0] + self._sections)
+        cols = [tile_req[item_tile], tile_tok[item_tile], tile_len[item_tile], item_lo, item_hi, item_part,
+                tile_tok[merged], tile_len[merged], merge_first, merge_count, kv_limit, tree_start]
+        for i, col in enumerate(cols):
+            h[offs[i] : offs[i] + len(col)] = col
         self._meta.copy_(host, non_blocking=True)
 
         # tree bits: only tokens of tree requests read theirs, so stale entries elsewhere are harmless
@@ -243,9 +365,9 @@ class TritonBackend(AttentionBackend):
         self._block_table[:B, : bt.shape[1]].copy_(bt, non_blocking=True)
         self._slots[:T].copy_(meta.slot_mapping, non_blocking=True)
         self._slots[T:].fill_(self.scratch_slot)
-        self._num_tiles = nt
-        self._num_tokens = T
-        self._block_m = self.block_m_for(T)
+        self._num_items = ni
+        self._num_merges = nm
+        self._block_m = block_m
 
     # -- per layer ---------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -260,21 +382,36 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
-        # captured launches cover every token slot; eager ones exactly the planned tiles
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        grid = (n if capturing else self._num_tiles, self.num_kv_heads)
-        _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out,
-            self._tile_req, self._tile_tok, self._tile_len, self._tile_kv_end,
+        # captured launches cover every work item a step of n tokens can have; eager ones the planned
+        if _capturing(q):
+            may_split = self.can_split(self.graph_min_tokens)
+            n_items = min(self.max_items, n + 2 * self.split_tiles) if may_split else n
+            n_merges = self.split_tiles if may_split else 0
+        else:
+            n_items, n_merges = self._num_items, self._num_merges
+        it, po, pl = self._item, self._part_o, self._part_lse
+        block_d = max(16, _next_pow2(self.head_dim))
+        extra = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        _paged_attention_kernel[(n_items, self.num_kv_heads)](
+            q, k_cache, v_cache, out, po, pl,
+            it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"],
             self._kv_limit, self._tree_start, self._tree_bits,
             self._block_table, self._block_table.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            po.stride(0), po.stride(1),
             G=self.group, BLOCK_M=self._block_m, BLOCK_N=self.block_n,
-            HEAD_DIM=self.head_dim, BLOCK_D=max(16, _next_pow2(self.head_dim)), PAGE=self.block_size,
+            HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=self.num_warps, **({} if self.num_stages is None else {"num_stages": self.num_stages}),
+            num_warps=self.num_warps, **extra,
         )
+        if n_merges:
+            mg = self._merge
+            _merge_kernel[(n_merges, self.num_kv_heads)](
+                po, pl, out, mg["tok"], mg["len"], mg["first"], mg["count"],
+                out.stride(0), out.stride(1), po.stride(0), po.stride(1),
+                G=self.group, BLOCK_M=self._block_m, HEAD_DIM=self.head_dim, BLOCK_D=block_d, num_warps=4,
+            )
         return out
 
 

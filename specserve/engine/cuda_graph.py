@@ -108,7 +108,10 @@ class CUDAGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for n in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+        for i in reversed(range(len(self.sizes))):  # largest first: smaller graphs reuse its pool memory
+            n = self.sizes[i]
+            # steps of (previous size, n] tokens replay this graph: the backend sizes its launches by that
+            self.attn.graph_min_tokens = self.sizes[i - 1] + 1 if i else 1
             self.attn.plan(self._dummy_meta(n))
             with forward_context(self.attn):
                 self.model(self.input_ids[:n], self.positions[:n])  # warm-up: compiles kernels
@@ -119,6 +122,7 @@ class CUDAGraphRunner:
                     out = self.model(self.input_ids[:n], self.positions[:n])
             self.graphs[n] = graph
             self.outputs[n] = out
+        self.attn.graph_min_tokens = 1
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])

@@ -108,7 +108,7 @@ class ModelRunner:
                 self.kv_caches, bs, scale, num_heads=mc.num_attention_heads,
                 max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=min(num_blocks, -(-max_len // bs)), scratch_slot=num_blocks * bs)
-            if not config.enforce_eager:
+            if device.type == "cuda" and not config.enforce_eager:
                 from specserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 
                 self.graphs = CUDAGraphRunner(model, self.attn, capture_sizes(config.max_num_batched_tokens), device)
