@@ -207,7 +207,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float, *,
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int | None = None, split_kv: bool = True, target_programs: int | None = None,
+                 num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
                  min_split_keys: int = 128) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
@@ -227,6 +227,7 @@ class TritonBackend(AttentionBackend):
         self.scratch_slot = num_blocks * block_size - 1 if scratch_slot is None else scratch_slot
         self.block_n = block_n
         self.num_warps = num_warps
+        # 2 beat Triton's default (3) on the H200 at decode batch 1/16/64 (benchmarks/gpu_decode.py)
         self.num_stages = num_stages  # None: Triton's default
         self.device = k0.device
         dev = self.device
