@@ -84,7 +84,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        src = load_model_source(config.model)
+        src = load_model_source(config.model, require_weights=config.load_format != "dummy")
         self.model_config = src.config
         self.tokenizer = src.tokenizer
         self.model_name = served_model_name(config.model)

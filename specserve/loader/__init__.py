@@ -59,11 +59,13 @@ def _is_gguf(path: str) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def load_model_source(path: str | None = None, tokenizer_path: str | None = None) -> ModelSource:
+def load_model_source(path: str | None = None, tokenizer_path: str | None = None,
+                      require_weights: bool = True) -> ModelSource:
     """Resolve a model path to its config, tokenizer and weight stream.
 
     A GGUF's first load converts it into the cache (seconds); later loads read the cache.
     `tokenizer_path` (an HF directory with tokenizer.json) overrides the model's tokenizer.
+    `require_weights=False` accepts a directory with config.json and no weights (--load-format dummy).
     """
     from specserve.loader import gguf
 
@@ -85,7 +87,8 @@ def load_model_source(path: str | None = None, tokenizer_path: str | None = None
             raise ValueError(f"cannot load {path}: not a GGUF file (bad magic); expected {_EXPECTED}")
         model_dir, fmt = gguf.ensure_converted(path), "gguf"
     else:
-        safetensors_files(path)  # fail now, not at weight-loading time
+        if require_weights:
+            safetensors_files(path)  # fail now, not at weight-loading time
         model_dir, fmt = path, "safetensors"
 
     hf_config = normalize_hf_config(read_hf_config(model_dir))

@@ -216,7 +216,8 @@ class EagleSpeculator:
                 st.pending.append(feats[torch.tensor(rows_kept, device=self.device)])
                 j += 1
             else:
-                st.pending.append(feats[start : start + s.num_new_tokens])
+                # a copy: with CUDA graphs `feats` is the graph's output buffer, rewritten next step
+                st.pending.append(feats[start : start + s.num_new_tokens].clone())
             start += s.num_query_tokens
         self._record(plan, sampling, accepted, time.perf_counter() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
