@@ -103,6 +103,8 @@ class SpeculativeConfig:
             )
         # root + topk children at step 1 + topk*topk candidates at each later step
         max_nodes = 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+        if n > 64:
+            raise ValueError(f"speculative_num_draft_tokens={n} exceeds 64 (the tree mask is one 64-bit word per token)")
         if n < 2 or n > max_nodes:
             raise ValueError(f"speculative_num_draft_tokens={n} must be in [2, {max_nodes}] for these steps/topk")
 
