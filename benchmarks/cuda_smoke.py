@@ -67,7 +67,8 @@ def main() -> None:
         for name, kw in configs.items():
             spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
                         speculative_policy="static", **kw) if kw else {}
-            llm = LLM(model=args.model, max_num_seqs=1, **spec)
+            # a fixed KV size: engines of earlier configurations may still hold GPU memory
+            llm = LLM(model=args.model, max_num_seqs=1, num_kv_blocks=4096, **spec)
             llm.chat(spec_prompts[:1], SamplingParams(temperature=0, max_tokens=16))  # warm-up
             t0 = time.perf_counter()
             outs = llm.chat(spec_prompts, sp1)
