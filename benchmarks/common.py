@@ -10,6 +10,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from typing import Any, Sequence
 
 import torch
@@ -22,6 +23,52 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:  # pragma: no cover - platforms without getloadavg
         return None
+
+
+class OtherCpu:
+    """CPU use of every other process on the machine, in cores, over an interval (from /proc).
+
+    The load average counts this process too and lags by a minute; this does neither. With 2
+    cores and 2 torch threads, a single busy neighbour makes step times several times noisier
+    (OpenMP workers get descheduled), so runs record it and the summaries keep quiet pairs.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)  # user nice system irq softirq steal
+        own = int(fields[11]) + int(fields[12])  # utime stime
+        return busy, own, time.monotonic()
+
+    def cores(self) -> float | None:
+        """Other processes' average CPU use since construction (or the last call), in cores."""
+        t1 = self._sample()
+        t0, self._t0 = self._t0, t1
+        if t0 is None or t1 is None or t1[2] <= t0[2]:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        return max(0.0, ((t1[0] - t0[0]) - (t1[1] - t0[1])) / hz / (t1[2] - t0[2]))
+
+
+def wait_for_quiet(threshold: float, max_wait_s: float, window_s: float = 1.0) -> float | None:
+    """Poll until other processes use < threshold cores over a window, at most max_wait_s; returns
+    the last reading."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        probe = OtherCpu()
+        time.sleep(window_s)
+        c = probe.cores()
+        if c is None or c < threshold or time.monotonic() >= deadline:
+            return c
 
 
 def git_commit() -> str | None:
@@ -48,6 +95,8 @@ def run_metadata() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+                if k in os.environ},
         "load_average_start": load_average(),
     }
 

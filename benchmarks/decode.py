@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import chat_prompt_ids, load_average, median, run_metadata, write_json  # noqa: E402
+from common import OtherCpu, chat_prompt_ids, load_average, median, run_metadata, wait_for_quiet, write_json  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.loader import default_model_path  # noqa: E402
@@ -178,30 +178,102 @@ def zeros_time(nbytes: int) -> float:
 # -- floor and profile --------------------------------------------------------------------------
 
 def linear_floor_ms(llm: LLM, repeats: int = 20) -> dict[str, Any]:
-    """Time of the bare matmuls of one batch-1 token over every weight matrix (incl. the LM head)."""
+    """Bare matmuls of one batch-1 token over every weight matrix (incl. the LM head): fp32 as the
+    engine runs them, plus bf16 and int8 weight-only variants to show whether fewer bytes help here."""
     model = llm.engine.runner.model
-    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Linear"]
+    mats = [m.weight for m in model.modules() if type(m).__name__ == "Linear"]
     mats.append(model.lm_head_weight)
     nbytes = sum(w.numel() * w.element_size() for w in mats)
     xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
-    runs = []
-    with torch.inference_mode():
-        for _ in range(repeats):
+
+    def timed(fn: Callable[[], Any], reps: int) -> float:
+        runs = []
+        for _ in range(reps):
             t = time.perf_counter()
-            for w in mats:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            fn()
             runs.append(time.perf_counter() - t)
-    ms = 1000 * statistics.median(runs)
+        return 1000 * statistics.median(runs)
+
+    F = torch.nn.functional
+    with torch.inference_mode():
+        ms = timed(lambda: [F.linear(xs[w.shape[1]], w) for w in mats], repeats)
+        bf = [w.to(torch.bfloat16) for w in mats]
+        bx = {k: v.to(torch.bfloat16) for k, v in xs.items()}
+        bf_ms = timed(lambda: [F.linear(bx[w.shape[1]], w) for w in bf], 5)
+        del bf
+        q8 = []
+        for w in mats:
+            scale = w.abs().amax(1) / 127
+            q8.append(((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale))
+        try:
+            i8_ms: float | None = timed(lambda: [torch._weight_int8pack_mm(xs[w.shape[1]], w, s) for w, s in q8], 5)
+        except (RuntimeError, AttributeError):
+            i8_ms = None
+        del q8
     return {"ms": ms, "num_matrices": len(mats), "weight_mb": nbytes / 2**20,
-            "effective_gb_s": nbytes / (ms / 1000) / 1e9}
+            "effective_gb_s": nbytes / (ms / 1000) / 1e9,
+            "bf16_f_linear_ms": bf_ms, "int8_weight_only_ms": i8_ms}
+
+
+def forward_breakdown(llm: LLM, steps: int) -> dict[str, float]:
+    """Median ms per decode step in each part of the target forward, from timing wrappers on module
+    forwards and the attention backend (each wrapper adds ~1 us per call; ~330 calls per step)."""
+    import specserve.models.llama as llama_mod
+
+    eng = llm.engine
+    model = eng.runner.model
+    acc: dict[str, float] = {}
+    restore: list[Callable[[], None]] = []
+
+    def wrap(obj: Any, attr: str, label: str, instance: bool) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+        restore.append((lambda: delattr(obj, attr)) if instance else (lambda: setattr(obj, attr, fn)))
+
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if kind == "Linear":
+            wrap(m, "forward", f"linear {name.rsplit('.', 1)[-1]}", True)
+        elif kind == "RMSNorm":
+            wrap(m, "forward", "RMSNorm x61", True)
+        elif kind == "GatedMLP":
+            wrap(m, "forward", "_mlp", True)
+    wrap(eng.runner.attn, "forward", "paged attention x30 (KV write, gather, SDPA)", True)
+    wrap(eng.runner.attn, "plan", "attention plan (once per step)", True)
+    wrap(llama_mod, "apply_rotary", "rotary apply x30", False)
+    wrap(model.rotary_emb, "forward", "rotary cos/sin gather", True)
+    wrap(eng.runner, "forward", "_forward", True)
+    per_step: list[dict[str, float]] = []
+    try:
+        for _ in range(steps):
+            acc.clear()
+            eng.step()
+            per_step.append(dict(acc))
+    finally:
+        for r in reversed(restore):
+            r()
+    med = {k: 1000 * statistics.median(d.get(k, 0.0) for d in per_step) for k in per_step[0]}
+    out = {k: v for k, v in med.items() if not k.startswith("_")}
+    out["silu * up x30 (MLP minus its linears)"] = med["_mlp"] - med["linear gate_up_proj"] - med["linear down_proj"]
+    out["rest of forward (embedding, residual adds, views, Python)"] = med["_forward"] - sum(out.values())
+    out["forward total (excl. LM head)"] = med["_forward"]
+    return out
 
 
 def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict[str, Any]:
-    """Batch-1 decode: time per engine phase (wrappers) and the torch.profiler op table."""
+    """Batch-1 decode: time per engine phase, per module kind, and the torch.profiler op table."""
     import specserve.engine.sampler as sampler_mod
 
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=3 + 2 * steps + 4, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=3 + 3 * steps + 4, ignore_eos=True)
     rid = f"decode-profile-{next(_ids)}"
     eng.add_request(rid, prompt, sp)
     req = eng.requests[rid]
@@ -243,6 +315,8 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict[str, Any]:
     phase_ms = {k: 1000 * statistics.median(v) for k, v in phases.items()}
     phase_ms["other (engine.step bookkeeping, outputs)"] = step_ms - sum(phase_ms.values())
 
+    modules_ms = forward_breakdown(llm, steps)
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -250,20 +324,49 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict[str, Any]:
             eng.step()
     while eng.has_unfinished_requests():
         eng.step()
-    ka = prof.key_averages()
-    rows = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)
-    total_self_ms = sum(e.self_cpu_time_total for e in ka) / 1000 / steps
-    ops = [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
-            "total_ms_per_step": e.cpu_time_total / 1000 / steps} for e in rows[:25]]
     return {
         "steps": steps,
         "context_tokens": len(prompt),
         "step_ms_median_unprofiled": step_ms,
         "phases_ms_median": phase_ms,
-        "profiler_self_ms_per_step_all_ops": total_self_ms,
-        "profiler_op_count_per_step": sum(e.count for e in ka) / steps,
-        "top_ops_by_self_time": ops,
+        "forward_by_module_ms_median": modules_ms,
+        **op_table(prof, steps),
     }
+
+
+def op_table(prof: Any, steps: int, top: int = 30) -> dict[str, Any]:
+    ka = prof.key_averages()
+    rows = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)
+    mm = sum(e.self_cpu_time_total for e in ka if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv"))
+    return {
+        "profiler_self_ms_per_step_all_ops": sum(e.self_cpu_time_total for e in ka) / 1000 / steps,
+        "profiler_matmul_self_ms_per_step": mm / 1000 / steps,
+        "profiler_op_count_per_step": sum(e.count for e in ka) / steps,
+        "top_ops_by_self_time": [
+            {"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+             "total_ms_per_step": e.cpu_time_total / 1000 / steps} for e in rows[:top]],
+    }
+
+
+def profile_transformers(model: Any, prompt: list[int], steps: int) -> dict[str, Any]:
+    """The same for transformers: op table of batch-1 decode forwards (past_key_values, greedy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            out = model(nxt, past_key_values=pkv, use_cache=True)
+            pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - t)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                out = model(nxt, past_key_values=pkv, use_cache=True)
+                pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return {"steps": steps, "forward_ms_median_unprofiled": 1000 * statistics.median(times),
+            **op_table(prof, steps, top=15)}
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -271,13 +374,17 @@ def profile_decode(llm: LLM, prompt: list[int], steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    ap.add_argument("--output-len", type=int, default=64, help="new tokens per request (exact)")
+    ap.add_argument("--output-len", type=int, default=32, help="new tokens per request (exact)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats per batch size (disjoint prompts each)")
-    ap.add_argument("--max-prompt-chars", type=int, default=1200, help="skip longer ShareGPT first turns")
+    ap.add_argument("--max-prompt-chars", type=int, default=600, help="skip longer ShareGPT first turns")
     ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--profile-steps", type=int, default=10, help="batch-1 decode steps to profile (0: skip)")
     ap.add_argument("--skip-load", action="store_true", help="skip the load-time measurement")
+    ap.add_argument("--quiet-threshold", type=float, default=0.3,
+                    help="other processes' CPU use (cores) under which a run counts as quiet")
+    ap.add_argument("--max-wait", type=float, default=60.0,
+                    help="seconds to wait for a quiet machine before each specserve/transformers pair")
     ap.add_argument("--output-file", default="benchmarks/results/decode.json")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -296,7 +403,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # a step budget that fits the largest batch's prompts: step 1 = prefill, later steps = pure decode
     engine_args = {"max_num_batched_tokens": 16384, "max_num_seqs": max(256, max_b)}
     if not args.skip_load:
+        wait_for_quiet(args.quiet_threshold, args.max_wait)
+        probe = OtherCpu()
         result["load_time"] = measure_load(engine_args, cached_repeats=3)
+        result["load_time"]["other_cpu_cores"] = probe.cores()
         print("load:", {k: v for k, v in result["load_time"].items() if k != "note"}, flush=True)
     llm = LLM(**engine_args)
     tok = llm.tokenizer
@@ -304,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["engine_args"] = engine_args
     result["settings"] = {"batches": batches, "output_len": args.output_len, "repeats": args.repeats,
                           "max_prompt_chars": args.max_prompt_chars, "seed": args.seed,
-                          "dtype": "float32", "greedy": True}
+                          "dtype": "float32", "greedy": True, "quiet_threshold": args.quiet_threshold}
 
     # disjoint prompt sets: repeat r of batch b uses its own slice, the same for both systems
     need = args.repeats * sum(batches) + 1
@@ -324,52 +434,72 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in range(args.repeats):
         for b in batches:
             order = ["specserve", "transformers"] if (r + batches.index(b)) % 2 == 0 else ["transformers", "specserve"]
+            waited = time.perf_counter()
+            before = wait_for_quiet(args.quiet_threshold, args.max_wait)
+            waited = time.perf_counter() - waited
             got: dict[str, dict[str, Any]] = {}
             for system in order:
                 la = load_average()
+                probe = OtherCpu()
                 if system == "specserve":
                     res = run_specserve(llm, sets[(r, b)], args.output_len)
                 else:
                     res = run_transformers(hf, sets[(r, b)], args.output_len, pad_id)
+                res["other_cpu_cores"] = probe.cores()
                 res["load_average_before"] = la
                 got[system] = res
             ss, tf = got["specserve"], got["transformers"]
             same = sum(a == c for a, c in zip(ss.pop("outputs"), tf.pop("outputs")))
+            quiet = all((got[x]["other_cpu_cores"] or 0.0) < args.quiet_threshold for x in order)
             for system in order:
                 runs.append({"repeat": r, "batch": b, "system": system, "order": order.index(system),
-                             "prompt_tokens": [len(p) for p in sets[(r, b)]], **got[system]})
+                             "prompt_tokens": [len(p) for p in sets[(r, b)]], "quiet_pair": quiet,
+                             "other_cpu_cores_before_pair": before, "waited_for_quiet_s": waited, **got[system]})
             runs[-1]["identical_outputs_in_pair"] = runs[-2]["identical_outputs_in_pair"] = f"{same}/{b}"
             print(f"repeat {r} batch {b:3d}: specserve {ss['decode_tok_s']:8.1f} tok/s "
                   f"({ss['ms_per_step_median']:.1f} ms/step) | transformers {tf['decode_tok_s']:8.1f} tok/s "
                   f"({tf['ms_per_step_median']:.1f} ms/step) | x{ss['decode_tok_s'] / tf['decode_tok_s']:.2f} "
-                  f"| same outputs {same}/{b} | load {load_average()}", flush=True)
+                  f"| same outputs {same}/{b} | other cpu {ss['other_cpu_cores']:.2f}/{tf['other_cpu_cores']:.2f}"
+                  f"{'' if quiet else ' (NOISY)'}", flush=True)
     result["runs"] = runs
 
     summary = []
     for b in batches:
-        pairs = [(x, y) for x in runs for y in runs if x["batch"] == y["batch"] == b and x["repeat"] == y["repeat"]
-                 and x["system"] == "specserve" and y["system"] == "transformers"]
-        row: dict[str, Any] = {"batch": b}
+        all_pairs = [(x, y) for x in runs for y in runs if x["batch"] == y["batch"] == b
+                     and x["repeat"] == y["repeat"] and x["system"] == "specserve" and y["system"] == "transformers"]
+        pairs = [p for p in all_pairs if p[0]["quiet_pair"]] or all_pairs
+        row: dict[str, Any] = {"batch": b, "pairs_used": len(pairs), "pairs_quiet": sum(p[0]["quiet_pair"] for p in all_pairs),
+                               "pairs_total": len(all_pairs)}
         for name, i in (("specserve", 0), ("transformers", 1)):
             row[f"{name}_decode_tok_s"] = median([p[i]["decode_tok_s"] for p in pairs])
             row[f"{name}_ms_per_step"] = median([p[i]["ms_per_step_median"] for p in pairs])
             row[f"{name}_prefill_s"] = median([p[i]["prefill_s"] for p in pairs])
         row["speedup_tok_s"] = median([p[0]["decode_tok_s"] / p[1]["decode_tok_s"] for p in pairs])
         row["speedup_ms_per_step"] = median([p[1]["ms_per_step_median"] / p[0]["ms_per_step_median"] for p in pairs])
-        row["identical_outputs"] = [p[0]["identical_outputs_in_pair"] for p in pairs]
+        row["speedup_tok_s_all_pairs"] = median([p[0]["decode_tok_s"] / p[1]["decode_tok_s"] for p in all_pairs])
+        row["identical_outputs"] = [p[0]["identical_outputs_in_pair"] for p in all_pairs]
         summary.append(row)
     result["summary"] = summary
+    result["summary_note"] = ("medians over quiet pairs (other processes < quiet_threshold cores during both runs), "
+                              "over all pairs when none was quiet; speedup = median of per-pair ratios")
 
-    result["linear_floor_batch1"] = linear_floor_ms(llm)
+    def quiet_then(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        before = wait_for_quiet(args.quiet_threshold, args.max_wait)
+        probe = OtherCpu()
+        out = fn()
+        return {**out, "other_cpu_cores_before": before, "other_cpu_cores": probe.cores()}
+
+    result["linear_floor_batch1"] = quiet_then(lambda: linear_floor_ms(llm))
     if args.profile_steps > 0:
-        result["profile_batch1"] = profile_decode(llm, pool[0], args.profile_steps)
+        result["profile_batch1"] = quiet_then(lambda: profile_decode(llm, pool[0], args.profile_steps))
+        result["profile_batch1_transformers"] = quiet_then(lambda: profile_transformers(hf, pool[0], args.profile_steps))
     write_json(args.output_file, result)
 
     print(f"\n{'batch':>5} {'specserve tok/s':>16} {'ms/step':>8} {'transformers tok/s':>19} {'ms/step':>8} {'speed-up':>9}")
     for row in summary:
         print(f"{row['batch']:>5} {row['specserve_decode_tok_s']:>16.1f} {row['specserve_ms_per_step']:>8.1f} "
               f"{row['transformers_decode_tok_s']:>19.1f} {row['transformers_ms_per_step']:>8.1f} "
-              f"{row['speedup_tok_s']:>8.2f}x")
+              f"{row['speedup_tok_s']:>8.2f}x  ({row['pairs_used']} pairs)")
     return result
 
 
