@@ -72,6 +72,22 @@ def make_random_head(path: str, draft_vocab_size: int = 8192, seed: int = 1, std
     return path
 
 
+def head_provenance(path: str) -> dict[str, Any]:
+    """sha256 and mtime of the head's weights, so a result names the exact head it measured."""
+    import datetime
+    import hashlib
+
+    f = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(f):
+        return {}
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    mtime = datetime.datetime.fromtimestamp(os.path.getmtime(f), datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"model_safetensors_sha256": h.hexdigest(), "model_safetensors_mtime": mtime}
+
+
 def run_one(llm: LLM, prompt: list[int], output_len: int) -> dict[str, Any]:
     """One request alone; step timestamps split prefill (until the first token) from decode."""
     eng = llm.engine
@@ -83,12 +99,13 @@ def run_one(llm: LLM, prompt: list[int], output_len: int) -> dict[str, Any]:
     t_first = None
     n_first = 0
     steps = 0
+    steps_first = 0
     while final is None:
         outs = eng.step()
         steps += 1
         now = time.perf_counter()
         if t_first is None and req.num_output_tokens >= 1:
-            t_first, n_first = now, req.num_output_tokens
+            t_first, n_first, steps_first = now, req.num_output_tokens, steps
         final = next((o for o in outs if o.request_id == rid and o.finished), None)
         if final is None and not eng.has_unfinished_requests():
             raise RuntimeError(f"engine went idle before {rid} finished")
@@ -104,6 +121,8 @@ def run_one(llm: LLM, prompt: list[int], output_len: int) -> dict[str, Any]:
         "tok_s": n / (t_end - t0),
         "decode_tok_s": (n - n_first) / (t_end - t_first) if t_end > t_first else None,
         "engine_steps": steps,
+        # one engine step = one target forward (plus drafting when speculating)
+        "decode_ms_per_step": 1000 * (t_end - t_first) / (steps - steps_first) if steps > steps_first else None,
         "spec_verify_steps": m.spec_verify_steps,
         "spec_draft_tokens": m.spec_draft_tokens,
         "spec_accepted_tokens": m.spec_accepted_tokens,
@@ -135,6 +154,7 @@ def stats_delta(after: Any, before: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--draft", default=None, help="EAGLE-3 head directory (default: the shipped head, else random)")
+    ap.add_argument("--random-head", action="store_true", help="use a random head even when the shipped one exists")
     ap.add_argument("--num-prompts", type=int, default=10)
     ap.add_argument("--output-len", type=int, default=64, help="new tokens per request (exact)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
@@ -158,14 +178,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {"benchmark": "spec_single", **run_metadata()}
     tmp = None
+    if args.draft and args.random_head:
+        raise SystemExit("--draft and --random-head exclude each other")
     if args.draft:
         head, head_kind = os.path.abspath(args.draft), "given"
-    elif os.path.isfile(os.path.join(DEFAULT_HEAD, "config.json")):
+    elif os.path.isfile(os.path.join(DEFAULT_HEAD, "config.json")) and not args.random_head:
         head, head_kind = DEFAULT_HEAD, "shipped"
     else:
         tmp = tempfile.TemporaryDirectory(prefix="random-eagle3-")
         head, head_kind = make_random_head(os.path.join(tmp.name, "head")), "random (std 0.02, draft vocab 8192)"
-    result["draft_head"] = {"path": head, "kind": head_kind}
+    result["draft_head"] = {"path": head, "kind": head_kind, **head_provenance(head)}
     print(f"draft head: {head} ({head_kind})", flush=True)
 
     base = {"kv_cache_memory_gb": args.kv_cache_memory_gb}
@@ -231,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             **{k.replace("speculative_", ""): v for k, v in CONFIGS[name].items()},
             "tok_s": tokens / sum(r["total_s"] for r in mine),
             "decode_tok_s_median": median([r["decode_tok_s"] for r in mine]),
+            "decode_ms_per_step_median": median([r["decode_ms_per_step"] for r in mine]),
             "speedup_vs_nospec_median": median([base_runs[r["prompt_index"]]["total_s"] / r["total_s"] for r in mine]),
             "accept_length": None,
             "prompts_timed": len(mine),
@@ -245,10 +268,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["summary"] = summary
     write_json(args.output_file, result)
 
-    print(f"\n{'config':>8} {'tok/s':>7} {'decode tok/s':>13} {'speed-up':>9} {'accept len':>11} {'same':>6}")
+    print(f"\n{'config':>8} {'tok/s':>7} {'decode tok/s':>13} {'ms/step':>8} {'speed-up':>9} {'accept len':>11} {'same':>6}")
     for row in summary:
         al = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
         print(f"{row['config']:>8} {row['tok_s']:>7.2f} {row['decode_tok_s_median']:>13.2f} "
+              f"{row['decode_ms_per_step_median']:>8.1f} "
               f"{row['speedup_vs_nospec_median']:>8.2f}x {al:>11} {row['same_tokens_as_nospec']:>6}")
     if tmp is not None:
         tmp.cleanup()
