@@ -45,7 +45,7 @@ def heads(random_head):
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_greedy_lossless_batch8_with_preemption(random_head, reference, chat_prompts, shape):
     for head in heads(random_head):
-        llm = LLM(max_num_seqs=8, num_kv_blocks=80, block_size=4, speculative_algorithm="EAGLE3",
+        llm = LLM(max_num_seqs=8, num_kv_blocks=68, block_size=4, speculative_algorithm="EAGLE3",
                   speculative_draft_model_path=head, speculative_policy="static", **shape)
         out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
         assert llm.engine.scheduler.num_preemptions > 0
