@@ -265,14 +265,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["accept_length"] = (sum(r["spec_accepted_tokens"] for r in mine_all) + vs) / vs
             row["accept_length_per_prompt_median"] = median([r["accept_length"] for r in mine_all])
         summary.append(row)
+    base_ms = summary[names.index("nospec")]["decode_ms_per_step_median"]
+    for row in summary:
+        # a speculative step pays off once it yields more tokens than its cost in plain decode steps
+        ms = row["decode_ms_per_step_median"]
+        row["step_cost_vs_nospec_step"] = ms / base_ms if ms and base_ms else None
     result["summary"] = summary
     write_json(args.output_file, result)
 
-    print(f"\n{'config':>8} {'tok/s':>7} {'decode tok/s':>13} {'ms/step':>8} {'speed-up':>9} {'accept len':>11} {'same':>6}")
+    print(f"\n{'config':>8} {'tok/s':>7} {'decode tok/s':>13} {'ms/step':>8} {'x nospec step':>14} {'speed-up':>9} "
+          f"{'accept len':>11} {'same':>6}")
     for row in summary:
         al = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
         print(f"{row['config']:>8} {row['tok_s']:>7.2f} {row['decode_tok_s_median']:>13.2f} "
-              f"{row['decode_ms_per_step_median']:>8.1f} "
+              f"{row['decode_ms_per_step_median']:>8.1f} {row['step_cost_vs_nospec_step']:>14.2f} "
               f"{row['speedup_vs_nospec_median']:>8.2f}x {al:>11} {row['same_tokens_as_nospec']:>6}")
     if tmp is not None:
         tmp.cleanup()
