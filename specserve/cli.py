@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         pass
 
     args = parser.parse_args(argv)
+    # the command as typed, for the benchmark results (sys.argv is the caller's when main() is called)
+    args.argv = ["specserve", *(sys.argv[1:] if argv is None else argv)]
     args.func(args)
 
 

@@ -808,6 +808,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = tokenizer_from_args(args, _server_info_sync(cfg.base_url))
     requests, meta = requests_from_args(args, tokenizer)
     result = asyncio.run(run_benchmark(cfg, requests, tokenizer, ramp, meta))
+    result["command"] = command_line(getattr(args, "argv", None))
     if args.output_file:
         write_json(args.output_file, result)
     if not args.quiet:

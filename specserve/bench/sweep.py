@@ -256,7 +256,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "kind": "ramp" if ramp else "sweep",
         "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(),
+        "command": command_line(getattr(args, "argv", None)),
         "model": args.model,
         "configs": {c.name: shlex.join(c.flags) for c in configs},
         "baseline": configs[0].name,
