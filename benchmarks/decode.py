@@ -1,7 +1,9 @@
 """Decode speed of specserve vs transformers eager ``generate`` on SmolLM2-135M-Instruct (fp32, CPU).
 
 Both run in this one process on the same ShareGPT chat prompts (token ids from specserve's
-tokenizer, fed to both), greedy, exactly ``--output-len`` new tokens (ignore_eos / min_new_tokens).
+tokenizer, fed to both), greedy, exactly ``--output-len`` new tokens (specserve: ignore_eos;
+transformers: no EOS in its generation config, which is the same rule: EOS may be generated and
+does not stop). Greedy outputs are compared as a sanity check.
 Configurations are interleaved (specserve and transformers alternate which goes first) and
 repeated; every repeat of a batch size uses its own disjoint prompt set, the same for both.
 
@@ -95,7 +97,11 @@ def load_transformers(path: str) -> tuple[Any, float]:
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                  dtype=torch.float32).eval()
-    return model, time.perf_counter() - t
+    dt = time.perf_counter() - t
+    # like specserve's ignore_eos: EOS may be generated and does not stop. (min_new_tokens would
+    # instead forbid EOS, and the outputs would part ways wherever the model wants to end.)
+    model.generation_config.eos_token_id = None
+    return model, dt
 
 
 def run_transformers(model: Any, prompts: list[list[int]], output_len: int, pad_id: int) -> dict[str, Any]:
@@ -118,7 +124,7 @@ def run_transformers(model: Any, prompts: list[list[int]], output_len: int, pad_
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id,
+                             do_sample=False, pad_token_id=pad_id,
                              logits_processor=LogitsProcessorList([clock]))
     n = len(clock.times)
     b = len(prompts)
