@@ -243,3 +243,32 @@ def test_self_distillation_replaces_replies(tmp_path) -> None:
         assert c[0] == convs[i][0] and c[-1]["role"] == "assistant"
         assert c[-1]["content"] != convs[i][1]["content"]  # the target's own (random) reply
         assert 0 < len(c[-1]["content"]) <= 6 * len("<unk>")  # at most 6 generated tokens
+
+
+def test_resumed_prepare_distills_what_the_budget_missed(tmp_path) -> None:
+    tok = tiny_tokenizer()
+    target = tiny_target(tok)
+    data = tmp_path / "convs.jsonl"
+    with open(data, "w") as f:
+        for c in _conversations(6):
+            f.write(json.dumps({"messages": c}) + "\n")
+    out = tmp_path / "o"
+    out.mkdir()
+    convs = D.load_conversations(str(data))
+    train_idx, _ = D.heldout_split(len(convs), 1, 0)
+    # an earlier prepare whose budget reached only the first training conversation
+    D.save_conversations(str(out / "train_conversations.jsonl"), [(i, convs[i]) for i in train_idx],
+                         distilled={train_idx[0]})
+    cfg = TrainConfig(output_dir=str(out), data=str(data), heldout=1, self_distill=True, resume=True,
+                      distill_backend="simple", distill_max_tokens=6, max_len=128, batch_tokens=512)
+    from specserve.train.eagle3 import build_examples
+
+    _, _, facts = build_examples(cfg, target)
+    assert facts["distilled_conversations"] == len(train_idx)
+    assert facts["distill_resumed_conversations"] == len(train_idx) - 1
+    recs = {o["index"]: o for o in map(json.loads, open(out / "train_conversations.jsonl"))}
+    assert sorted(recs) == sorted(train_idx) and all(r["distilled"] for r in recs.values())
+    # the first kept its earlier (here: original) reply; the others got the target's own
+    assert recs[train_idx[0]]["messages"] == convs[train_idx[0]]
+    for i in train_idx[1:]:
+        assert recs[i]["messages"][-1]["content"] != convs[i][1]["content"]

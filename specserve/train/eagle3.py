@@ -361,6 +361,21 @@ def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], l
                 train.append((o["index"], o["messages"]))
                 if o.get("distilled"):
                     distilled.add(o["index"])
+        rest = [i for i in train_idx if i not in distilled]
+        if cfg.self_distill and rest and cfg.distill_time_budget_s != 0:
+            # an earlier run's budget ran out: regenerate the conversations it did not reach
+            t0 = time.monotonic()
+            n0 = len(distilled)
+            more = dict(distill(cfg, target, [(i, convs[i]) for i in rest], distilled))
+            facts["distill_resumed_s"] = round(time.monotonic() - t0, 1)
+            facts["distill_resumed_conversations"] = len(distilled) - n0
+            train = [(i, more[i]) if i in more and i in distilled else (i, c) for i, c in train]
+            known = {i for i, _ in train}
+            train += [(i, c) for i, c in more.items() if i not in known]
+            D.save_conversations(cache, train, distilled)
+            ex = os.path.join(cfg.output_dir, f"examples_len{cfg.max_len}.pt")
+            if os.path.isfile(ex):
+                os.remove(ex)  # tokenized from the old replies
     elif cfg.self_distill:
         t0 = time.monotonic()
         train = distill(cfg, target, [(i, convs[i]) for i in train_idx], distilled)
