@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -27,12 +27,14 @@ MAX_CAPTURE_TOKENS = 512  # above this the forward is matmul-bound and launch ov
 
 
 def capture_sizes(max_tokens: int, cap: int = MAX_CAPTURE_TOKENS) -> list[int]:
-    """Padded token counts to capture: the standard ladder up to min(max_tokens, cap), plus that
-    limit itself so every step up to it replays."""
+    """Padded token counts to capture: the standard ladder up to min(max_tokens, cap) (steps of 256
+    past 512, for a cap raised to cover speculative verifies), plus that limit itself so every
+    step up to it replays."""
     limit = min(max_tokens, cap)
     if limit < 1:
         raise ValueError(f"need a positive token limit for CUDA graphs, got {limit}")
-    sizes = [s for s in CAPTURE_SIZES if s <= limit]
+    ladder = CAPTURE_SIZES + tuple(range(768, limit + 1, 256))
+    sizes = [s for s in ladder if s <= limit]
     if not sizes or sizes[-1] != limit:
         sizes.append(limit)
     return sizes
@@ -40,6 +42,56 @@ def capture_sizes(max_tokens: int, cap: int = MAX_CAPTURE_TOKENS) -> list[int]:
 
 def _aux_key(model: torch.nn.Module) -> Any:
     return getattr(model, "aux_hidden_layers", None)
+
+
+def dummy_meta(attn: TritonBackend, n: int, device: torch.device) -> AttentionMetadata:
+    """A valid step of n tokens that reads and writes only the backend's scratch block."""
+    bs = attn.block_size
+    per_req = max(bs, -(-n // attn.max_num_seqs))
+    per_req = min(per_req, bs * attn.max_blocks_per_seq)
+    q_lens = []
+    left = n
+    while left > 0:
+        q_lens.append(min(per_req, left))
+        left -= q_lens[-1]
+    if len(q_lens) > attn.max_num_seqs:
+        raise ValueError(f"cannot lay out {n} tokens over {attn.max_num_seqs} requests of "
+                         f"{bs * attn.max_blocks_per_seq} tokens for graph capture")
+    width = -(-per_req // bs)
+    scratch_block = attn.scratch_slot // bs
+    return AttentionMetadata(
+        query_lens=q_lens, seq_lens=list(q_lens),
+        slot_mapping=torch.full((n,), attn.scratch_slot, dtype=torch.long, device=device),
+        block_tables=torch.full((len(q_lens), width), scratch_block, dtype=torch.long, device=device),
+    )
+
+
+@torch.inference_mode()
+def capture_per_size(attn: TritonBackend, sizes: list[int], body: Callable[[int], Any], device: torch.device,
+                     graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, Any],
+                     pool: Any = None) -> tuple[float, int]:
+    """Capture ``body(n)`` (a forward over n padded tokens through ``attn``) for each size, largest
+    first so smaller graphs reuse its pool memory. Returns (seconds, bytes of GPU memory used)."""
+    sizes = sorted(sizes)
+    torch.cuda.synchronize(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    t0 = time.perf_counter()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    for i in reversed(range(len(sizes))):
+        n = sizes[i]
+        # steps of (previous size, n] tokens replay this graph: the backend sizes its launches by that
+        attn.graph_min_tokens = sizes[i - 1] + 1 if i else 1
+        attn.plan(dummy_meta(attn, n, device))
+        body(n)  # warm-up: compiles kernels
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = body(n)
+        graphs[n] = graph
+        outputs[n] = out
+    attn.graph_min_tokens = 1
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0])
 
 
 class CUDAGraphRunner:
@@ -79,53 +131,19 @@ class CUDAGraphRunner:
         return bool(self.graphs) and self._captured_for == _aux_key(self.model)
 
     def _dummy_meta(self, n: int) -> AttentionMetadata:
-        """A valid step of n tokens that reads and writes only the scratch block."""
-        a = self.attn
-        bs = a.block_size
-        per_req = max(bs, -(-n // a.max_num_seqs))
-        per_req = min(per_req, bs * a.max_blocks_per_seq)
-        q_lens = []
-        left = n
-        while left > 0:
-            q_lens.append(min(per_req, left))
-            left -= q_lens[-1]
-        if len(q_lens) > a.max_num_seqs:
-            raise ValueError(f"cannot lay out {n} tokens over {a.max_num_seqs} requests of "
-                             f"{bs * a.max_blocks_per_seq} tokens for graph capture")
-        width = -(-per_req // bs)
-        scratch_block = a.scratch_slot // bs
-        return AttentionMetadata(
-            query_lens=q_lens, seq_lens=list(q_lens),
-            slot_mapping=torch.full((n,), a.scratch_slot, dtype=torch.long, device=self.device),
-            block_tables=torch.full((len(q_lens), width), scratch_block, dtype=torch.long, device=self.device),
-        )
+        return dummy_meta(self.attn, n, self.device)
 
     @torch.inference_mode()
     def capture(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for i in reversed(range(len(self.sizes))):  # largest first: smaller graphs reuse its pool memory
-            n = self.sizes[i]
-            # steps of (previous size, n] tokens replay this graph: the backend sizes its launches by that
-            self.attn.graph_min_tokens = self.sizes[i - 1] + 1 if i else 1
-            self.attn.plan(self._dummy_meta(n))
+
+        def body(n: int) -> Any:
             with forward_context(self.attn):
-                self.model(self.input_ids[:n], self.positions[:n])  # warm-up: compiles kernels
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                with forward_context(self.attn):
-                    out = self.model(self.input_ids[:n], self.positions[:n])
-            self.graphs[n] = graph
-            self.outputs[n] = out
-        self.attn.graph_min_tokens = 1
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - t0
-        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+                return self.model(self.input_ids[:n], self.positions[:n])
+
+        stats = capture_per_size(self.attn, self.sizes, body, self.device, self.graphs, self.outputs)
+        self.capture_seconds, self.capture_bytes = stats
         self._captured_for = _aux_key(self.model)
         log.info("captured %d CUDA graphs (token counts %s) in %.2fs using %.1f MiB of GPU memory",
                  len(self.graphs), ",".join(map(str, self.sizes)), self.capture_seconds, self.capture_bytes / 2**20)

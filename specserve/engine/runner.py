@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,15 @@ class StepInputs:
     meta: AttentionMetadata
     # rows of the flat batch whose logits are needed, per sampling request: (start, count)
     sample_spans: list[tuple[int, int]]
+
+
+def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a host sync: on CUDA through pinned memory and an
+    asynchronous copy (``torch.tensor(..., device=cuda)`` waits for the whole stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -117,8 +127,26 @@ class ModelRunner:
                                                mc.head_dim, dtype, device)
             self.attn = TorchNativeBackend(self.kv_caches, bs, scale)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        # forwards per path ("target:graph" / "target:eager"): benchmarks check no step fell back
+        self.path_counts: Counter[str] = Counter()
         log.info("model runner: %s attention, CUDA graphs %s", self.backend_name,
                  f"for up to {self.graphs.max_size} tokens" if self.graphs else "off")
+
+    def ensure_graph_tokens(self, num_tokens: int) -> None:
+        """Make steps of up to ``num_tokens`` tokens (within the step budget) replay a graph: the
+        drafter asks for max_num_seqs x (1 + most drafts), so no verify shape runs eagerly.
+        Call before capture."""
+        from specserve.engine.cuda_graph import MAX_CAPTURE_TOKENS, CUDAGraphRunner, capture_sizes
+
+        if self.graphs is None:
+            return
+        n = min(num_tokens, self.config.max_num_batched_tokens)
+        if n <= self.graphs.max_size:
+            return
+        assert not self.graphs.graphs, "ensure_graph_tokens() must run before capture"
+        self.graphs = CUDAGraphRunner(self.model, self.attn, capture_sizes(n, cap=max(n, MAX_CAPTURE_TOKENS)),
+                                      self.device)
+        log.info("CUDA graphs extended to steps of up to %d tokens", self.graphs.max_size)
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs now (otherwise the first step does). Call once the model's outputs
@@ -186,7 +214,9 @@ class ModelRunner:
         """hidden [T, H], or (hidden, aux) when EAGLE-3 aux layers are set: a CUDA graph replay when
         one fits the step's token count, else an eager forward."""
         if self.graphs is not None and self.graphs.fits(inputs.input_ids.shape[0]):
+            self.path_counts["target:graph"] += 1
             return self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[return-value]
+        self.path_counts["target:eager"] += 1
         self.attn.plan(inputs.meta)
         with forward_context(self.attn):
             return self.model(inputs.input_ids, inputs.positions)
@@ -201,11 +231,14 @@ class ModelRunner:
         sampling = [s for s in plan.scheduled if s.samples]
         if not sampling:
             return CommitResult(token_ids=[])
-        rows = torch.tensor([a for a, _ in inputs.sample_spans], dtype=torch.long, device=self.device)
+        rows = to_device([a for a, _ in inputs.sample_spans], torch.long, self.device)
         logits = self.model.compute_logits(hidden[rows])
-        sb = sampler.SamplingBatch.build([s.req.params for s in sampling], [s.req.generator for s in sampling],
-                                         self.device)
-        tokens = sampler.sample(logits, sb, self.generator)
+        if all(s.req.params.greedy for s in sampling):
+            tokens = logits.argmax(dim=-1)  # building a SamplingBatch would copy (and sync) 4 tensors
+        else:
+            sb = sampler.SamplingBatch.build([s.req.params for s in sampling],
+                                             [s.req.generator for s in sampling], self.device)
+            tokens = sampler.sample(logits, sb, self.generator)
         lps = None
         want = [s.req.params.logprobs for s in sampling]
         if any(w is not None for w in want):

@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +35,8 @@ from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel, profile_grid, time_call
+from specserve.spec.draft_graph import (CatchUpRunner, ChainDraftRunner, TorchDecodeAttention,
+                                         host_to_device)
 from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
@@ -89,9 +92,11 @@ class EagleSpeculator:
             self.target.set_aux_hidden_layers(hc.resolved_aux_layer_ids(mc.num_hidden_layers))
         else:
             self.head.bind_target(self.target.compute_logits)
-        caches = allocate_kv_cache(self.head.num_kv_layers, self.runner.attn.kv_caches[0][0].shape[0],
+        # one block beyond the block manager's: draft steps past a request's k (and padding rows) write there
+        caches = allocate_kv_cache(self.head.num_kv_layers, engine.blocks.num_blocks + 1,
                                    engine.config.block_size, hc.num_key_value_heads, hc.head_dim,
                                    engine.dtype, self.device)
+        self.scratch_slot = engine.blocks.num_blocks * engine.config.block_size
         self.attn = TorchNativeBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         self.topk = cfg.eagle_topk
@@ -104,6 +109,7 @@ class EagleSpeculator:
         self.max_k = cfg.resolved_num_draft_tokens - 1
         log.info("speculation: %s head from %s (draft vocab %d), policy %s, up to %d tokens",
                  hc.algorithm, path, hc.draft_vocab_size, cfg.policy, self.max_k)
+        self._setup_static_draft()
 
     # -- start-up cost profile ------------------------------------------------------------------
     def _load_or_profile_costs(self, head_path: str) -> CostModel:
@@ -167,6 +173,69 @@ class EagleSpeculator:
             cost.draft.values[n] = time_call(draft, repeats=2, sync=sync)
         return cost
 
+    # -- static-buffer draft path (CUDA graphs) --------------------------------------------------
+    def _setup_static_draft(self) -> None:
+        """On CUDA with the Triton backend: the catch-up and the greedy chain loop on static buffers,
+        captured as CUDA graphs now (unless --enforce-eager). On the CPU the eager loop stays the
+        default; ``enable_static_draft()`` turns the static loop on (tests compare the two)."""
+        self.chain_runner: ChainDraftRunner | None = None
+        self.catch_up_runner: CatchUpRunner | None = None
+        # draft-side calls per path ("catch_up:graph", "chain:eager", ...): benchmarks check for fallbacks
+        self.path_counts: Counter[str] = Counter()
+        e = self.engine
+        self.runner.ensure_graph_tokens(e.config.max_num_seqs * (self.max_k + 1))
+        if self.device.type == "cuda" and self.runner.backend_name == "triton":
+            self.enable_static_draft(graphs=not e.config.enforce_eager)
+
+    def enable_static_draft(self, graphs: bool = False, attention: str = "auto") -> None:
+        """attention: "triton" (Triton decode attention for the loop, a Triton backend for the
+        catch-up; on the CPU only under TRITON_INTERPRET=1, as tests do), "torch", or "auto"
+        (triton on CUDA with the triton backend, else torch)."""
+        e = self.engine
+        bs, hc, dev = e.config.block_size, self.head.config, self.device
+        max_batch = e.config.max_num_seqs
+        max_blocks = -(-e.max_model_len // bs)
+        caches = self.attn.kv_caches
+        scale = hc.head_dim**-0.5
+        if attention == "auto":
+            attention = "triton" if dev.type == "cuda" and self.runner.backend_name == "triton" else "torch"
+        triton = attention == "triton"
+        if graphs and not (triton and dev.type == "cuda"):
+            raise ValueError("CUDA graphs of the draft loop need a CUDA device and the triton attention backend")
+        tables = torch.zeros(max_batch, max_blocks, dtype=torch.long, device=dev)
+        if triton:
+            from specserve.attention.triton_backend import TritonBackend, TritonDecodeAttention
+            from specserve.engine.cuda_graph import capture_sizes
+
+            dec: Any = TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads, block_tables=tables)
+        else:
+            dec = TorchDecodeAttention(caches, bs, scale, tables)
+        self.chain_runner = ChainDraftRunner(self.head, self.target.embed_tokens, dec, tables, bs, self.scratch_slot,
+                                             max_batch, self.max_k, dev, e.dtype)
+        if triton:
+            cu_attn = TritonBackend(caches, bs, scale, num_heads=hc.num_attention_heads,
+                                    max_num_tokens=e.config.max_num_batched_tokens, max_num_seqs=max_batch,
+                                    max_blocks_per_seq=max_blocks, scratch_slot=self.scratch_slot)
+            # after a verify a request catches up over its accepted drafts + 1 (more after k = 0 steps)
+            cu_sizes = capture_sizes(min(e.config.max_num_batched_tokens, max_batch * (self.max_k + 1))) if graphs else []
+            self.catch_up_runner = CatchUpRunner(self.head, self.target.embed_tokens, cu_attn, self.chain_runner.h0,
+                                                 cu_sizes, dev, e.dtype)
+        if graphs:
+            pool = torch.cuda.graph_pool_handle()
+            assert self.catch_up_runner is not None
+            a = self.catch_up_runner.capture(pool)
+            b = self.chain_runner.capture(pool) if self.topk == 1 else None
+            log.info("draft CUDA graphs: catch-up %d (token counts %s) and chain loop %d (batch %s x k 1..%d) "
+                     "in %.2fs using %.1f MiB of GPU memory", a.graphs, ",".join(map(str, self.catch_up_runner.sizes)),
+                     b.graphs if b else 0, ",".join(map(str, self.chain_runner.batch_sizes)), self.max_k,
+                     a.seconds + (b.seconds if b else 0), (a.bytes + (b.bytes if b else 0)) / 2**20)
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        """GPU memory the draft CUDA graphs took at capture."""
+        n = self.catch_up_runner.stats.bytes if self.catch_up_runner else 0
+        return n + (self.chain_runner.stats.bytes if self.chain_runner else 0)
+
     # -- lifecycle ------------------------------------------------------------------------------
     def release(self, req: Request) -> None:
         self.states.pop(req.request_id, None)
@@ -186,11 +255,15 @@ class EagleSpeculator:
         hidden, feats = out if isinstance(out, tuple) else (out, out)
 
         sampling = [s for s in plan.scheduled if s.samples]
-        rows = torch.cat([torch.arange(a, a + n) for a, n in inputs.sample_spans]) if sampling else None
-        logits = self.target.compute_logits(hidden[rows.to(self.device)]) if sampling else None
-        sb_all = sampler.SamplingBatch.build([s.req.params for s in sampling],
-                                             [s.req.generator for s in sampling], self.device)
-        greedy_argmax = logits.argmax(-1).tolist() if logits is not None else []  # the one host sync
+        logits = None
+        if sampling:
+            rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
+            logits = self.target.compute_logits(hidden[rows])
+        # sampled requests only: building the batch copies its parameters to the device
+        sb_all = None if all(s.req.params.greedy for s in sampling) else sampler.SamplingBatch.build(
+            [s.req.params for s in sampling], [s.req.generator for s in sampling], self.device)
+        # the step's one host sync: greedy acceptance is a comparison of these with the (host) drafts
+        greedy_argmax = logits.argmax(-1).tolist() if logits is not None else []
 
         results = self._verify_all(sampling, logits, greedy_argmax, sb_all)
         token_ids = [r.tokens for r in results]
@@ -205,20 +278,24 @@ class EagleSpeculator:
                 lps.append(None if lp is None else sampler.top_logprobs(
                     logits[off : off + n][kept], torch.tensor(res.tokens, device=self.device), lp))
                 off += n
-        # keep target features of the tokens that will be committed
+        # keep target features of the tokens that will be committed: one gather for the whole step
         j = 0
         start = 0
+        keep: list[int] = []
+        sizes: list[int] = []
         for s in plan.scheduled:
-            st = self._state(s.req)
             if s.samples:
                 n0 = s.num_new_tokens - 1  # prefill rows before the last known token
                 rows_kept = list(range(start, start + n0)) + [start + n0 + r for r in kept_rows[j]]
-                st.pending.append(feats[torch.tensor(rows_kept, device=self.device)])
                 j += 1
             else:
-                # a copy: with CUDA graphs `feats` is the graph's output buffer, rewritten next step
-                st.pending.append(feats[start : start + s.num_new_tokens].clone())
+                rows_kept = list(range(start, start + s.num_new_tokens))
+            keep.extend(rows_kept)
+            sizes.append(len(rows_kept))
             start += s.num_query_tokens
+        kept_feats = feats.index_select(0, host_to_device(keep, self.device)).split(sizes)
+        for s, f in zip(plan.scheduled, kept_feats):
+            self._state(s.req).pending.append(f)
         self._record(plan, sampling, accepted, time.perf_counter() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
 
@@ -283,8 +360,8 @@ class EagleSpeculator:
                 dst.append(bt[b // bs] * bs + b % bs)
         if not src:
             return
-        src_t = torch.tensor(src, device=self.device)
-        dst_t = torch.tensor(dst, device=self.device)
+        src_t = host_to_device(src, self.device)
+        dst_t = host_to_device(dst, self.device)
         for k_cache, v_cache in self.runner.kv_caches:
             kf = k_cache.view(-1, *k_cache.shape[2:])
             vf = v_cache.view(-1, *v_cache.shape[2:])
@@ -352,28 +429,28 @@ class EagleSpeculator:
         n = sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.is_prefilling)
         return n + sum(r.num_tokens for r in list(sched.waiting)[:8])
 
-    def _run_head(self, reqs: list[Request], q_lens: list[int], positions: list[int], seq_lens: list[int],
-                  embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _slots(self, reqs: list[Request], q_lens: list[int], positions: list[int]) -> list[int]:
         bs = self.engine.config.block_size
         slots = []
-        tables = []
-        for r in reqs:
-            tables.append(r.kv.block_table)
         p_iter = iter(positions)
         for r, n in zip(reqs, q_lens):
             bt = r.kv.block_table
             for _ in range(n):
                 p = next(p_iter)
                 slots.append(bt[p // bs] * bs + p % bs)
+        return slots
+
+    def _run_head(self, reqs: list[Request], q_lens: list[int], positions: list[int], seq_lens: list[int],
+                  embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        tables = [r.kv.block_table for r in reqs]
         width = max(len(t) for t in tables)
         meta = AttentionMetadata(
             query_lens=q_lens, seq_lens=seq_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
-                                      device=self.device),
+            slot_mapping=host_to_device(self._slots(reqs, q_lens, positions), self.device),
+            block_tables=host_to_device([t + [0] * (width - len(t)) for t in tables], self.device),
         )
         self.attn.plan(meta)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        pos_t = host_to_device(positions, self.device)
         with forward_context(self.attn):
             return self.head(embeds, hidden, pos_t)
 
@@ -396,13 +473,16 @@ class EagleSpeculator:
         h = self._catch_up(reqs)
         if self.topk > 1:
             self._draft_tree(todo, h)
+        elif self.chain_runner is not None and all(r.params.greedy for r in reqs):
+            self._draft_chain_static(todo)
         else:
             self._draft_chain(todo, h)
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Draft KV over every position that lacks it: pairs (embed(token i+1), feature i).
 
-        Returns the head's output at each request's last committed position (predicts the next token).
+        Returns the head's output at each request's last committed position (predicts the next
+        token); with the static draft path that is a view of the loop's input buffer ``h0``.
         """
         q_lens, positions, next_tokens, feats = [], [], [], []
         for r in reqs:
@@ -411,17 +491,45 @@ class EagleSpeculator:
             positions.extend(range(st.draft_pos, r.num_computed_tokens))
             next_tokens.extend(r.all_token_ids[st.draft_pos + 1 : r.num_computed_tokens + 1])
             feats.extend(st.pending)
-        emb = self.target.embed_tokens(torch.tensor(next_tokens, dtype=torch.long, device=self.device))
         seq_lens = [r.num_computed_tokens for r in reqs]
-        h = self._run_head(reqs, q_lens, positions, seq_lens, emb, self.head.combine(torch.cat(feats, 0)))
+        cu = self.catch_up_runner
+        if cu is not None and len(positions) <= cu.max_tokens:
+            path = cu.run(next_tokens, positions, self._slots(reqs, q_lens, positions), q_lens, seq_lens,
+                          [r.kv.block_table for r in reqs], torch.cat(feats, 0))
+            self.path_counts[f"catch_up:{path}"] += 1
+            h = cu.h_out[: len(reqs)]
+        else:  # the CPU path, and on the GPU catch-ups larger than a step (a long prompt's first draft)
+            emb = self.target.embed_tokens(host_to_device(next_tokens, self.device))
+            h = self._run_head(reqs, q_lens, positions, seq_lens, emb, self.head.combine(torch.cat(feats, 0)))
+            ends, acc = [], 0
+            for q in q_lens:
+                acc += q
+                ends.append(acc - 1)
+            h = h[host_to_device(ends, self.device)]
+            self.path_counts["catch_up:torch"] += 1
+            if self.chain_runner is not None:
+                self.chain_runner.h0[: len(reqs)].copy_(h)
         bs = self.engine.config.block_size
         for r in reqs:
             st = self.states[r.request_id]
             st.draft_pos = r.num_computed_tokens
             st.pending = []
             self.engine.blocks.mark_draft_ready(r.kv.block_table[: st.draft_pos // bs])
-        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
-        return h[last]
+        return h
+
+    def _draft_chain_static(self, todo: list[tuple[Request, int]]) -> None:
+        """Greedy chains through the static loop (a CUDA graph per padded batch and K on the GPU):
+        the head's output at the last committed position is already in ``chain_runner.h0``."""
+        assert self.chain_runner is not None
+        reqs = [r for r, _ in todo]
+        toks, path = self.chain_runner.run([r.num_tokens - 1 for r in reqs], [k for _, k in todo],
+                                           [r.kv.block_table for r in reqs])
+        self.path_counts[f"chain:{path}"] += 1
+        toks_l = toks.tolist()  # the draft step's one host sync
+        for (r, k), t in zip(todo, toks_l):
+            r.draft_token_ids = t[:k]
+            r.draft_tree = None
+            self.states[r.request_id].draft_probs = None
 
     def _draft_chain(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
         reqs = [r for r, _ in todo]
@@ -435,9 +543,9 @@ class EagleSpeculator:
             if not active:
                 break
             sub = [reqs[i] for i in active]
-            idx = torch.tensor(active, device=self.device)
+            idx = host_to_device(active, self.device)
             pos = [r.num_tokens + j - 3 for r in sub]
-            emb = self.target.embed_tokens(torch.tensor([drafts[i][-1] for i in active], device=self.device))
+            emb = self.target.embed_tokens(host_to_device([drafts[i][-1] for i in active], self.device))
             h_sub = self._run_head(sub, [1] * len(sub), pos, [p + 1 for p in pos], emb, h[idx])
             h = h.index_copy(0, idx, h_sub)
             toks, qs = self._pick(sub, self.head.compute_logits(h_sub))

@@ -1,0 +1,288 @@
+"""The EAGLE chain draft loop (topk = 1, greedy) on static buffers, replayed as CUDA graphs on the GPU.
+
+The eager loop (``EagleSpeculator._draft_chain``) builds metadata on the host at every draft step
+and reads each step's tokens back (a host sync per step). Here everything a draft step needs is
+computed on the device from a few per-request numbers written once per engine step:
+
+    h0[b]           the head's output at request b's last committed position (from the catch-up)
+    base_pos[b]     the position of draft step 2 (= num_tokens - 1); step j runs at base + j - 2
+    ks[b]           drafts request b wants (0 for padding rows)
+    block_tables[b] its block table (the draft KV shares the target's tables)
+
+and the loop (draft 1 = argmax of h0's logits; draft j = head(embed(draft j-1), h, pos) -> argmax)
+writes ``tokens[b, j-1]``. Rows past their k (or padding rows) write their K/V to the scratch slot
+and attend to one key, so one graph per (padded batch, K) serves any mix of per-request k.
+
+The same code runs eagerly (CPU, or ``--enforce-eager``): attention through
+``TorchDecodeAttention`` (plain PyTorch, the CPU path) or ``TritonDecodeAttention`` (CUDA). On
+CUDA the catch-up (the head over the positions committed since the request last drafted) runs
+through a Triton backend of its own, as CUDA graphs per padded token count (``CatchUpRunner``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from specserve.models.eagle3 import Eagle3DraftModel
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes for the draft-loop graphs: the ladder up to max_batch, plus max_batch."""
+    sizes = [b for b in BATCH_SIZES if b <= max_batch]
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """One host list as a device tensor with no host sync (pinned memory, asynchronous copy on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class TorchDecodeAttention(AttentionBackend):
+    """One query token per request, metadata as device tensors (``set_step``), in plain PyTorch.
+
+    Computes exactly what ``TorchNativeBackend`` computes for a decode step (same gather, mask and
+    SDPA call), so the static loop's drafts equal the eager loop's on the CPU. ``max_kv`` (eager
+    only) limits the keys gathered; without it the whole block-table row is read (graph-safe, but
+    only sensible for short tables: the GPU uses ``TritonDecodeAttention``).
+    """
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float,
+                 block_tables: torch.Tensor) -> None:
+        super().__init__(kv_caches, block_size, scale)
+        self.block_tables = block_tables
+        self._slots: torch.Tensor | None = None
+        self._seq: torch.Tensor | None = None
+        self._max_kv: int | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:  # pragma: no cover - the interface's host path
+        raise NotImplementedError("TorchDecodeAttention takes device metadata through set_step()")
+
+    def set_step(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_kv: int | None = None) -> None:
+        self._slots, self._seq, self._max_kv = slots, seq_lens, max_kv
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self._slots is not None and self._seq is not None, "set_step() first"
+        k_cache, v_cache = self.kv_caches[layer]
+        kvh, d = k_cache.shape[-2:]
+        k_flat = k_cache.view(-1, kvh, d)
+        v_flat = v_cache.view(-1, kvh, d)
+        k_flat.index_copy_(0, self._slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, self._slots, v.to(v_flat.dtype))
+        B, h = q.shape[0], q.shape[1]
+        bt = self.block_tables[:B]
+        L = self._max_kv if self._max_kv is not None else bt.shape[1] * self.block_size
+        kj = torch.arange(L, device=q.device)
+        blk = bt.gather(1, (kj // self.block_size)[None, :].expand(B, -1))
+        kv_slots = blk * self.block_size + (kj % self.block_size)[None, :]
+        valid = kj[None, :] < self._seq[:, None]
+        kv_slots = torch.where(valid, kv_slots, torch.zeros_like(kv_slots))
+        qp = q[:, None].transpose(1, 2)  # [B, H, 1, D]
+        kp = k_flat[kv_slots].transpose(1, 2)  # [B, KVH, L, D]
+        vp = v_flat[kv_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=valid[:, None, None, :],
+                                             scale=self.scale, enable_gqa=h != kvh)
+        return out.transpose(1, 2).reshape(B, h, d)
+
+
+@dataclass
+class GraphStats:
+    graphs: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+class ChainDraftRunner:
+    """The greedy chain draft loop over static buffers; ``capture()`` records it per (padded batch, K)."""
+
+    def __init__(self, head: Eagle3DraftModel, embed: Callable[[torch.Tensor], torch.Tensor],
+                 attn: AttentionBackend, block_tables: torch.Tensor, block_size: int, scratch_slot: int,
+                 max_batch: int, max_k: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.head = head
+        self.embed = embed
+        self.attn = attn  # TorchDecodeAttention or TritonDecodeAttention over the draft KV
+        self.block_tables = block_tables  # [max_batch, max_blocks] long, shared with attn
+        self.block_size = block_size
+        self.scratch_slot = scratch_slot
+        self.max_batch = max_batch
+        self.max_k = max_k
+        self.device = device
+        H = head.config.hidden_size
+        self.h0 = torch.zeros(max_batch, H, dtype=dtype, device=device)
+        self.base_pos = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.ks = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(max_batch, max_k, dtype=torch.long, device=device)
+        self.batch_sizes = batch_buckets(max_batch)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.stats = GraphStats()
+
+    def padded_batch(self, B: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
+
+    def _body(self, B: int, K: int, max_kv: list[int] | None = None) -> None:
+        """Draft K tokens for rows [0, B) (reads only static buffers; writes ``tokens``)."""
+        head, bs = self.head, self.block_size
+        h = self.h0[:B]
+        tok = head.draft_to_target(head.compute_logits(h).argmax(-1))
+        self.tokens[:B, 0].copy_(tok)
+        base, ks, bt = self.base_pos[:B], self.ks[:B], self.block_tables[:B]
+        last_block = bt.shape[1] - 1
+        for j in range(2, K + 1):
+            pos = base + (j - 2)
+            active = ks >= j
+            blk = bt.gather(1, (pos // bs).clamp(max=last_block)[:, None])[:, 0]
+            slot = torch.where(active, blk * bs + pos % bs, torch.full_like(pos, self.scratch_slot))
+            seq = torch.where(active, pos + 1, torch.ones_like(pos))  # a finished row reads one key
+            self.attn.set_step(slot, seq, None if max_kv is None else max_kv[j - 2])
+            with forward_context(self.attn):
+                h = head(self.embed(tok), h, pos)
+            tok = head.draft_to_target(head.compute_logits(h).argmax(-1))
+            self.tokens[:B, j - 1].copy_(tok)
+
+    def load(self, base: list[int], ks: list[int], tables: list[list[int]], Bp: int) -> None:
+        """Write the step's per-request numbers into the static buffers (padding rows: k = 0)."""
+        B = len(ks)
+        width = max(len(t) for t in tables)
+        pad = Bp - B
+        flat = base + [0] * pad + ks + [0] * pad
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (width - len(t)))
+        buf = host_to_device(flat, self.device)
+        self.base_pos[:Bp].copy_(buf[:Bp])
+        self.ks[:Bp].copy_(buf[Bp : 2 * Bp])
+        self.block_tables[:B, :width].copy_(buf[2 * Bp :].view(B, width))
+
+    def run(self, base: list[int], ks: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, str]:
+        """Drafts [B, max(ks)] (device tensor; h0[:B] must hold the catch-up output) and the path taken."""
+        B, K = len(ks), max(ks)
+        if B > self.max_batch or K > self.max_k:
+            raise ValueError(f"draft batch {B} x {K} exceeds the loop's {self.max_batch} x {self.max_k}")
+        graph = self.graphs.get((self.padded_batch(B), K)) if self.graphs else None
+        if graph is not None:
+            self.load(base, ks, tables, self.padded_batch(B))
+            graph.replay()
+            return self.tokens[:B, :K], "graph"
+        self.load(base, ks, tables, B)
+        max_kv = None
+        if isinstance(self.attn, TorchDecodeAttention):  # eager: gather only the keys in use
+            max_kv = [max(b + j - 1 for b, k in zip(base, ks) if k >= j) for j in range(2, K + 1)]
+        self._body(B, K, max_kv)
+        return self.tokens[:B, :K], "eager"
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> GraphStats:
+        """One CUDA graph per (padded batch, K <= max_k): switching k never re-captures."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        t0 = time.perf_counter()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        # capture-time inputs: every row inactive, so only the scratch slot is written
+        self.base_pos.zero_()
+        self.ks.zero_()
+        self.block_tables.zero_()
+        self.h0.zero_()
+        for Bp in reversed(self.batch_sizes):
+            for K in range(self.max_k, 0, -1):
+                self._body(Bp, K)  # warm-up: compiles the Triton kernel, settles allocations
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._body(Bp, K)
+                self.graphs[(Bp, K)] = g
+        torch.cuda.synchronize(dev)
+        self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
+                                max(0, free_before - torch.cuda.mem_get_info(dev)[0]))
+        return self.stats
+
+
+class CatchUpRunner:
+    """The head over a ragged batch of committed positions (CUDA, Triton attention), writing each
+    request's last output row into ``h_out``; CUDA graphs per padded token count."""
+
+    def __init__(self, head: Eagle3DraftModel, embed: Callable[[torch.Tensor], torch.Tensor], attn: Any,
+                 h_out: torch.Tensor, sizes: list[int], device: torch.device, dtype: torch.dtype) -> None:
+        self.head = head
+        self.embed = embed
+        self.attn = attn  # a TritonBackend over the draft KV
+        self.h_out = h_out  # [max_batch, H]
+        self.sizes = sorted(sizes)
+        self.device = device
+        n = self.sizes[-1] if self.sizes else 0
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.pos = torch.zeros(n, dtype=torch.long, device=device)
+        self.feats = torch.zeros(n, head.config.feature_size, dtype=dtype, device=device)
+        self.last = torch.zeros(h_out.shape[0], dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stats = GraphStats()
+
+    @property
+    def max_tokens(self) -> int:
+        return self.attn.max_num_tokens
+
+    def _forward(self, ids: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with forward_context(self.attn):
+            return self.head(self.embed(ids), self.head.combine(feats), pos)
+
+    def _graph_body(self, n: int) -> None:
+        h = self._forward(self.ids[:n], self.feats[:n], self.pos[:n])
+        self.h_out.copy_(h.index_select(0, self.last))
+
+    def run(self, ids: list[int], pos: list[int], slots: list[int], q_lens: list[int], seq_lens: list[int],
+            tables: list[list[int]], feats: torch.Tensor) -> str:
+        """Fills h_out[:B]; returns the path taken ("graph" or "eager")."""
+        T, B = len(ids), len(q_lens)
+        width = max(len(t) for t in tables)
+        last, acc = [], 0
+        for q in q_lens:
+            acc += q
+            last.append(acc - 1)
+        n_last = self.last.shape[0]
+        flat = ids + pos + slots + last + [0] * (n_last - B)
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (width - len(t)))
+        buf = host_to_device(flat, self.device)
+        o = 3 * T + n_last
+        meta = AttentionMetadata(query_lens=q_lens, seq_lens=seq_lens, slot_mapping=buf[2 * T : 3 * T],
+                                 block_tables=buf[o:].view(B, width))
+        self.attn.plan(meta)
+        if self.graphs and T <= self.sizes[-1]:
+            n = self.sizes[bisect.bisect_left(self.sizes, T)]
+            self.ids[:T].copy_(buf[:T])
+            self.pos[:T].copy_(buf[T : 2 * T])
+            self.feats[:T].copy_(feats)
+            self.last.copy_(buf[3 * T : o])
+            self.graphs[n].replay()
+            return "graph"
+        h = self._forward(buf[:T], feats, buf[T : 2 * T])
+        self.h_out[:B].copy_(h.index_select(0, buf[3 * T : 3 * T + B]))
+        return "eager"
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> GraphStats:
+        from specserve.engine.cuda_graph import capture_per_size
+
+        self.last.zero_()
+        outputs: dict[int, Any] = {}
+        secs, nbytes = capture_per_size(self.attn, self.sizes, self._graph_body, self.device, self.graphs,
+                                        outputs, pool)
+        self.stats = GraphStats(len(self.graphs), secs, nbytes)
+        return self.stats
