@@ -1,0 +1,183 @@
+"""The static-buffer chain draft loop (the one captured as CUDA graphs on the GPU) computes the same
+drafts as the eager loop, and speculation with it stays lossless.
+
+On the CPU the static loop runs eagerly with ``TorchDecodeAttention``; the GPU tests at the end
+check graph replay against the same loop run eagerly, and that changing k never re-captures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.spec.drafter import DEFAULT_HEAD
+from tiny_model import make_random_head, make_tiny_model
+
+SHIPPED = (DEFAULT_HEAD / "config.json").exists()
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [5, 9, 33, 2, 41, 17]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("draft_graph")
+    model = make_tiny_model(str(d / "model"), vocab=64, logit_scale=3.0)
+    # a head close enough to the target that some drafts are accepted (so accepted counts vary)
+    head = make_random_head(model, str(d / "head"), std=0.3)
+    return model, head
+
+
+def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
+    """Wrap the drafter so every draft step's (request, drafts) are logged."""
+    dr = llm.engine.drafter
+    log: list[list[tuple[str, list[int]]]] = []
+    orig = dr._draft
+
+    def wrapped(todo):
+        orig(todo)
+        log.append([(r.request_id, list(r.draft_token_ids)) for r, _ in todo])
+
+    dr._draft = wrapped
+    return log
+
+
+def run(model: str | None, head: str, static: str | None, prompts, params, **engine) -> tuple[list, list, dict]:
+    llm = LLM(model=model, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="static", **engine)
+    if static is not None:
+        llm.engine.drafter.enable_static_draft(attention=static)
+    log = record_drafts(llm)
+    if prompts and isinstance(prompts[0][0], dict):
+        outs = llm.chat(prompts, params)
+    else:
+        outs = llm.generate(prompts, params)
+    return [o.outputs[0].token_ids for o in outs], log, dict(llm.engine.drafter.path_counts)
+
+
+def mixed_k_params(n: int, max_tokens: int = 24) -> list[SamplingParams]:
+    """Per-request draft caps 1..3 (and different lengths): one batch mixes every k."""
+    return [SamplingParams(temperature=0, max_tokens=max_tokens - 3 * (i % 2), ignore_eos=True,
+                           max_spec_tokens=1 + i % 3) for i in range(n)]
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_static_chain_same_drafts_as_eager_tiny(tiny, steps):
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eng = dict(max_num_seqs=4, speculative_num_steps=steps)
+    ref_out, ref_log, _ = run(model, head, None, PROMPTS, sp, **eng)
+    out, log, paths = run(model, head, "torch", PROMPTS, sp, **eng)
+    assert out == ref_out
+    assert log == ref_log and len(log) > 10
+    assert paths.get("chain:eager", 0) == len(log) and "chain:graph" not in paths
+
+
+def test_static_chain_mixed_k_in_one_batch(tiny):
+    model, head = tiny
+    params = mixed_k_params(len(PROMPTS))
+    eng = dict(max_num_seqs=8, speculative_num_steps=3)
+    ref_out, ref_log, _ = run(model, head, None, PROMPTS, params, **eng)
+    out, log, _ = run(model, head, "torch", PROMPTS, params, **eng)
+    assert out == ref_out
+    assert {len(d) for step in log for _, d in step} == {1, 2, 3}
+    # rows past their k only write the scratch slot: the drafts of every k are the eager loop's
+    assert log == ref_log
+    plain = LLM(model=model, max_num_seqs=8)
+    assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+
+
+def test_static_chain_with_preemption_matches_no_spec(tiny):
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS * 2
+    plain = LLM(model=model, max_num_seqs=8, num_kv_blocks=60, block_size=4)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    llm = LLM(model=model, max_num_seqs=8, num_kv_blocks=60, block_size=4, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=4)
+    llm.engine.drafter.enable_static_draft()
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert out == ref
+
+
+@pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree")
+def test_static_chain_smollm2_chat(chat_prompts):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = chat_prompts[:2]
+    eng = dict(max_num_seqs=2, speculative_num_steps=3)
+    ref_out, ref_log, _ = run(None, str(DEFAULT_HEAD), None, prompts, sp, **eng)
+    out, log, _ = run(None, str(DEFAULT_HEAD), "torch", prompts, sp, **eng)
+    assert out == ref_out
+    assert log == ref_log
+    plain = LLM(max_num_seqs=2)
+    assert out == [o.outputs[0].token_ids for o in plain.chat(prompts, sp)]
+
+
+def test_sampled_requests_keep_the_eager_loop(tiny):
+    model, head = tiny
+    llm = LLM(model=model, max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="static", speculative_num_steps=3)
+    llm.engine.drafter.enable_static_draft()
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=1))
+    assert "chain:eager" not in llm.engine.drafter.path_counts  # the q distributions need the eager loop
+
+
+# -- GPU: graphs ------------------------------------------------------------------------------------
+
+
+def _gpu_run(model, head, graphs: bool, prompts, params, **engine):
+    llm = LLM(model=model, device="cuda", dtype="float32", speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static", **engine)
+    dr = llm.engine.drafter
+    assert dr.chain_runner is not None and dr.catch_up_runner is not None
+    if not graphs:
+        dr.chain_runner.graphs.clear()
+        dr.catch_up_runner.graphs.clear()
+    log = record_drafts(llm)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return llm, out, log
+
+
+@pytest.mark.gpu
+def test_gpu_graph_drafts_equal_eager_static_loop(tiny):
+    model, head = tiny
+    params = mixed_k_params(len(PROMPTS), max_tokens=40)
+    eng = dict(max_num_seqs=8, speculative_num_steps=3)
+    llm_g, out_g, log_g = _gpu_run(model, head, True, PROMPTS, params, **eng)
+    llm_e, out_e, log_e = _gpu_run(model, head, False, PROMPTS, params, **eng)
+    assert out_g == out_e
+    assert log_g == log_e
+    pg, pe = llm_g.engine.drafter.path_counts, llm_e.engine.drafter.path_counts
+    assert pg["chain:graph"] == len(log_g) and "chain:eager" not in pg
+    assert pe["chain:eager"] == len(log_e) and "chain:graph" not in pe
+    assert pg["catch_up:graph"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
+    from specserve.engine.cuda_graph import CUDAGraphRunner
+    from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner
+
+    model, head = tiny
+    llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=5)
+    dr = llm.engine.drafter
+    n_graphs = len(dr.chain_runner.graphs)
+    assert n_graphs == len(dr.chain_runner.batch_sizes) * 5
+    assert dr.graph_memory_bytes >= 0
+
+    def no_capture(*a, **k):
+        raise AssertionError("re-captured after start-up")
+
+    for cls in (CUDAGraphRunner, CatchUpRunner, ChainDraftRunner):
+        monkeypatch.setattr(cls, "capture", no_capture)
+    # k from 1 to 5 within a batch and across steps (caps shrink near max_tokens)
+    params = [SamplingParams(temperature=0, max_tokens=30 + i, ignore_eos=True, max_spec_tokens=1 + i % 5)
+              for i in range(len(PROMPTS))]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8)
+    assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert len(dr.chain_runner.graphs) == n_graphs
+    assert "chain:eager" not in dr.path_counts and dr.path_counts["chain:graph"] > 0
+    # decode/verify steps all replay target graphs (prompts are short: prefill steps fit too)
+    assert "target:eager" not in llm.engine.runner.path_counts
