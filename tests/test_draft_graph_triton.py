@@ -1,0 +1,90 @@
+"""The GPU draft path's Triton pieces on the CPU (Triton's interpreter): the decode attention with
+device metadata against the PyTorch one, and the whole static draft path (Triton catch-up backend +
+Triton decode attention, run eagerly) against the eager loop's drafts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    if "specserve.attention.triton_backend" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend was imported before TRITON_INTERPRET=1 could be set",
+                    allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+    def _interpreter_numpy2_compat() -> None:
+        """As in test_triton_attention: Triton 3.6's interpreter vs numpy >= 2.3 in ``range(0, n)``."""
+        from triton.runtime import interpreter
+
+        orig = interpreter._patch_lang_tensor
+        if getattr(orig, "_specserve_compat", False):
+            return
+
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        patched._specserve_compat = True  # type: ignore[attr-defined]
+        interpreter._patch_lang_tensor = patched
+
+    _interpreter_numpy2_compat()
+
+from specserve.attention.triton_backend import TritonDecodeAttention  # noqa: E402
+from specserve.spec.draft_graph import TorchDecodeAttention  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
+
+
+def test_triton_decode_attention_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    nb, bs, kvh, d, h = 40, 4, 2, 32, 4
+    caches = [(torch.randn(nb, bs, kvh, d, generator=g), torch.randn(nb, bs, kvh, d, generator=g))]
+    B, W = 5, 8
+    tables = torch.stack([torch.randperm(nb - 1, generator=g)[:W] for _ in range(B)]).to(DEVICE)
+    seq = torch.tensor([1, 7, 32, 13, 1], device=DEVICE)  # rows 0 and 4: inactive (one key)
+    pos = seq - 1
+    scratch = (nb - 1) * bs
+    blk = tables.gather(1, (pos // bs)[:, None])[:, 0]
+    slots = torch.where(seq > 1, blk * bs + pos % bs, torch.full_like(pos, scratch))
+    q = torch.randn(B, h, d, generator=g).to(DEVICE)
+    k = torch.randn(B, kvh, d, generator=g).to(DEVICE)
+    v = torch.randn(B, kvh, d, generator=g).to(DEVICE)
+    outs = []
+    for cls in (TorchDecodeAttention, TritonDecodeAttention):
+        cs = [(a.clone().to(DEVICE), b.clone().to(DEVICE)) for a, b in caches]
+        if cls is TorchDecodeAttention:
+            attn = cls(cs, bs, d**-0.5, tables)
+        else:
+            attn = cls(cs, bs, d**-0.5, num_heads=h, block_tables=tables, block_n=16)
+        attn.set_step(slots, seq)
+        outs.append((attn.forward(0, q, k, v).float().cpu(), cs[0][0].cpu()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[1][1], outs[0][1])  # same K written to the same slots
+
+
+def test_triton_static_draft_path_same_drafts(tmp_path):
+    """Catch-up through a Triton backend and the loop through Triton decode attention (eagerly):
+    the drafts of the eager torch-native loop, step for step."""
+    from test_draft_graph import PROMPTS, mixed_k_params, run
+    from tiny_model import make_random_head, make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
+    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
+    params = mixed_k_params(3, max_tokens=14)
+    eng = dict(max_num_seqs=4, speculative_num_steps=3)
+    ref_out, ref_log, _ = run(model, head, None, PROMPTS[:3], params, **eng)
+    out, log, paths = run(model, head, "triton", PROMPTS[:3], params, **eng)
+    assert out == ref_out
+    assert log == ref_log
+    assert paths["catch_up:eager"] == len(log) and paths["chain:eager"] == len(log)
