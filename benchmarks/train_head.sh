@@ -9,18 +9,20 @@
 # 1. prepare: regenerate the first reply of each training conversation greedily with the target
 #    through our engine (self-distillation, time-boxed by DISTILL_S; conversations not reached keep
 #    ShareGPT's reply) and tokenize with the target's chat template. DISTILLED=file.jsonl[.gz]
-#    (a train_conversations.jsonl of an earlier prepare) skips the regeneration.
-# 2. train one head per learning rate in LRS side by side on the GPU for TRAIN_S seconds each;
+#    (a train_conversations.jsonl of an earlier prepare) is reused; conversations its budget did
+#    not reach are regenerated now.
+# 2. train one head per learning rate in LRS side by side on the GPU for TRAIN_S seconds each
+#    (the time budget, not --epochs, ends the run: 420 s is ~9 epochs on one H200);
 #    each measures greedy acceptance on held-out ShareGPT prompts at the end.
 set -euo pipefail
 : "${GGUF:?path to the target GGUF}" "${DATA:?ShareGPT first-exchange JSONL}"
 WORK=${WORK:-/tmp/train_head}
 LRS=${LRS:-"1e-3"}
-TRAIN_S=${TRAIN_S:-210}
+TRAIN_S=${TRAIN_S:-420}
 COMMON=(--model "$GGUF" --data "$DATA" --draft-vocab-size 8192 --heldout 1000 --seed 0
         --max-len 1536 --max-prompt-len 1024 --self-distill --distill-max-tokens 512 --distill-batch 512
-        --distill-time-budget "${DISTILL_S:-150}" --batch-tokens 16384 --ttt-steps 7
-        --eval-conversations "${EVAL_N:-200}" --eval-max-tokens 256 --eval-time-budget 45 --no-progress ${EXTRA:-})
+        --distill-time-budget "${DISTILL_S:-150}" --batch-tokens 16384 --ttt-steps 7 --epochs 100
+        --eval-conversations "${EVAL_N:-200}" --eval-max-tokens 256 --eval-time-budget 40 --no-progress ${EXTRA:-})
 mkdir -p "$WORK/prep"
 RESUME=()
 if [ -n "${DISTILLED:-}" ]; then
