@@ -42,7 +42,7 @@ def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
 
 
 def run(model: str | None, head: str, static: str | None, prompts, params, **engine) -> tuple[list, list, dict]:
-    llm = LLM(model=model, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", **engine)
     if static is not None:
         llm.engine.drafter.enable_static_draft(attention=static)
@@ -82,7 +82,7 @@ def test_static_chain_mixed_k_in_one_batch(tiny):
     assert {len(d) for step in log for _, d in step} == {1, 2, 3}
     # rows past their k only write the scratch slot: the drafts of every k are the eager loop's
     assert log == ref_log
-    plain = LLM(model=model, max_num_seqs=8)
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
 
 
@@ -90,9 +90,9 @@ def test_static_chain_with_preemption_matches_no_spec(tiny):
     model, head = tiny
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS * 2
-    plain = LLM(model=model, max_num_seqs=8, num_kv_blocks=60, block_size=4)
+    plain = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=60, block_size=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    llm = LLM(model=model, max_num_seqs=8, num_kv_blocks=60, block_size=4, speculative_algorithm="EAGLE3",
+    llm = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=60, block_size=4, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=4)
     llm.engine.drafter.enable_static_draft()
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
@@ -109,14 +109,14 @@ def test_static_chain_smollm2_chat(chat_prompts):
     out, log, _ = run(None, str(DEFAULT_HEAD), "torch", prompts, sp, **eng)
     assert out == ref_out
     assert log == ref_log
-    plain = LLM(max_num_seqs=2)
+    plain = LLM(device="cpu", max_num_seqs=2)
     assert out == [o.outputs[0].token_ids for o in plain.chat(prompts, sp)]
 
 
 def test_sampled_requests_keep_the_eager_loop(tiny):
     model, head = tiny
-    llm = LLM(model=model, max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-              speculative_policy="static", speculative_num_steps=3)
+    llm = LLM(model=model, device="cpu", max_num_seqs=4, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=3)
     llm.engine.drafter.enable_static_draft()
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=1))
     assert "chain:eager" not in llm.engine.drafter.path_counts  # the q distributions need the eager loop

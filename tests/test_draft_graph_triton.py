@@ -73,6 +73,7 @@ def test_triton_decode_attention_matches_torch():
     torch.testing.assert_close(outs[1][1], outs[0][1])  # same K written to the same slots
 
 
+@pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; on the GPU test_draft_graph's gpu tests cover it")
 def test_triton_static_draft_path_same_drafts(tmp_path):
     """Catch-up through a Triton backend and the loop through Triton decode attention (eagerly):
     the drafts of the eager torch-native loop, step for step."""

@@ -192,6 +192,7 @@ class EagleSpeculator:
         catch-up; on the CPU only under TRITON_INTERPRET=1, as tests do), "torch", or "auto"
         (triton on CUDA with the triton backend, else torch)."""
         e = self.engine
+        self.catch_up_runner = None  # (re)built below over the new loop's h0
         bs, hc, dev = e.config.block_size, self.head.config, self.device
         max_batch = e.config.max_num_seqs
         max_blocks = -(-e.max_model_len // bs)
