@@ -1,16 +1,27 @@
 """How many tokens each request drafts next step (0 = plain decode).
 
-``decide`` is a pure function of numbers: per-request acceptance, per-request caps, the cost
-model, and the tokens the step carries anyway (one per decode plus prefill). The adaptive policy
-maximises expected committed tokens per second of the step:
+``decide_adaptive`` is a pure function of numbers: per-request acceptance, per-request caps, the
+cost model, and the tokens the step carries anyway (one per decode plus prefill). It maximises
+expected committed tokens per second of the step:
 
     goodput(k) = sum_r E_r(k_r) / (T(n_base + sum_r k_r) + D(k))
 
 with E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (alpha: conditional acceptance at draft
-position i), T the target step time vs. tokens, D the draft time (one head forward per draft
-step over the requests still drafting). Candidate plans: depth cap K in 0..max and a floor lam
-on the marginal acceptance prod alpha; each request drafts while its next token's marginal gain
-is >= lam. A plan only replaces the current one if it is better by a margin (hysteresis).
+position i), T the measured target step time vs. tokens in the step (a table, not a smooth fit:
+on a CPU it can be flat for 1-3 tokens and jump at 4), and D the draft time (one head forward
+per draft step over the requests still drafting).
+
+Search: for a depth cap d (1..K) the best set of S draft tokens is the S largest marginal gains
+prod alpha (each request's are non-increasing in position, so any top-S is a valid per-request
+prefix). Every (d, S) is evaluated against the curve, so the step total can stop right before a
+jump. The previous per-request k is kept unless the best plan beats it by ``margin``
+(hysteresis: fewer k switches, no flapping between near-equal plans).
+
+The cost model learns only the token counts the engine actually runs, so every ``explore_every``
+decisions the step runs another plausible total instead (``explore_chain``: the least-measured
+bucket among the totals predicted within 60 % of the best, else the nearest one), and while
+speculation is off one request drafts in full every ``probe_every`` decisions, keeping the
+acceptance of every position current.
 """
 
 from __future__ import annotations
@@ -21,38 +32,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.cost_model import CostModel
+from specserve.spec.cost_model import CostModel, bucket
 
-LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-
-
-@dataclass(frozen=True)
-class Plan:
-    depth: int  # K: most tokens any request drafts
-    lam: float  # marginal-acceptance floor
-
-
-def plan_ks(cumacc: np.ndarray, caps: np.ndarray, plan: Plan, tree: bool = False) -> np.ndarray:
-    """Draft depth per request under ``plan``: cumacc [B, K] = prod_{i<=j} alpha (non-increasing in j).
-
-    Chains draft while the next token's marginal gain is >= lam. A tree is all or nothing: the
-    full depth K for requests whose first-position acceptance is >= lam (and whose cap allows).
-    """
-    if plan.depth == 0 or cumacc.shape[1] == 0:
-        return np.zeros(len(caps), dtype=np.int64)
-    if tree:
-        on = (cumacc[:, 0] >= plan.lam) & (caps > 0)
-        return np.where(on, cumacc.shape[1], 0).astype(np.int64)
-    ok = (cumacc[:, : plan.depth] >= plan.lam).sum(axis=1)
-    return np.minimum(np.minimum(ok, caps), plan.depth)
+Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
 
 
 def goodput(cumacc: np.ndarray, ks: np.ndarray, n_base: int, cost: CostModel,
-            tree: tuple[int, int] | None = None) -> tuple[float, float, float]:
+            tree: Tree | None = None) -> tuple[float, float, float]:
     """(expected tokens, predicted seconds, tokens per second) of a step where request r drafts to depth ks[r].
 
     tree: (nodes per tree, topk) when drafting trees: a drafted request verifies that many tokens
-    and every draft step runs topk queries per request.
+    and every draft step after the first runs topk queries per request.
     """
     K = cumacc.shape[1]
     mask = np.arange(K)[None, :] < ks[:, None]
@@ -70,52 +60,158 @@ def goodput(cumacc: np.ndarray, ks: np.ndarray, n_base: int, cost: CostModel,
     return tokens, seconds, tokens / seconds if seconds > 0 else 0.0
 
 
+@dataclass
+class ChainCurve:
+    """Predicted goodput of drafting the S best tokens (S = 0..M) under a depth cap."""
+
+    depth: int
+    order: np.ndarray  # flat indices r * depth + j of the draft tokens, best marginal gain first
+    goodput: np.ndarray  # [M + 1]
+
+    def ks(self, S: int, B: int) -> np.ndarray:
+        return np.bincount(self.order[:S] // self.depth, minlength=B).astype(np.int64)
+
+
+def chain_curves(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel) -> list[ChainCurve]:
+    B, K = cumacc.shape
+    K = min(K, int(caps.max(initial=0)))
+    # every step time and draft forward time the search can need, predicted once
+    step = cost.step_times(n_base + np.arange(B * K + 1))
+    draft_of = np.concatenate([[0.0], cost.draft.predict_many(np.arange(1, B + 1))])
+    g0 = B / step[0] if step[0] > 0 else 0.0
+    curves = []
+    for d in range(1, K + 1):
+        vals = np.where(np.arange(d)[None, :] < caps[:, None], cumacc[:, :d], -1.0).ravel()
+        order = np.argsort(-vals, kind="stable")
+        order = order[vals[order] >= 0]
+        tokens = B + np.cumsum(vals[order])
+        # requests drafting at draft step j once the first S tokens are taken: [d, S]
+        counts = np.cumsum((order % d)[None, :] == np.arange(d)[:, None], axis=1)
+        g = tokens / (step[1 : len(order) + 1] + draft_of[counts].sum(axis=0))
+        curves.append(ChainCurve(d, order, np.concatenate([[g0], g])))
+    return curves
+
+
+def _best_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel) -> tuple[np.ndarray, float]:
+    B = cumacc.shape[0]
+    best_ks = np.zeros(B, dtype=np.int64)
+    curves = chain_curves(cumacc, caps, n_base, cost)
+    best = float(curves[0].goodput[0]) if curves else 0.0
+    for c in curves:
+        i = int(np.argmax(c.goodput))
+        if c.goodput[i] > best * (1 + 1e-9):
+            best, best_ks = float(c.goodput[i]), c.ks(i, B)
+    return best_ks, best
+
+
+def explore_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel, planned: np.ndarray,
+                  plausible: float = 0.6) -> np.ndarray | None:
+    """An exploratory plan: among the step totals whose predicted goodput is within ``plausible`` of
+    the best, the one whose target-time bucket has the fewest measurements (ties: nearest to the
+    plan), the plan's own bucket excluded. None when there is nothing else worth measuring."""
+    curves = chain_curves(cumacc, caps, n_base, cost)
+    if not curves:
+        return None
+    c = curves[-1]  # the deepest cap: every total S is reachable
+    g = c.goodput
+    S_plan = int(planned.sum())
+    own = bucket(n_base + S_plan)
+    best_key, best_S = None, None
+    for S in np.flatnonzero(g >= plausible * g.max()):
+        b = bucket(n_base + int(S))
+        if b == own:
+            continue
+        key = (len(cost.target.samples.get(b, ())), abs(int(S) - S_plan))
+        if best_key is None or key < best_key:
+            best_key, best_S = key, int(S)
+    return None if best_S is None else c.ks(best_S, cumacc.shape[0])
+
+
+def _best_tree(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel, tree: Tree) -> np.ndarray:
+    """Trees are all or nothing per request: the m requests with the best first-position acceptance."""
+    B, K = cumacc.shape
+    nodes, topk = tree
+    order = np.argsort(-cumacc[:, 0], kind="stable")
+    order = order[caps[order] > 0]
+    best_m, best = 0, goodput(cumacc, np.zeros(B, dtype=np.int64), n_base, cost, tree)[2]
+    if len(order):
+        m = np.arange(1, len(order) + 1)
+        tokens = B + np.cumsum(cumacc[order].sum(axis=1))
+        draft = cost.draft.predict_many(m) + (K - 1) * cost.draft.predict_many(m * topk)
+        g = tokens / (cost.step_times(n_base + m * nodes) + draft)
+        i = int(np.argmax(g))
+        if g[i] > best * (1 + 1e-9):
+            best_m = i + 1
+    ks = np.zeros(B, dtype=np.int64)
+    ks[order[:best_m]] = K
+    return ks
+
+
 def decide_adaptive(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel,
-                    current: Plan | None, margin: float = 0.03,
-                    tree: tuple[int, int] | None = None) -> tuple[Plan, np.ndarray]:
-    """Best plan for the step (see module doc); keeps ``current`` unless beaten by ``margin``."""
-    K = cumacc.shape[1]
-    best_plan, best_ks = Plan(0, 0.0), np.zeros(len(caps), dtype=np.int64)
-    best = goodput(cumacc, best_ks, n_base, cost, tree)[2]
-    depths = [K] if tree is not None else range(1, K + 1)
-    for depth in depths:
-        for lam in LAMBDAS:
-            p = Plan(depth, lam)
-            ks = plan_ks(cumacc, caps, p, tree is not None)
-            g = goodput(cumacc, ks, n_base, cost, tree)[2]
-            if g > best * (1 + 1e-9):
-                best_plan, best_ks, best = p, ks, g
-    if current is not None and current != best_plan:
-        cur_ks = plan_ks(cumacc, caps, current, tree is not None)
-        if goodput(cumacc, cur_ks, n_base, cost, tree)[2] * (1 + margin) >= best:
-            return current, cur_ks
-    return best_plan, best_ks
+                    previous: np.ndarray | None = None, margin: float = 0.03,
+                    tree: Tree | None = None) -> np.ndarray:
+    """Draft depth per request for the best expected tokens per second (see module doc).
+
+    previous: each request's depth last step (-1: new request); kept, capped, unless the best plan
+    is better by ``margin``. Tree mode returns depth K (the caller maps it to nodes) or 0.
+    """
+    caps = np.asarray(caps, dtype=np.int64)
+    if cumacc.shape[1] == 0 or len(caps) == 0:
+        return np.zeros(len(caps), dtype=np.int64)
+    if tree is None:
+        best_ks = _best_chain(cumacc, caps, n_base, cost)[0]
+    else:
+        best_ks = _best_tree(cumacc, caps, n_base, cost, tree)
+    if previous is None or margin <= 0:
+        return best_ks
+    prev = np.asarray(previous, dtype=np.int64)
+    kept = np.minimum(prev, caps) if tree is None else np.where(caps > 0, prev, 0)
+    cur = np.where(prev < 0, best_ks, kept)
+    if (cur == best_ks).all():
+        return best_ks
+    g_best = goodput(cumacc, best_ks, n_base, cost, tree)[2]
+    g_cur = goodput(cumacc, cur, n_base, cost, tree)[2]
+    return cur if g_cur * (1 + margin) >= g_best else best_ks
 
 
 @dataclass
 class AcceptanceStats:
-    """Conditional acceptance per draft position: accepted[j] / drafted[j]."""
+    """Conditional acceptance per draft position: accepted[j] / drafted[j] (plain lists: updated
+    per request per step, where small numpy operations would cost more than the step's decision)."""
 
-    drafted: np.ndarray
-    accepted: np.ndarray
+    drafted: list[float]
+    accepted: list[float]
 
     @classmethod
     def zeros(cls, k: int) -> "AcceptanceStats":
-        return cls(np.zeros(k), np.zeros(k))
+        return cls([0.0] * k, [0.0] * k)
 
     def observe(self, k: int, a: int, decay: float = 1.0) -> None:
         if decay < 1.0:
-            self.drafted *= decay
-            self.accepted *= decay
+            self.drafted = [x * decay for x in self.drafted]
+            self.accepted = [x * decay for x in self.accepted]
         # position j (0-based) was reached iff all before it were accepted: j <= a
-        reached = min(k, a + 1)
-        self.drafted[:reached] += 1
-        self.accepted[:a] += 1
+        for j in range(min(k, a + 1)):
+            self.drafted[j] += 1
+        for j in range(a):
+            self.accepted[j] += 1
 
-    def rates(self, prior: np.ndarray | None = None, strength: float = 4.0) -> np.ndarray:
-        if prior is None:
-            return np.where(self.drafted > 0, self.accepted / np.maximum(self.drafted, 1e-9), 0.7)
-        return (self.accepted + strength * prior) / (self.drafted + strength)
+    def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = 4.0,
+              unseen: float = 0.7, chain_strength: float = 2.0) -> list[float]:
+        """Per-position rates; with ``prior``, shrunk towards it by ``strength`` pseudo-observations.
+
+        Without a prior, each position is shrunk towards the rate of the one before it (``unseen``
+        for the first: optimistic, so drafting gets tried) by ``chain_strength`` pseudo-observations:
+        a deep position drafted twice and rejected twice is not taken for a rate of 0.
+        """
+        if prior is not None:
+            return [(a + strength * p) / (d + strength) for a, d, p in zip(self.accepted, self.drafted, prior)]
+        out = []
+        prev = unseen
+        for d, a in zip(self.drafted, self.accepted):
+            prev = (a + chain_strength * prev) / (d + chain_strength) if d + chain_strength > 0 else prev
+            out.append(prev)
+        return out
 
 
 @dataclass
@@ -124,12 +220,20 @@ class SpecController:
     cost: CostModel = field(default_factory=CostModel)
     overall: AcceptanceStats = field(init=False)
     per_request: dict[str, AcceptanceStats] = field(default_factory=dict)
-    plan: Plan | None = None
+    margin: float = 0.03  # hysteresis: a new plan must beat the current one by this fraction
     spec_on: bool = True  # threshold policy state
     k_histogram: Counter = field(default_factory=Counter)
-    last_prediction: tuple[float, float] | None = None  # (predicted, measured) seconds of the last step
+    last_prediction: tuple[float, float] | None = None  # (predicted, measured) seconds of the last target step
     probe_every: int = 64  # while off, let one request draft every this many decisions (keeps acceptance fresh)
-    _predicted: float | None = None
+    explore_every: int = 16  # every this many decisions one request drafts one token more or less (0: never)
+    explorations: int = 0
+    decisions: int = 0
+    switches: int = 0  # decisions where speculation went on <-> off (probes and explorations excluded)
+    k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
+    probes: int = 0
+    _last_k: dict[str, int] = field(default_factory=dict)  # adaptive: depth per request, last decision
+    _last_out: dict[str, int] = field(default_factory=dict)
+    _was_on: bool | None = None
     _since_spec: int = 0
 
     def __post_init__(self) -> None:
@@ -145,11 +249,12 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)
+        self._last_k.pop(request_id, None)
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        if self._predicted is not None:
-            self.last_prediction = (self._predicted, seconds)
-        self.cost.observe_step(num_tokens, seconds)
+        pred = self.cost.observe_step(num_tokens, seconds)
+        if pred is not None:
+            self.last_prediction = (pred, seconds)
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         self.cost.observe_draft(batch, steps, seconds)
@@ -158,6 +263,7 @@ class SpecController:
     def decide(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int) -> list[int]:
         caps_a = np.asarray(caps, dtype=np.int64)
         policy = self.cfg.policy
+        probe = False
         if policy == "static":
             ks = caps_a
         elif policy == "threshold":
@@ -169,22 +275,62 @@ class SpecController:
                 self.spec_on = True
             ks = caps_a if self.spec_on else np.zeros_like(caps_a)
         else:
-            prior = self.overall.rates()
-            alphas = np.stack([self.per_request[r.request_id].rates(prior) if r.request_id in self.per_request
-                               else prior for r in requests])
-            cumacc = np.cumprod(alphas, axis=1)
-            n_base = num_running + prefill_tokens
-            tree = (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk) if not self.cfg.is_chain else None
-            self.plan, ks = decide_adaptive(cumacc, caps_a, n_base, self.cost, self.plan, tree=tree)
-            self._predicted = goodput(cumacc, ks, n_base, self.cost, tree)[1]
-            if tree is not None:  # depth -> nodes of the tree to verify
-                ks = np.where(ks > 0, caps_a, 0)
-            self._since_spec = 0 if ks.any() else self._since_spec + 1
-            if self._since_spec >= self.probe_every and caps_a.any():
-                ks = ks.copy()
-                i = int(np.argmax(caps_a))
-                ks[i] = caps_a[i]
-                self._since_spec = 0
+            ks, probe = self._decide_adaptive(requests, caps_a, num_running + prefill_tokens)
         out = [int(k) for k in ks]
-        self.k_histogram.update(out)
+        self._count(requests, out, probe)
         return out
+
+    def _decide_adaptive(self, requests: list, caps: np.ndarray, n_base: int) -> tuple[np.ndarray, bool]:
+        prior = self.overall.rates()
+        alphas = np.array([self.per_request[r.request_id].rates(prior) if r.request_id in self.per_request
+                           else prior for r in requests], dtype=float)
+        cumacc = np.cumprod(alphas, axis=1)
+        tree = (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk) if not self.cfg.is_chain else None
+        prev = np.array([self._last_k.get(r.request_id, -1) for r in requests], dtype=np.int64)
+        ks = decide_adaptive(cumacc, caps, n_base, self.cost, prev, self.margin, tree)
+        self._last_k = {r.request_id: int(k) for r, k in zip(requests, ks)}
+        if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
+            self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests
+                                if r.request_id in self.per_request}
+        if tree is not None:  # depth -> nodes of the tree to verify
+            ks = np.where(ks > 0, caps, 0)
+        self._since_spec = 0 if ks.any() else self._since_spec + 1
+        on = np.flatnonzero(caps > 0)
+        if self._since_spec >= self.probe_every and len(on):
+            # off for a while: one request drafts in full, so acceptance at every depth stays current
+            ks = ks.copy()
+            i = int(on[self.probes % len(on)])  # rotate over requests
+            ks[i] = caps[i]
+            self._since_spec = 0
+            self.probes += 1
+            return ks, True
+        if tree is None and self.explore_every and self.decisions % self.explore_every == self.explore_every - 1:
+            alt = explore_chain(cumacc, caps, n_base, self.cost, ks)
+            if alt is not None:
+                self.explorations += 1
+                return alt, True
+        return ks, False
+
+    def _count(self, requests: list, ks: list[int], probe: bool) -> None:
+        self.decisions += 1
+        self.k_histogram.update(ks)
+        if probe:
+            return
+        on = any(ks)
+        if self._was_on is not None and on != self._was_on:
+            self.switches += 1
+        self._was_on = on
+        out = {r.request_id: k for r, k in zip(requests, ks)}
+        if any(self._last_out.get(rid, k) != k for rid, k in out.items()):
+            self.k_changes += 1
+        self._last_out = out
+
+    def snapshot(self) -> dict:
+        """Observable state: decisions, switches, k histogram, last prediction, cost model summary."""
+        n = sum(self.k_histogram.values())
+        return {"policy": self.cfg.policy, "decisions": self.decisions, "switches": self.switches,
+                "k_changes": self.k_changes, "probes": self.probes, "explorations": self.explorations,
+                "k_histogram": {int(k): v for k, v in sorted(self.k_histogram.items())},
+                "mean_k": sum(k * v for k, v in self.k_histogram.items()) / n if n else None,
+                "acceptance": [round(float(x), 4) for x in self.overall.rates()],
+                "last_prediction": self.last_prediction, "cost": self.cost.summary()}

@@ -1,124 +1,316 @@
-"""Measured step costs: target forward time vs. tokens per step, draft time vs. batch.
+"""Measured step costs: target step time vs. tokens in the step, draft forward time vs. batch.
 
-Both are piecewise-linear tables over powers of two, filled by a short start-up profile on the
-device the engine runs on and refined online (EMA) from every measured step. Predictions and
-their recent relative errors are kept so they can be observed.
+The time of a forward is not smooth in its token count: on a 2-core CPU a forward of 1-3 tokens
+costs about the same and one of 4 nearly twice as much (matmul kernels change shape). So each
+curve is a table, exact at every count 1..EXACT and on a grid above, linear only between grid
+points. A start-up profile fills it (``measure``: median of interleaved rounds, re-measured where
+the rounds disagree). Online, every measured step lands in its bucket; once a bucket has a few
+samples their median replaces the profile there, and buckets not seen yet keep the profile's
+shape scaled by the observed/profile ratio of their seen neighbours. A profile that is far off
+for many steps (taken under load, or a different machine state) is flagged ``stale``.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-import math
 import os
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
+from typing import Callable
 
-GRID = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+import numpy as np
+
+EXACT = 16
+GRID: tuple[int, ...] = (*range(1, EXACT + 1), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
+                         224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 3072, 4096)
+FORMAT_VERSION = 2
+
+
+def bucket(x: float) -> int:
+    """The grid point a measurement at x is credited to: x itself up to EXACT, else the nearest one."""
+    x = max(int(round(x)), 1)
+    if x <= EXACT:
+        return x
+    i = bisect.bisect_left(GRID, x)
+    if i >= len(GRID):
+        return GRID[-1]
+    lo, hi = GRID[i - 1], GRID[i]
+    return lo if x - lo <= hi - x else hi
+
+
+def _interp(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xs, ys); flat below the first point, the last segment's slope past the last."""
+    out = np.interp(x, xs, ys)
+    if len(xs) >= 2:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        past = x > xs[-1]
+        out = np.where(past, ys[-1] + np.maximum(slope, 0.0) * (x - xs[-1]), out)
+    elif len(xs) == 1:
+        out = np.where(x > xs[0], ys[0] * x / xs[0], out)  # one point: proportional past it
+    return out
 
 
 @dataclass
-class CurveTable:
-    """f(x) on GRID points, linear in between (and extrapolated linearly past the last point)."""
+class Curve:
+    """Seconds vs. a count (tokens in a target step, or requests in one draft forward)."""
 
-    values: dict[int, float] = field(default_factory=dict)
-    alpha: float = 0.2  # EMA weight of a new measurement
+    profile: dict[int, float] = field(default_factory=dict)  # start-up measurement per grid point
+    min_samples: int = 3  # observations a bucket needs before their median replaces the profile there
+    window: int = 16  # most recent observations kept per bucket
+    samples: dict[int, deque] = field(default_factory=dict)
+    _table: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    _pxy: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
-    def observe(self, x: float, seconds: float) -> None:
-        # credit the measurement to the nearest grid point, scaled to it by the current curve's shape
-        g = min(GRID, key=lambda p: abs(math.log2(max(x, 1)) - math.log2(p)))
-        pred_x = self.predict(x)
-        pred_g = self.predict(g)
-        target = seconds * (pred_g / pred_x) if pred_x and pred_g else seconds
-        old = self.values.get(g)
-        self.values[g] = target if old is None else (1 - self.alpha) * old + self.alpha * target
+    def observed(self, g: int) -> float | None:
+        s = self.samples.get(g)
+        return median(s) if s is not None and len(s) >= self.min_samples else None
+
+    def _profile_xy(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._pxy is None or len(self._pxy[0]) != len(self.profile):
+            xs = np.array(sorted(self.profile), dtype=float)
+            self._pxy = (xs, np.array([self.profile[int(k)] for k in xs]))
+        return self._pxy
+
+    def profile_at(self, x: float) -> float:
+        """The profile alone (no observations), interpolated."""
+        if not self.profile:
+            return 0.0
+        xs, ys = self._profile_xy()
+        return float(_interp(xs, ys, np.array([float(x)]))[0])
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(counts, seconds) the predictions interpolate.
+
+        The prior is the profile scaled by the observed/profile ratio of the buckets with at least
+        ``min_samples`` measurements, interpolated in log between them (constant past the ends; 1
+        when there are none), so unseen buckets keep the profile's shape. A measured bucket is its
+        median from ``min_samples`` on, and before that a log-average of median and prior with the
+        prior counted as one measurement (one sample moves it half-way).
+        """
+        if self._table is not None:
+            return self._table
+        med = {g: (median(s), len(s)) for g, s in self.samples.items() if s}
+        prior: dict[int, float] = dict(self.profile)
+        if self.profile:
+            px, py = self._profile_xy()
+            rx = [g for g in sorted(med) if med[g][1] >= self.min_samples]
+            at = _interp(px, py, np.array(rx, dtype=float))
+            if rx and (at > 0).all():
+                log_r = np.log([med[g][0] for g in rx] / at)
+                prior = {int(x): float(y) for x, y in zip(px, py * np.exp(np.interp(px, rx, log_r)))}
+        pts = dict(prior)
+        if prior:
+            qx = np.array(sorted(prior), dtype=float)
+            qy = np.array([prior[int(x)] for x in qx])
+        for g, (m, n) in med.items():
+            if n >= self.min_samples or not prior:
+                pts[g] = m
+            else:
+                p = prior[g] if g in prior else float(_interp(qx, qy, np.array([float(g)]))[0])
+                pts[g] = float(np.exp((n * np.log(m) + np.log(p)) / (n + 1))) if p > 0 else m
+        xs = np.array(sorted(pts), dtype=float)
+        self._table = (xs, np.array([pts[int(x)] for x in xs]))
+        return self._table
+
+    def predict_many(self, x: np.ndarray) -> np.ndarray:
+        xs, ys = self.table()
+        if len(xs) == 0:
+            return np.zeros(np.shape(x))
+        return _interp(xs, ys, np.asarray(x, dtype=float))
 
     def predict(self, x: float) -> float:
-        if not self.values:
-            return 0.0
-        pts = sorted(self.values)
-        if x <= pts[0]:
-            return self.values[pts[0]]
-        if x >= pts[-1]:
-            if len(pts) == 1:
-                return self.values[pts[-1]] * x / pts[-1]
-            a, b = pts[-2], pts[-1]
-        else:
-            i = bisect.bisect_right(pts, x)
-            a, b = pts[i - 1], pts[i]
-        ya, yb = self.values[a], self.values[b]
-        return ya + (yb - ya) * (x - a) / (b - a)
+        return float(self.predict_many(np.array([float(x)]))[0])
+
+    def observe(self, x: float, seconds: float) -> None:
+        g = bucket(x)
+        if g != x:  # credit to the grid point, scaled by the curve's current shape
+            px, pg = self.predict(x), self.predict(g)
+            if px > 0 and pg > 0:
+                seconds *= pg / px
+        self.samples.setdefault(g, deque(maxlen=self.window)).append(seconds)
+        self._table = None
 
 
 @dataclass
 class CostModel:
-    target: CurveTable = field(default_factory=CurveTable)  # seconds per target step vs. tokens in it
-    draft: CurveTable = field(default_factory=CurveTable)  # seconds per draft forward vs. batch
-    errors: list[float] = field(default_factory=list)  # recent relative errors of step predictions
+    target: Curve = field(default_factory=Curve)  # seconds per target step vs. tokens in it
+    draft: Curve = field(default_factory=Curve)  # seconds per draft forward vs. requests in it
+    errors: deque = field(default_factory=lambda: deque(maxlen=256))  # (measured - predicted) / predicted per step
+    profile_ratios: deque = field(default_factory=lambda: deque(maxlen=256))  # measured / profile alone per step
+    stale_ratio: float = 1.5  # profile flagged stale once the median measured/profile ratio leaves [1/x, x]
+    stale_after: int = 64  # ... over at least this many steps
+    meta: dict = field(default_factory=dict)  # how the profile was taken (date, spread, rounds)
 
-    def step_time(self, num_tokens: int) -> float:
+    def step_time(self, num_tokens: float) -> float:
         return self.target.predict(num_tokens)
 
-    def draft_time(self, batch_per_step: list[int]) -> float:
-        """Draft cost: one head forward per draft step, each over that step's active requests."""
-        return sum(self.draft.predict(b) for b in batch_per_step if b > 0)
+    def step_times(self, num_tokens: np.ndarray) -> np.ndarray:
+        return self.target.predict_many(num_tokens)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        pred = self.target.predict(num_tokens)
-        if pred > 0:
+    def draft_time(self, batch_per_step: list[int]) -> float:
+        """One head forward per draft step, each over that step's active requests."""
+        b = np.array([x for x in batch_per_step if x > 0], dtype=float)
+        return float(self.draft.predict_many(b).sum()) if len(b) else 0.0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> float | None:
+        """Record a measured target step; returns what was predicted for it (None without a curve)."""
+        pred = self.target.predict(num_tokens) if (self.target.profile or self.target.samples) else None
+        if pred:
             self.errors.append((seconds - pred) / pred)
-            del self.errors[:-256]
+        if self.target.profile and num_tokens <= max(self.target.profile):
+            p = self.target.profile_at(num_tokens)
+            if p > 0:
+                self.profile_ratios.append(seconds / p)
         self.target.observe(num_tokens, seconds)
+        return pred
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
-        if steps > 0:
+        if steps > 0 and batch > 0:
             self.draft.observe(batch, seconds / steps)
 
     @property
     def mean_abs_error(self) -> float | None:
         return sum(abs(e) for e in self.errors) / len(self.errors) if self.errors else None
 
+    @property
+    def profile_ratio(self) -> float | None:
+        return median(self.profile_ratios) if self.profile_ratios else None
+
+    @property
+    def stale(self) -> bool:
+        r = self.profile_ratio
+        return (r is not None and len(self.profile_ratios) >= self.stale_after
+                and not 1 / self.stale_ratio <= r <= self.stale_ratio)
+
+    def summary(self) -> dict:
+        """Observable state: prediction error, measured/profile ratio, the curves in ms."""
+        xs, ys = self.target.table()
+        dx, dy = self.draft.table()
+        return {"mean_abs_error": self.mean_abs_error, "profile_ratio": self.profile_ratio, "stale": self.stale,
+                "target_ms": {int(x): round(y * 1e3, 3) for x, y in zip(xs, ys)},
+                "draft_ms": {int(x): round(y * 1e3, 3) for x, y in zip(dx, dy)},
+                "target_samples": {g: len(s) for g, s in sorted(self.target.samples.items())}}
+
+    # -- persistence (the profile only; observations are this run's) --------------------------
     def to_json(self) -> dict:
-        return {"target": {str(k): v for k, v in self.target.values.items()},
-                "draft": {str(k): v for k, v in self.draft.values.items()}}
+        return {"version": FORMAT_VERSION, "meta": self.meta,
+                "target": {str(k): v for k, v in sorted(self.target.profile.items())},
+                "draft": {str(k): v for k, v in sorted(self.draft.profile.items())}}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
-        cm = cls()
-        cm.target.values = {int(k): float(v) for k, v in d["target"].items()}
-        cm.draft.values = {int(k): float(v) for k, v in d["draft"].items()}
-        return cm
+        if d.get("version") != FORMAT_VERSION:
+            raise ValueError(f"cost profile format {d.get('version')}, want {FORMAT_VERSION}")
+        return cls(target=Curve({int(k): float(v) for k, v in d["target"].items()}),
+                   draft=Curve({int(k): float(v) for k, v in d["draft"].items()}), meta=dict(d.get("meta", {})))
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
             json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str) -> "CostModel | None":
         try:
             with open(path) as f:
                 return cls.from_json(json.load(f))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             return None
 
 
-def profile_grid(max_tokens: int, num_blocks: int) -> list[int]:
-    """Token counts to profile: powers of two up to max_tokens, one KV block per fake request."""
-    return [n for n in GRID if n <= min(max_tokens, num_blocks - 1)]
+def profile_points(max_count: int) -> list[int]:
+    """Counts to profile, up to max_count (all on GRID): every one up to EXACT, steps of 4 to 32, then
+    x1.5 / x2 (48, 64, 96, 128, ...); the buckets in between interpolate until observed."""
+    pts = list(range(1, EXACT + 1)) + [20, 24, 28, 32]
+    while pts[-1] < GRID[-1]:
+        pts += [pts[-1] * 3 // 2, pts[-1] * 2]
+    return [p for p in pts if p <= max_count]
+
+
+@dataclass
+class Measurement:
+    seconds: dict[int, float]  # median per point
+    spread: dict[int, float]  # (max - min) / min of the round medians per point
+    rounds: int  # rounds completed over all points
+    rechecked: list[int]
+    seconds_taken: float = 0.0
+    over_budget: bool = False
+
+    @property
+    def noisy(self) -> bool:
+        """Too noisy to keep for later runs: the typical point's rounds disagree by > 30 %, or the
+        budget ran out before the rounds did (a loaded machine: on 2 cores an oversubscribed
+        forward can take 50x longer)."""
+        return self.over_budget or median(self.spread.values()) > 0.3
+
+
+def measure(points: list[int], fn: Callable[[int], None], rounds: int = 3, repeats: int = 3,
+            recheck_spread: float = 0.15, sync: Callable[[], None] | None = None,
+            clock: Callable[[], float] = time.perf_counter, budget_s: float = float("inf")) -> Measurement:
+    """Seconds of fn(n) for every n in points.
+
+    Each round visits every point in turn (alternately up and down), taking the median of
+    ``repeats`` calls, so a burst of background load spoils one round of many points rather than
+    every round of one point. The result per point is the median over rounds; a point whose round
+    medians spread by more than ``recheck_spread`` gets two more rounds (the quick re-check).
+    Past ``budget_s`` no further round starts (the first always completes).
+    """
+    start = clock()
+
+    def once(n: int) -> float:
+        ts = []
+        for _ in range(repeats):
+            t0 = clock()
+            fn(n)
+            if sync:
+                sync()
+            ts.append(clock() - t0)
+        return median(ts)
+
+    for n in points:  # warm-up: allocator, kernel selection
+        fn(n)
+    per: dict[int, list[float]] = {n: [] for n in points}
+    done = 0
+    over = False
+    for r in range(rounds):
+        if r > 0 and clock() - start > budget_s:
+            over = True
+            break
+        for n in (points if r % 2 == 0 else points[::-1]):
+            if clock() - start > budget_s:  # first round past the budget: one call per point left
+                over = True
+                t0 = clock()
+                fn(n)
+                per[n].append(clock() - t0)
+            else:
+                per[n].append(once(n))
+        done += 1
+
+    def spread(n: int) -> float:
+        v = per[n]
+        return (max(v) - min(v)) / min(v) if min(v) > 0 else 0.0
+
+    rechecked = [n for n in points if spread(n) > recheck_spread]
+    for r in range(2):
+        if clock() - start > budget_s:  # re-checks cut short: the rounds' medians stand
+            break
+        for n in (rechecked if r % 2 == 0 else rechecked[::-1]):
+            per[n].append(once(n))
+    return Measurement({n: median(v) for n, v in per.items()}, {n: spread(n) for n in points}, done, rechecked,
+                       clock() - start, over)
 
 
 def time_call(fn, repeats: int = 3, sync=None) -> float:
     """Median wall time of fn() over ``repeats`` runs after one warm-up."""
-    import time
+    m = measure([1], lambda _: fn(), rounds=1, repeats=repeats, recheck_spread=float("inf"), sync=sync)
+    return m.seconds[1]
 
-    fn()
-    if sync:
-        sync()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+
+def profile_grid(max_tokens: int, num_blocks: int | None = None) -> list[int]:
+    """Kept for callers of the old name: the counts ``profile_points`` gives."""
+    return profile_points(max_tokens)

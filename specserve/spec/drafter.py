@@ -113,64 +113,104 @@ class EagleSpeculator:
 
     # -- start-up cost profile ------------------------------------------------------------------
     def _load_or_profile_costs(self, head_path: str) -> CostModel:
-        """Target step time vs. tokens and draft time vs. batch, measured here; cached per model+device."""
+        """Target step time vs. tokens and draft time vs. batch, measured here; cached per model+device.
+
+        SPECSERVE_COST_PROFILE=refresh re-measures even when a cached profile exists.
+        """
+        import dataclasses
         import hashlib
 
         from specserve.loader.gguf import cache_root
+        from specserve.spec.cost_model import FORMAT_VERSION
 
         e = self.engine
         dev_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        key = f"{e.model_name}|{e.model_config}|{head_path}|{dev_name}|{e.dtype}|{torch.get_num_threads()}"
+        # keyed by the head's shape, not its path: a retrained head of the same shape costs the same
+        head_shape = dataclasses.replace(self.head.config, extra={})
+        key = (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
+               f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
+               f"{self.cfg.resolved_num_draft_tokens}")
         path = os.path.join(cache_root(), "profiles", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
-        cost = CostModel.load(path)
+        self.cost_profile_path = path
+        refresh = os.environ.get("SPECSERVE_COST_PROFILE", "") == "refresh"
+        cost = None if refresh else CostModel.load(path)
         if cost is not None:
-            log.info("cost model loaded from %s", path)
+            cost.meta["source"] = f"cache {path}"
+            log.info("cost model loaded from %s (profiled %s)", path, cost.meta.get("date"))
             return cost
-        t0 = time.perf_counter()
         cost = self._profile_costs()
-        try:
-            cost.save(path)
-        except OSError as err:
-            log.warning("could not cache the cost profile at %s: %s", path, err)
-        log.info("cost model profiled in %.1fs: target %s, draft %s", time.perf_counter() - t0,
-                 {k: round(v * 1e3, 2) for k, v in sorted(cost.target.values.items())},
-                 {k: round(v * 1e3, 2) for k, v in sorted(cost.draft.values.items())})
+        if cost.meta["noisy"]:
+            log.warning("cost profile taken on a busy machine (not cached; online measurements refine it)")
+        else:
+            try:
+                cost.save(path)
+            except OSError as err:
+                log.warning("could not cache the cost profile at %s: %s", path, err)
+        cost.meta["source"] = "profiled at start-up" + (" (noisy, not cached)" if cost.meta["noisy"] else "")
+        log.info("cost model profiled in %.1fs (re-checked %s): target ms %s, draft ms %s", cost.meta["seconds"],
+                 cost.meta["rechecked"], {k: round(v * 1e3, 2) for k, v in sorted(cost.target.profile.items())},
+                 {k: round(v * 1e3, 2) for k, v in sorted(cost.draft.profile.items())})
         return cost
 
     @torch.inference_mode()
     def _profile_costs(self) -> CostModel:
-        """Decode-shaped batches on scratch blocks (the engine is idle at start-up): n requests x 1 token."""
+        """Decode-shaped steps on scratch KV (the engine is idle at start-up): n requests x 1 token,
+        each over the same ``ctx`` cached positions (slots may alias: values do not matter, only time);
+        the target step includes the logits of every row, as a verify step computes them."""
+        import datetime
+
+        from specserve.spec.cost_model import measure, profile_points
+
         e = self.engine
         bs = e.config.block_size
-        cost = CostModel()
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
-        # CPU: a decode step of more than ~64 tokens is already far past where drafting pays
-        max_tokens = e.config.max_num_batched_tokens if self.device.type == "cuda" else min(
-            e.config.max_num_batched_tokens, 64)
+        # CPU: a step of more than ~128 tokens is far past where drafting pays (32 requests x 4 tokens)
+        most = e.config.max_num_seqs * self.cfg.resolved_num_draft_tokens
+        max_tokens = min(e.config.max_num_batched_tokens, most if self.device.type == "cuda" else min(most, 128))
+        max_batch = min(e.config.max_num_seqs, max_tokens)
+        nblk = max(1, min(8, e.blocks.num_blocks - 1, self.engine.max_model_len // bs))
+        ctx = nblk * bs
         hc = self.head.config
-        for n in profile_grid(max_tokens, e.blocks.num_blocks):
-            meta = AttentionMetadata(
-                query_lens=[1] * n, seq_lens=[bs] * n,
-                slot_mapping=torch.arange(n, device=self.device) * bs + bs - 1,
-                block_tables=torch.arange(n, device=self.device)[:, None],
-            )
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            pos = torch.full((n,), bs - 1, dtype=torch.long, device=self.device)
+        table = torch.arange(nblk, device=self.device)
 
-            def target() -> None:
-                self.runner.attn.plan(meta)
-                with forward_context(self.runner.attn):
-                    self.target(ids, pos)
+        def meta(n: int) -> AttentionMetadata:
+            return AttentionMetadata(query_lens=[1] * n, seq_lens=[ctx] * n,
+                                     slot_mapping=torch.full((n,), ctx - 1, device=self.device),
+                                     block_tables=table[None, :].expand(n, -1).contiguous())
 
-            def draft() -> None:
-                self.attn.plan(meta)
-                emb = self.target.embed_tokens(ids)
-                with forward_context(self.attn):
-                    self.head.compute_logits(self.head(emb, torch.zeros(n, hc.hidden_size, device=self.device,
-                                                                         dtype=e.dtype), pos))
+        def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.zeros(n, dtype=torch.long, device=self.device),
+                    torch.full((n,), ctx - 1, dtype=torch.long, device=self.device))
 
-            cost.target.values[n] = time_call(target, repeats=2, sync=sync)
-            cost.draft.values[n] = time_call(draft, repeats=2, sync=sync)
+        def target(n: int) -> None:
+            ids, pos = inputs(n)
+            self.runner.attn.plan(meta(n))
+            with forward_context(self.runner.attn):
+                out = self.target(ids, pos)
+            hidden = out[0] if isinstance(out, tuple) else out
+            self.target.compute_logits(hidden)
+
+        def draft(n: int) -> None:
+            ids, pos = inputs(n)
+            self.attn.plan(meta(n))
+            emb = self.target.embed_tokens(ids)
+            feats = torch.zeros(n, hc.hidden_size, device=self.device, dtype=e.dtype)
+            with forward_context(self.attn):
+                self.head.compute_logits(self.head(emb, feats, pos))
+
+        t0 = time.perf_counter()
+        mt = measure(profile_points(max_tokens), target, sync=sync, budget_s=60.0)
+        md = measure(profile_points(max_batch), draft, sync=sync, budget_s=20.0)
+        cost = CostModel()
+        cost.target.profile = mt.seconds
+        cost.draft.profile = md.seconds
+        cost.meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "seconds": round(time.perf_counter() - t0, 1), "context": ctx,
+                     "rounds": {"target": mt.rounds, "draft": md.rounds},
+                     "rechecked": {"target": mt.rechecked, "draft": md.rechecked},
+                     "noisy": mt.noisy or md.noisy, "over_budget": mt.over_budget or md.over_budget,
+                     "max_spread": {"target": round(max(mt.spread.values()), 3),
+                                    "draft": round(max(md.spread.values()), 3)}}
         return cost
 
     # -- static-buffer draft path (CUDA graphs) --------------------------------------------------
@@ -395,6 +435,19 @@ class EagleSpeculator:
         for s, a in zip(sampling, accepted):
             self.controller.observe(s.req.request_id, self._depth(s), a)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds)
+        cost = self.controller.cost
+        if cost.stale and not cost.meta.get("stale_reported"):
+            # the cached profile is far from what steps measure: the next start-up measures anew
+            cost.meta["stale_reported"] = True
+            path = getattr(self, "cost_profile_path", None)
+            log.warning("cost profile off by x%.2f (median measured/profiled over %d steps); %s",
+                        cost.profile_ratio, len(cost.profile_ratios),
+                        f"removing {path} so the next start re-profiles" if path else "online estimates take over")
+            if path and os.path.exists(path):
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
 
     # -- drafting -------------------------------------------------------------------------------
     @torch.inference_mode()

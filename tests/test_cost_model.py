@@ -1,0 +1,133 @@
+"""The cost model: exact small counts, online buckets, stale profiles, the start-up measurement."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from specserve.spec.cost_model import (EXACT, GRID, CostModel, Curve, bucket, measure, profile_points)
+
+CPU_LIKE = {1: 0.020, 2: 0.021, 3: 0.022, 4: 0.040, 5: 0.041, 8: 0.050, 16: 0.060, 32: 0.090, 64: 0.150}
+
+
+def test_small_counts_are_exact_buckets_and_the_jump_survives():
+    assert [bucket(n) for n in range(1, EXACT + 1)] == list(range(1, EXACT + 1))
+    assert bucket(17) == 16 and bucket(19) == 20 and bucket(10**6) == GRID[-1]
+    c = Curve(dict(CPU_LIKE))
+    assert c.predict(3) == pytest.approx(0.022) and c.predict(4) == pytest.approx(0.040)
+    assert c.predict(48) == pytest.approx(0.120)  # linear between grid points
+    assert c.predict(128) == pytest.approx(0.270)  # last slope past the end
+
+
+def test_profile_points_cover_every_small_count_then_a_grid():
+    pts = profile_points(128)
+    assert pts[:EXACT] == list(range(1, EXACT + 1)) and pts[-1] == 128 and set(pts) <= set(GRID)
+
+
+def test_observations_replace_the_profile_after_a_few_samples():
+    c = Curve(dict(CPU_LIKE), min_samples=3)
+    c.observe(4, 0.020)
+    assert c.predict(4) == pytest.approx((0.020 * 0.040) ** 0.5)  # one sample: half-way (in log) from the profile
+    c.observe(4, 0.021)
+    assert 0.020 < c.predict(4) < 0.030  # two: two thirds of the way
+    c.observe(4, 0.100)  # an outlier does not move a median
+    assert c.predict(4) == pytest.approx(0.021)
+
+
+def test_unseen_buckets_keep_the_profile_shape_scaled_by_seen_neighbours():
+    c = Curve(dict(CPU_LIKE))
+    for n in (2, 8):  # the machine is 1.5x slower than profiled at both
+        for _ in range(3):
+            c.observe(n, 1.5 * CPU_LIKE[n])
+    assert c.predict(3) == pytest.approx(1.5 * 0.022)
+    assert c.predict(4) == pytest.approx(1.5 * 0.040)  # the jump is still there, scaled
+    assert c.predict(1) == pytest.approx(1.5 * 0.020)  # constant ratio past the seen ones
+    assert c.predict(64) == pytest.approx(1.5 * 0.150)
+
+
+def test_off_grid_observations_land_on_the_nearest_grid_point_by_shape():
+    c = Curve(dict(CPU_LIKE))
+    for _ in range(3):
+        c.observe(48, 0.240)  # 2x the profile's 0.120 at 48 (a grid point between 32 and 64)
+    assert c.predict(48) == pytest.approx(0.240)
+    c2 = Curve(dict(CPU_LIKE))
+    v = 2 * c2.predict(62)
+    for _ in range(3):
+        c2.observe(62, v)  # credited to 64, scaled by the curve's shape
+    assert c2.predict(64) == pytest.approx(0.300, rel=0.05)
+
+
+def test_prediction_errors_and_a_stale_profile_are_observable():
+    cm = CostModel(target=Curve(dict(CPU_LIKE)), draft=Curve({1: 0.002}), stale_after=16)
+    for i in range(15):
+        cm.observe_step(1 + i % 3, 2.0 * cm.target.profile_at(1 + i % 3))
+    assert not cm.stale and cm.profile_ratio == pytest.approx(2.0)
+    cm.observe_step(2, 0.042)
+    assert cm.stale
+    assert cm.mean_abs_error is not None and cm.summary()["stale"] is True
+    ok = CostModel(target=Curve(dict(CPU_LIKE)), stale_after=16)
+    for i in range(40):
+        ok.observe_step(4, 0.040 * (1.1 if i % 2 else 0.9))
+    assert not ok.stale and abs(ok.mean_abs_error) < 0.15
+
+
+def test_json_round_trip_keeps_the_profile_and_rejects_old_formats(tmp_path):
+    cm = CostModel(target=Curve(dict(CPU_LIKE)), draft=Curve({1: 0.002, 8: 0.003}), meta={"date": "x"})
+    cm.target.observe(4, 1.0)  # observations are not persisted
+    path = str(tmp_path / "p" / "profile.json")
+    cm.save(path)
+    back = CostModel.load(path)
+    assert back is not None and back.target.profile == CPU_LIKE and back.draft.profile == {1: 0.002, 8: 0.003}
+    assert back.meta == {"date": "x"} and not back.target.samples
+    (tmp_path / "old.json").write_text('{"target": {"1": 0.01}, "draft": {"1": 0.001}}')
+    assert CostModel.load(str(tmp_path / "old.json")) is None
+
+
+def test_measure_takes_medians_of_interleaved_rounds_and_rechecks_noisy_points():
+    t = itertools.count()
+    now = [0.0]
+    calls = []
+    burst = {5, 6, 7, 8, 9, 10}  # call indices hit by background load (the first round of point 2)
+
+    def fn(n):
+        i = next(t)
+        calls.append(n)
+        now[0] += n * 0.01 * (3.0 if i in burst else 1.0)
+
+    m = measure([1, 2], fn, rounds=3, repeats=3, recheck_spread=0.15, clock=lambda: now[0])
+    assert m.seconds[1] == pytest.approx(0.01) and m.seconds[2] == pytest.approx(0.02)
+    assert m.rechecked == [2] and m.spread[2] == pytest.approx(2.0)
+    # warm-up 1, 2; round 1 up, round 2 down, round 3 up; then the re-check rounds of point 2
+    assert calls[:2] == [1, 2] and calls[2:8] == [1] * 3 + [2] * 3 and calls[8:14] == [2] * 3 + [1] * 3
+    assert len(calls) == 2 + 3 * 6 + 2 * 3
+
+
+def test_vectorised_predictions_match_scalar_ones():
+    c = Curve(dict(CPU_LIKE))
+    xs = np.array([1, 3, 4, 7, 33, 100])
+    assert np.allclose(c.predict_many(xs), [c.predict(x) for x in xs])
+
+
+def test_measure_stops_at_its_budget_and_calls_that_noisy():
+    now = [0.0]
+
+    def fn(n):
+        now[0] += 1.0
+
+    m = measure([1, 2, 3], fn, rounds=3, repeats=1, clock=lambda: now[0], budget_s=4.0)
+    assert m.rounds == 1 and m.over_budget and m.noisy  # warm-up 3 s + one round 3 s: no second round
+    quiet = measure([1, 2, 3], fn, rounds=3, repeats=1, clock=lambda: now[0])
+    assert quiet.rounds == 3 and not quiet.noisy and quiet.rechecked == []
+
+
+def test_measure_past_its_budget_in_the_first_round_still_measures_every_point_once():
+    now = [0.0]
+    calls = []
+
+    def fn(n):
+        calls.append(n)
+        now[0] += 1.0
+
+    m = measure([1, 2, 3, 4], fn, rounds=3, repeats=3, clock=lambda: now[0], budget_s=5.0)
+    assert m.over_budget and m.noisy and set(m.seconds) == {1, 2, 3, 4}
+    assert len(calls) == 4 + 3 + 3  # warm-up, point 1 in full, then one call each (the budget ran out)
