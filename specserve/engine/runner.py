@@ -66,6 +66,9 @@ def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
         return config.num_kv_blocks
     per_block = kv_bytes_per_token(mc, dtype) * config.block_size
     if device.type == "cuda":
+        if config.speculative is not None:
+            # the draft head keeps one KV layer per block, shaped like the target's (EAGLE heads)
+            per_block = per_block * (mc.num_hidden_layers + 1) // mc.num_hidden_layers
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total - reserve_bytes
     else:

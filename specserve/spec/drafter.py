@@ -173,14 +173,21 @@ class EagleSpeculator:
         hc = self.head.config
         table = torch.arange(nblk, device=self.device)
 
+        def q_lens(n: int) -> list[int]:
+            # more tokens than requests the backends are sized for: several tokens per request
+            b = min(n, e.config.max_num_seqs)
+            return [n // b + (1 if i < n % b else 0) for i in range(b)]
+
         def meta(n: int) -> AttentionMetadata:
-            return AttentionMetadata(query_lens=[1] * n, seq_lens=[ctx] * n,
+            q = q_lens(n)
+            return AttentionMetadata(query_lens=q, seq_lens=[ctx] * len(q),
                                      slot_mapping=torch.full((n,), ctx - 1, device=self.device),
-                                     block_tables=table[None, :].expand(n, -1).contiguous())
+                                     block_tables=table[None, :].expand(len(q), -1).contiguous())
 
         def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = [ctx - qi + j for qi in q_lens(n) for j in range(qi)]
             return (torch.zeros(n, dtype=torch.long, device=self.device),
-                    torch.full((n,), ctx - 1, dtype=torch.long, device=self.device))
+                    torch.tensor(pos, dtype=torch.long, device=self.device))
 
         def target(n: int) -> None:
             ids, pos = inputs(n)
