@@ -105,10 +105,11 @@ def _best_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostMod
 
 
 def explore_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel, planned: np.ndarray,
-                  plausible: float = 0.6) -> np.ndarray | None:
-    """An exploratory plan: among the step totals whose predicted goodput is within ``plausible`` of
-    the best, the one whose target-time bucket has the fewest measurements (ties: nearest to the
-    plan), the plan's own bucket excluded. None when there is nothing else worth measuring."""
+                  plausible: float = 0.85) -> tuple[np.ndarray, int] | None:
+    """An exploratory plan and how often its bucket was measured: among the step totals whose
+    predicted goodput is at least ``plausible`` x the best (and no drafting at all), the one whose
+    target-time bucket has the fewest measurements (ties: nearest to the plan), the plan's own
+    bucket excluded. None when there is nothing else worth measuring."""
     curves = chain_curves(cumacc, caps, n_base, cost)
     if not curves:
         return None
@@ -117,14 +118,15 @@ def explore_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostM
     S_plan = int(planned.sum())
     own = bucket(n_base + S_plan)
     best_key, best_S = None, None
-    for S in np.flatnonzero(g >= plausible * g.max()):
+    # no drafting (S = 0) is always worth measuring: it is the reference every plan is judged against
+    for S in sorted({0, *np.flatnonzero(g >= plausible * g.max()).tolist()}):
         b = bucket(n_base + int(S))
         if b == own:
             continue
         key = (len(cost.target.samples.get(b, ())), abs(int(S) - S_plan))
         if best_key is None or key < best_key:
             best_key, best_S = key, int(S)
-    return None if best_S is None else c.ks(best_S, cumacc.shape[0])
+    return None if best_S is None else (c.ks(best_S, cumacc.shape[0]), best_key[0])
 
 
 def _best_tree(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel, tree: Tree) -> np.ndarray:
@@ -197,7 +199,7 @@ class AcceptanceStats:
             self.accepted[j] += 1
 
     def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = 4.0,
-              unseen: float = 0.7, chain_strength: float = 2.0) -> list[float]:
+              unseen: float = 0.7, chain_strength: float = 8.0) -> list[float]:
         """Per-position rates; with ``prior``, shrunk towards it by ``strength`` pseudo-observations.
 
         Without a prior, each position is shrunk towards the rate of the one before it (``unseen``
@@ -221,6 +223,7 @@ class SpecController:
     overall: AcceptanceStats = field(init=False)
     per_request: dict[str, AcceptanceStats] = field(default_factory=dict)
     margin: float = 0.03  # hysteresis: a new plan must beat the current one by this fraction
+    optimism: float = 0.5  # standard errors added to little-measured acceptance rates
     spec_on: bool = True  # threshold policy state
     k_histogram: Counter = field(default_factory=Counter)
     last_prediction: tuple[float, float] | None = None  # (predicted, measured) seconds of the last target step
@@ -284,6 +287,11 @@ class SpecController:
         prior = self.overall.rates()
         alphas = np.array([self.per_request[r.request_id].rates(prior) if r.request_id in self.per_request
                            else prior for r in requests], dtype=float)
+        # optimism where the head's acceptance at a position is little measured (a position that is
+        # rarely drafted would otherwise keep an unlucky early estimate): + optimism x standard error
+        a = np.asarray(prior)
+        bonus = self.optimism * np.sqrt(a * (1 - a) / (np.asarray(self.overall.drafted) + 1))
+        alphas = np.minimum(alphas + bonus, 1.0)
         cumacc = np.cumprod(alphas, axis=1)
         tree = (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk) if not self.cfg.is_chain else None
         prev = np.array([self._last_k.get(r.request_id, -1) for r in requests], dtype=np.int64)
@@ -306,9 +314,11 @@ class SpecController:
             return ks, True
         if tree is None and self.explore_every and self.decisions % self.explore_every == self.explore_every - 1:
             alt = explore_chain(cumacc, caps, n_base, self.cost, ks)
-            if alt is not None:
+            # buckets measured often enough already: refresh them at a quarter of the rate
+            if alt is not None and (alt[1] < self.cost.target.min_samples
+                                    or self.decisions % (4 * self.explore_every) == 4 * self.explore_every - 1):
                 self.explorations += 1
-                return alt, True
+                return alt[0], True
         return ks, False
 
     def _count(self, requests: list, ks: list[int], probe: bool) -> None:
