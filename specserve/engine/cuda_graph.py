@@ -40,6 +40,16 @@ def capture_sizes(max_tokens: int, cap: int = MAX_CAPTURE_TOKENS) -> list[int]:
     return sizes
 
 
+def fit_sizes(attn: TritonBackend, sizes: list[int]) -> list[int]:
+    """``sizes`` without the counts no step can reach: at most max_num_seqs requests of at most
+    max_model_len tokens each (a small engine would otherwise fail to lay out its capture)."""
+    most = attn.max_num_seqs * attn.block_size * attn.max_blocks_per_seq
+    kept = sorted(s for s in sizes if s <= most)
+    if len(kept) < len(sizes) and (not kept or kept[-1] != most):
+        kept.append(most)
+    return kept
+
+
 def _aux_key(model: torch.nn.Module) -> Any:
     return getattr(model, "aux_hidden_layers", None)
 
@@ -104,7 +114,7 @@ class CUDAGraphRunner:
             raise ValueError(f"graph size {max(sizes)} exceeds the attention backend's {attn.max_num_tokens} tokens")
         self.model = model
         self.attn = attn
-        self.sizes = sorted(sizes)
+        self.sizes = fit_sizes(attn, sizes)
         self.device = device
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)

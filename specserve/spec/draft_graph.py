@@ -229,7 +229,9 @@ class CatchUpRunner:
         self.embed = embed
         self.attn = attn  # a TritonBackend over the draft KV
         self.h_out = h_out  # [max_batch, H]
-        self.sizes = sorted(sizes)
+        from specserve.engine.cuda_graph import fit_sizes
+
+        self.sizes = fit_sizes(attn, sizes) if sizes else []
         self.device = device
         n = self.sizes[-1] if self.sizes else 0
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
