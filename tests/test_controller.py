@@ -115,7 +115,7 @@ def test_acceptance_stats_are_conditional():
     st.observe(3, 1)  # accepted the first, rejected the second, third never reached
     st.observe(3, 3)
     assert st.drafted == [2, 2, 1] and st.accepted == [2, 1, 1]
-    assert np.allclose(st.rates(chain_strength=0), [1.0, 0.5, 1.0])
+    assert np.allclose(st.rates(chain_strength=0, first_strength=0), [1.0, 0.5, 1.0])
     r = st.rates(chain_strength=2)  # each position shrunk towards the one before it
     assert np.allclose(r[0], (2 + 2 * 0.7) / 4) and np.allclose(r[1], (1 + 2 * r[0]) / 4)
     # a request with no history borrows the overall rates
@@ -124,7 +124,7 @@ def test_acceptance_stats_are_conditional():
     st = AcceptanceStats.zeros(3)
     st.observe(1, 0)
     st.observe(1, 1)
-    assert np.allclose(st.rates(chain_strength=0), [0.5, 0.5, 0.5])
+    assert np.allclose(st.rates(chain_strength=0, first_strength=0), [0.5, 0.5, 0.5])
 
 
 class R:
@@ -149,7 +149,7 @@ def test_controller_learns_acceptance_and_probes_while_off():
     for _ in range(200):  # the head is never right: drafting stops
         ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
         ctl.observe("a", ks[0], 0)
-    assert ctl.overall.rates()[0] < 0.1
+    assert ctl.overall.rates()[0] < 0.05
     tail = [ctl.decide(reqs, [3], 1, 0)[0] for _ in range(16)]
     assert tail.count(0) == 14 and tail.count(3) == 2  # probes, one every 8 decisions
     assert ctl.switches <= 1

@@ -199,19 +199,21 @@ class AcceptanceStats:
             self.accepted[j] += 1
 
     def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = 4.0,
-              unseen: float = 0.7, chain_strength: float = 8.0) -> list[float]:
+              unseen: float = 0.7, chain_strength: float = 8.0, first_strength: float = 2.0) -> list[float]:
         """Per-position rates; with ``prior``, shrunk towards it by ``strength`` pseudo-observations.
 
-        Without a prior, each position is shrunk towards the rate of the one before it (``unseen``
-        for the first: optimistic, so drafting gets tried) by ``chain_strength`` pseudo-observations:
-        a deep position drafted twice and rejected twice is not taken for a rate of 0.
+        Without a prior, the first position is shrunk towards ``unseen`` (optimistic, so drafting
+        gets tried) by ``first_strength`` pseudo-observations, and each later one towards the rate
+        of the one before it by ``chain_strength``: a deep position drafted twice and rejected
+        twice is not taken for a rate of 0.
         """
         if prior is not None:
             return [(a + strength * p) / (d + strength) for a, d, p in zip(self.accepted, self.drafted, prior)]
         out = []
         prev = unseen
-        for d, a in zip(self.drafted, self.accepted):
-            prev = (a + chain_strength * prev) / (d + chain_strength) if d + chain_strength > 0 else prev
+        for j, (d, a) in enumerate(zip(self.drafted, self.accepted)):
+            w = first_strength if j == 0 else chain_strength
+            prev = (a + w * prev) / (d + w) if d + w > 0 else prev
             out.append(prev)
         return out
 
