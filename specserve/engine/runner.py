@@ -231,6 +231,10 @@ class ModelRunner:
         hidden = self.forward(inputs)
         if isinstance(hidden, tuple):
             hidden = hidden[0]
+        return self.sample(plan, inputs, hidden)
+
+    def sample(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> CommitResult:
+        """One token for each request that finishes its scheduled tokens this step (no drafts)."""
         sampling = [s for s in plan.scheduled if s.samples]
         if not sampling:
             return CommitResult(token_ids=[])

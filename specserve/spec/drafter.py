@@ -301,6 +301,16 @@ class EagleSpeculator:
         inputs = self.runner.prepare(plan)
         out = self.runner.forward(inputs)
         hidden, feats = out if isinstance(out, tuple) else (out, out)
+        if not any(s.draft_token_ids for s in plan.scheduled):
+            # nobody drafted (speculation off, prefill): the plain-decode sampler, and the target
+            # features of every computed token kept for the head's catch-up
+            result = self.runner.sample(plan, inputs, hidden)
+            sizes = [s.num_new_tokens for s in plan.scheduled]
+            for s, f in zip(plan.scheduled, feats[: sum(sizes)].split(sizes)):
+                self._state(s.req).pending.append(f)
+            sampling = [s for s in plan.scheduled if s.samples]
+            self._record(plan, sampling, [0] * len(sampling), time.perf_counter() - t0)
+            return result
 
         sampling = [s for s in plan.scheduled if s.samples]
         logits = None
