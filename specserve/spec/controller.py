@@ -105,7 +105,7 @@ def _best_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostMod
 
 
 def explore_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostModel, planned: np.ndarray,
-                  plausible: float = 0.85) -> tuple[np.ndarray, int] | None:
+                  plausible: float = 0.95) -> tuple[np.ndarray, int] | None:
     """An exploratory plan and how often its bucket was measured: among the step totals whose
     predicted goodput is at least ``plausible`` x the best (and no drafting at all), the one whose
     target-time bucket has the fewest measurements (ties: nearest to the plan), the plan's own
