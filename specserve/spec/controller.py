@@ -19,7 +19,7 @@ jump. The previous per-request k is kept unless the best plan beats it by ``marg
 
 The cost model learns only the token counts the engine actually runs, so every ``explore_every``
 decisions the step runs another plausible total instead (``explore_chain``: the least-measured
-bucket among the totals predicted within 60 % of the best, else the nearest one), and while
+bucket among the totals predicted within 5 % of the best goodput, and no drafting), and while
 speculation is off one request drafts in full every ``probe_every`` decisions, keeping the
 acceptance of every position current.
 """
