@@ -126,7 +126,8 @@ def test_sampled_requests_keep_the_eager_loop(tiny):
 
 
 def _gpu_run(model, head, graphs: bool, prompts, params, **engine):
-    llm = LLM(model=model, device="cuda", dtype="float32", speculative_algorithm="EAGLE3",
+    # a fixed KV size: an engine sized from free memory would find it all held by the one before
+    llm = LLM(model=model, device="cuda", dtype="float32", num_kv_blocks=256, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", **engine)
     dr = llm.engine.drafter
     assert dr.chain_runner is not None and dr.catch_up_runner is not None
@@ -159,7 +160,7 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner
 
     model, head = tiny
-    llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, speculative_algorithm="EAGLE3",
+    llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=5)
     dr = llm.engine.drafter
     n_graphs = len(dr.chain_runner.graphs)
@@ -175,7 +176,7 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=30 + i, ignore_eos=True, max_spec_tokens=1 + i % 5)
               for i in range(len(PROMPTS))]
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8)
+    plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256)
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     assert len(dr.chain_runner.graphs) == n_graphs
     assert "chain:eager" not in dr.path_counts and dr.path_counts["chain:graph"] > 0
