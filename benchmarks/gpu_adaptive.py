@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from gpu_spec_c1 import sync  # noqa: E402
 from spec_single import DEFAULT_HEAD, head_provenance  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
@@ -39,11 +40,6 @@ SPEC: dict[str, dict[str, Any]] = {
     "adaptive": {"speculative_num_steps": 5, "speculative_policy": "adaptive"},
 }
 _ids = itertools.count()
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], concurrency: int, output_len: int) -> dict[str, Any]:

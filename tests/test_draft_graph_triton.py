@@ -6,8 +6,6 @@ Triton decode attention, run eagerly) against the eager loop's drafts.
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
@@ -15,29 +13,11 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from triton_interpreter import use_triton_interpreter  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 if not CUDA:
-    if "specserve.attention.triton_backend" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend was imported before TRITON_INTERPRET=1 could be set",
-                    allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
-
-    def _interpreter_numpy2_compat() -> None:
-        """As in test_triton_attention: Triton 3.6's interpreter vs numpy >= 2.3 in ``range(0, n)``."""
-        from triton.runtime import interpreter
-
-        orig = interpreter._patch_lang_tensor
-        if getattr(orig, "_specserve_compat", False):
-            return
-
-        def patched(tensor, scope):
-            orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        patched._specserve_compat = True  # type: ignore[attr-defined]
-        interpreter._patch_lang_tensor = patched
-
-    _interpreter_numpy2_compat()
+    use_triton_interpreter()
 
 from specserve.attention.triton_backend import TritonDecodeAttention  # noqa: E402
 from specserve.spec.draft_graph import TorchDecodeAttention  # noqa: E402

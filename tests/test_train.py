@@ -225,13 +225,18 @@ def test_tiny_training_run_loss_falls_and_head_reloads(tmp_path) -> None:
     assert os.path.isfile(out / "checkpoint.pt")
 
 
-def test_self_distillation_replaces_replies(tmp_path) -> None:
-    tok = tiny_tokenizer()
-    target = tiny_target(tok)
+def _six_conversations(tmp_path):
+    """A tiny random target and a JSONL of six conversations for it."""
+    target = tiny_target(tiny_tokenizer())
     data = tmp_path / "convs.jsonl"
     with open(data, "w") as f:
         for c in _conversations(6):
             f.write(json.dumps({"messages": c}) + "\n")
+    return target, data
+
+
+def test_self_distillation_replaces_replies(tmp_path) -> None:
+    target, data = _six_conversations(tmp_path)
     cfg = TrainConfig(output_dir=str(tmp_path / "o"), data=str(data), heldout=1, self_distill=True,
                       distill_backend="simple", distill_max_tokens=6, max_len=128, batch_tokens=512)
     from specserve.train.eagle3 import distill
@@ -246,12 +251,7 @@ def test_self_distillation_replaces_replies(tmp_path) -> None:
 
 
 def test_resumed_prepare_distills_what_the_budget_missed(tmp_path) -> None:
-    tok = tiny_tokenizer()
-    target = tiny_target(tok)
-    data = tmp_path / "convs.jsonl"
-    with open(data, "w") as f:
-        for c in _conversations(6):
-            f.write(json.dumps({"messages": c}) + "\n")
+    target, data = _six_conversations(tmp_path)
     out = tmp_path / "o"
     out.mkdir()
     convs = D.load_conversations(str(data))

@@ -7,8 +7,6 @@ so the same kernel source is checked here and on the GPU. Skipped when triton is
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
@@ -20,30 +18,11 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install triton to run the Triton backend tests)",
                 allow_module_level=True)
 
+from triton_interpreter import use_triton_interpreter  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 if not CUDA:
-    if "specserve.attention.triton_backend" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend was imported before TRITON_INTERPRET=1 could be set",
-                    allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is decorated, i.e. at import
-
-    def _interpreter_numpy2_compat() -> None:
-        """Triton 3.6's interpreter turns scalars into 1-element arrays and `range(0, n)` then
-        calls int() on them, which numpy >= 2.3 refuses; give tensors an __index__ that works."""
-        from triton.runtime import interpreter
-
-        orig = interpreter._patch_lang_tensor
-        if getattr(orig, "_specserve_compat", False):
-            return
-
-        def patched(tensor, scope):
-            orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        patched._specserve_compat = True  # type: ignore[attr-defined]
-        interpreter._patch_lang_tensor = patched
-
-    _interpreter_numpy2_compat()
+    use_triton_interpreter()
 
 from specserve.attention import triton_backend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402

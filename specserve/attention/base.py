@@ -75,3 +75,16 @@ def forward_context(attn: AttentionBackend) -> Iterator[ForwardContext]:
         yield _CONTEXT
     finally:
         _CONTEXT = prev
+
+
+def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store this step's k, v [T, KVH, D] at their flat cache slots; returns both caches viewed
+    flat as [num_slots, KVH, D]."""
+    k_cache, v_cache = kv_cache
+    kvh, d = k_cache.shape[-2:]
+    k_flat = k_cache.view(-1, kvh, d)
+    v_flat = v_cache.view(-1, kvh, d)
+    k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
+    return k_flat, v_flat

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata
+from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -56,12 +56,8 @@ class TorchNativeBackend(AttentionBackend):
         self._shape = (B, max_q, max_kv)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv_caches[layer]
-        kvh, d = k_cache.shape[-2:]
-        k_flat = k_cache.view(-1, kvh, d)
-        v_flat = v_cache.view(-1, kvh, d)
-        k_flat.index_copy_(0, self._slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self._slot_mapping, v.to(v_flat.dtype))
+        k_flat, v_flat = write_kv(self.kv_caches[layer], self._slot_mapping, k, v)
+        kvh, d = k_flat.shape[1:]
 
         B, max_q, max_kv = self._shape
         h = q.shape[1]

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata
+from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
 GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens (all captured sizes)
@@ -374,9 +374,7 @@ class TritonBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        slots = self._slots[:n]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        write_kv(self.kv_caches[layer], self._slots[:n], k, v)
 
         if q.dtype != k_cache.dtype:
             q = q.to(k_cache.dtype)
@@ -464,8 +462,7 @@ class TritonDecodeAttention(AttentionBackend):
         assert self._slots is not None and self._seq32 is not None, "set_step() first"
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slots, k.to(k_cache.dtype))
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, self._slots, v.to(v_cache.dtype))
+        write_kv(self.kv_caches[layer], self._slots, k, v)
         if q.dtype != k_cache.dtype:
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, write_kv
 from specserve.models.eagle3 import Eagle3DraftModel
 
 log = logging.getLogger(__name__)
@@ -79,12 +79,8 @@ class TorchDecodeAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self._slots is not None and self._seq is not None, "set_step() first"
-        k_cache, v_cache = self.kv_caches[layer]
-        kvh, d = k_cache.shape[-2:]
-        k_flat = k_cache.view(-1, kvh, d)
-        v_flat = v_cache.view(-1, kvh, d)
-        k_flat.index_copy_(0, self._slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self._slots, v.to(v_flat.dtype))
+        k_flat, v_flat = write_kv(self.kv_caches[layer], self._slots, k, v)
+        kvh, d = k_flat.shape[1:]
         B, h = q.shape[0], q.shape[1]
         bt = self.block_tables[:B]
         L = self._max_kv if self._max_kv is not None else bt.shape[1] * self.block_size

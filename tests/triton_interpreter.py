@@ -1,0 +1,37 @@
+"""Run the Triton kernels on the CPU through Triton's interpreter (tests only).
+
+Call ``use_triton_interpreter()`` at the top of a test module, before anything imports
+``specserve.attention.triton_backend``: TRITON_INTERPRET is read when the kernels are decorated.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+
+def use_triton_interpreter() -> None:
+    if "specserve.attention.triton_backend" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend was imported before TRITON_INTERPRET=1 could be set",
+                    allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+    _interpreter_numpy2_compat()
+
+
+def _interpreter_numpy2_compat() -> None:
+    """Triton 3.6's interpreter turns scalars into 1-element arrays and `range(0, n)` then
+    calls int() on them, which numpy >= 2.3 refuses; give tensors an __index__ that works."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_specserve_compat", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._specserve_compat = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
