@@ -303,14 +303,3 @@ def measure(points: list[int], fn: Callable[[int], None], rounds: int = 3, repea
             per[n].append(once(n))
     return Measurement({n: median(v) for n, v in per.items()}, {n: spread(n) for n in points}, done, rechecked,
                        clock() - start, over)
-
-
-def time_call(fn, repeats: int = 3, sync=None) -> float:
-    """Median wall time of fn() over ``repeats`` runs after one warm-up."""
-    m = measure([1], lambda _: fn(), rounds=1, repeats=repeats, recheck_spread=float("inf"), sync=sync)
-    return m.seconds[1]
-
-
-def profile_grid(max_tokens: int, num_blocks: int | None = None) -> list[int]:
-    """Kept for callers of the old name: the counts ``profile_points`` gives."""
-    return profile_points(max_tokens)

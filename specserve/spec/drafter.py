@@ -34,7 +34,7 @@ from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
-from specserve.spec.cost_model import CostModel, profile_grid, time_call
+from specserve.spec.cost_model import CostModel
 from specserve.spec.draft_graph import (CatchUpRunner, ChainDraftRunner, TorchDecodeAttention,
                                          host_to_device)
 from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, verify_tree_greedy,
@@ -306,7 +306,8 @@ class EagleSpeculator:
             # features of every computed token kept for the head's catch-up
             result = self.runner.sample(plan, inputs, hidden)
             sizes = [s.num_new_tokens for s in plan.scheduled]
-            for s, f in zip(plan.scheduled, feats[: sum(sizes)].split(sizes)):
+            # a copy: with CUDA graphs `feats` is the graph's output buffer, rewritten next step
+            for s, f in zip(plan.scheduled, feats[: sum(sizes)].clone().split(sizes)):
                 self._state(s.req).pending.append(f)
             sampling = [s for s in plan.scheduled if s.samples]
             self._record(plan, sampling, [0] * len(sampling), time.perf_counter() - t0)
