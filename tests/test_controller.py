@@ -103,6 +103,25 @@ def test_hysteresis_keeps_a_nearly_as_good_plan():
     assert got.tolist() == [best[0], near[1], near[2], 1]
 
 
+def test_hysteresis_never_keeps_drafting_at_a_predicted_loss():
+    # acceptance 2 %: one draft token returns 0.02 tokens for a 0.2 ms draft forward on a 10 ms step
+    c = step_cost({1: 10, 64: 10}, draft_ms=0.2)
+    acc = cum(0.02, 4)
+    zeros = np.zeros(4, dtype=np.int64)
+    kept = np.array([1, 0, 0, 0])
+    assert goodput(acc, kept, 4, c)[2] < goodput(acc, zeros, 4, c)[2]
+    assert goodput(acc, kept, 4, c)[2] * 1.03 > goodput(acc, zeros, 4, c)[2]  # inside the margin
+    assert decide_adaptive(acc, np.full(4, 5), 4, c, previous=kept, margin=0.03).tolist() == [0, 0, 0, 0]
+    # the other way the band holds: off is kept while drafting would gain less than the margin
+    acc_ok = cum(0.2, 4)
+    c2 = step_cost({1: 10, 64: 10}, draft_ms=1.5)
+    best = decide_adaptive(acc_ok, np.full(4, 1), 4, c2)
+    assert best.sum() > 0
+    gain = goodput(acc_ok, best, 4, c2)[2] / goodput(acc_ok, zeros, 4, c2)[2]
+    assert 1 < gain < 1.1
+    assert decide_adaptive(acc_ok, np.full(4, 1), 4, c2, previous=zeros, margin=0.1).tolist() == [0, 0, 0, 0]
+
+
 def test_tree_mode_is_all_or_nothing_per_request():
     c = cost(0.2, floor_ms=5)
     acc = np.vstack([cum(0.8, 2, K=3), cum(0.01, 2, K=3)])

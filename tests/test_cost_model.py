@@ -26,12 +26,22 @@ def test_profile_points_cover_every_small_count_then_a_grid():
 
 def test_observations_replace_the_profile_after_a_few_samples():
     c = Curve(dict(CPU_LIKE), min_samples=3)
-    c.observe(4, 0.020)
-    assert c.predict(4) == pytest.approx((0.020 * 0.040) ** 0.5)  # one sample: half-way (in log) from the profile
-    c.observe(4, 0.021)
-    assert 0.020 < c.predict(4) < 0.030  # two: two thirds of the way
+    c.observe(4, 0.025)
+    assert c.predict(4) == pytest.approx((0.025 * 0.040) ** 0.5)  # one sample: half-way (in log) from the profile
+    c.observe(4, 0.026)
+    assert 0.025 < c.predict(4) < 0.032  # two: two thirds of the way
     c.observe(4, 0.100)  # an outlier does not move a median
-    assert c.predict(4) == pytest.approx(0.021)
+    assert c.predict(4) == pytest.approx(0.026)
+
+
+def test_predictions_never_fall_as_the_count_grows():
+    c = Curve(dict(CPU_LIKE))
+    for _ in range(3):
+        c.observe(4, 0.040)
+        c.observe(5, 0.015)  # a lucky bucket: faster than 4 tokens
+    assert c.predict(5) == pytest.approx(0.040)  # held at the 4-token time, not below it
+    xs = np.arange(1, 65)
+    assert (np.diff(c.predict_many(xs)) >= 0).all()
 
 
 def test_unseen_buckets_keep_the_profile_shape_scaled_by_seen_neighbours():

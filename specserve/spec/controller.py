@@ -15,7 +15,8 @@ Search: for a depth cap d (1..K) the best set of S draft tokens is the S largest
 prod alpha (each request's are non-increasing in position, so any top-S is a valid per-request
 prefix). Every (d, S) is evaluated against the curve, so the step total can stop right before a
 jump. The previous per-request k is kept unless the best plan beats it by ``margin``
-(hysteresis: fewer k switches, no flapping between near-equal plans).
+(hysteresis: fewer k switches, no flapping between near-equal plans), but a plan that drafts is
+never kept once it is predicted slower than drafting nothing.
 
 The cost model learns only the token counts the engine actually runs, so every ``explore_every``
 decisions the step runs another plausible total instead (``explore_chain``: the least-measured
@@ -173,6 +174,10 @@ def decide_adaptive(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: Cos
         return best_ks
     g_best = goodput(cumacc, best_ks, n_base, cost, tree)[2]
     g_cur = goodput(cumacc, cur, n_base, cost, tree)[2]
+    if cur.any() and g_cur < goodput(cumacc, np.zeros_like(cur), n_base, cost, tree)[2]:
+        # the band is one-sided: drafting starts only once it beats the current plan by margin, and
+        # stops as soon as it is predicted slower than plain decode (never "kept" at a loss)
+        return best_ks
     return cur if g_cur * (1 + margin) >= g_best else best_ks
 
 

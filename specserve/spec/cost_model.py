@@ -82,7 +82,7 @@ class Curve:
         return float(_interp(xs, ys, np.array([float(x)]))[0])
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
-        """(counts, seconds) the predictions interpolate.
+        """(counts, seconds) the predictions interpolate, non-decreasing in the count.
 
         The prior is the profile scaled by the observed/profile ratio of the buckets with at least
         ``min_samples`` measurements, interpolated in log between them (constant past the ends; 1
@@ -112,7 +112,10 @@ class Curve:
                 p = prior[g] if g in prior else float(_interp(qx, qy, np.array([float(g)]))[0])
                 pts[g] = float(np.exp((n * np.log(m) + np.log(p)) / (n + 1))) if p > 0 else m
         xs = np.array(sorted(pts), dtype=float)
-        self._table = (xs, np.array([pts[int(x)] for x in xs]))
+        ys = np.array([pts[int(x)] for x in xs])
+        # a forward over more tokens (or requests) never takes less time: a noisy low bucket must not
+        # make one more draft token look like it shortens the step
+        self._table = (xs, np.maximum.accumulate(ys) if len(ys) else ys)
         return self._table
 
     def predict_many(self, x: np.ndarray) -> np.ndarray:
