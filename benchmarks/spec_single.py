@@ -3,7 +3,7 @@
 One engine per configuration, all in this process, all on the same target weights and draft head:
 
     nospec           no speculation
-    chain3, chain5   speculative_num_steps 3 / 5, topk 1 (a chain)
+    chain2..chain7   speculative_num_steps 2, 3, 5, 7, topk 1 (a chain)
     tree             steps 5, topk 4, 16 draft tokens (EAGLE-2 dynamic tree)
 
 Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration in turn, the
@@ -41,8 +41,10 @@ from specserve import LLM, SamplingParams  # noqa: E402
 DEFAULT_HEAD = os.path.join(REPO, "models", "smollm2-135m-eagle3")
 CONFIGS: dict[str, dict[str, Any]] = {
     "nospec": {},
+    "chain2": {"speculative_num_steps": 2, "speculative_eagle_topk": 1},
     "chain3": {"speculative_num_steps": 3, "speculative_eagle_topk": 1},
     "chain5": {"speculative_num_steps": 5, "speculative_eagle_topk": 1},
+    "chain7": {"speculative_num_steps": 7, "speculative_eagle_topk": 1},
     "tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16},
 }
 _ids = itertools.count()
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on CPU)")
+    ap.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
+                    help="plain F.linear instead of oneDNN-packed weights")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="KV budget per engine (all engines alike)")
     ap.add_argument("--quiet-threshold", type=float, default=0.3,
                     help="other processes' CPU use (cores) under which a run counts as quiet")
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["draft_head"] = {"path": head, "kind": head_kind, **head_provenance(head)}
     print(f"draft head: {head} ({head_kind})", flush=True)
 
-    base = {"kv_cache_memory_gb": args.kv_cache_memory_gb}
+    base = {"kv_cache_memory_gb": args.kv_cache_memory_gb, "dtype": args.dtype,
+            "cpu_weight_packing": args.cpu_weight_packing}
     engines: dict[str, LLM] = {}
     engine_args: dict[str, dict[str, Any]] = {}
     for name in names:

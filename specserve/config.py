@@ -140,6 +140,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # True: no CUDA graphs
+    cpu_weight_packing: bool = True  # CPU: linear weights pre-packed for oneDNN (flat cost in tokens per step)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -5,6 +5,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.engine.engine import LLMEngine, QueueFullError
+from specserve.models.cpu_packing import cpu_packing_available
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +23,8 @@ def test_greedy_matches_transformers_generate(llm, chat_prompts):
 
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               torch_dtype=torch.float32).eval()
+    if cpu_packing_available(llm.engine.device, llm.engine.dtype):  # the parity below is the packed path's
+        assert llm.engine.packed_linears == 4 * llm.engine.model_config.num_hidden_layers + 1
     convs = chat_prompts[:5]
     outs = llm.chat(convs, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     for conv, out in zip(convs, outs):

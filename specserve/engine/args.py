@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton paged attention on CUDA, torch-native on CPU")
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    g.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
+                   help="CPU: plain F.linear instead of oneDNN-packed weights")
     s = parser.add_argument_group("speculative decoding (named like SGLang's flags)")
     s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NONE"],
                    help="EAGLE3 (default head ships with the default model) or EAGLE; NONE disables")

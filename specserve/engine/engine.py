@@ -19,6 +19,7 @@ from specserve.engine.request import Request, Status
 from specserve.engine.runner import ModelRunner, num_kv_blocks_for
 from specserve.engine.scheduler import Scheduler
 from specserve.loader.tokenizer import IncrementalDetokenizer
+from specserve.models.cpu_packing import pack_for_cpu
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -94,6 +95,7 @@ class LLMEngine:
         else:
             model.load_weights(src.weights())
         model.eval()
+        self.packed_linears = pack_for_cpu(model, config.cpu_weight_packing, self.device, self.dtype)
         num_blocks = num_kv_blocks_for(config, src.config, self.dtype, self.device)
         self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

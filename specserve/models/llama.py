@@ -155,7 +155,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, vocab]."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        if self.lm_head is not None:  # own weight, or a packed copy of the tied one (cpu_packing)
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
 
     # -- weights -------------------------------------------------------------------------------
 

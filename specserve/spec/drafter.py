@@ -32,6 +32,7 @@ from specserve.engine import sampler
 from specserve.engine.request import Request
 from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
+from specserve.models.cpu_packing import pack_for_cpu
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
@@ -81,6 +82,7 @@ class EagleSpeculator:
         self.device = engine.device
         path = cfg.draft_model_path or default_draft_path()
         self.head = Eagle3DraftModel.from_pretrained(path, device=self.device, dtype=engine.dtype).eval()
+        pack_for_cpu(self.head, engine.config.cpu_weight_packing, self.device, engine.dtype)
         hc = self.head.config
         want = "EAGLE3" if cfg.algorithm == "EAGLE3" else "EAGLE"
         if hc.algorithm != want:

@@ -1,0 +1,66 @@
+"""oneDNN-packed linear weights on the CPU: same numbers as F.linear, every Linear replaced, tied heads too."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.models.cpu_packing import PACKED_MIN_ROWS, PackedLinear, cpu_packing_available, pack_linears
+from specserve.models.layers import Linear
+
+pytestmark = pytest.mark.skipif(not cpu_packing_available(torch.device("cpu"), torch.float32),
+                                reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_at_every_row_count(dtype, tol, bias):
+    torch.manual_seed(0)
+    w = (torch.randn(96, 64) * 0.1).to(dtype)
+    b = torch.randn(96).to(dtype) if bias else None
+    lin = PackedLinear(nn.Parameter(w, requires_grad=False), b)
+    for rows in (1, 2, 3, 4, 5, 8, 33):
+        x = torch.randn(rows, 64).to(dtype)
+        with torch.inference_mode():
+            got = lin(x)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
+    x3 = torch.randn(2, 5, 64).to(dtype)  # leading dims are kept
+    assert lin(x3).shape == (2, 5, 96)
+    # the packed kernel is the one running from PACKED_MIN_ROWS rows: a changed packed copy changes the output
+    lin.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(w))
+    many = torch.randn(max(PACKED_MIN_ROWS[dtype], 4), 64).to(dtype)
+    with torch.inference_mode():
+        assert lin(many).abs().max() <= (b.abs().max() if bias else 0)
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.proj = Linear(16, 16)
+        self.proj.weight.data.normal_()
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+        self.lm_head = None
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+
+def test_pack_linears_replaces_every_linear_and_packs_a_tied_head():
+    m = Tied()
+    w = m.proj.weight
+    assert pack_linears(m) == 3
+    assert isinstance(m.proj, PackedLinear) and isinstance(m.inner[0], PackedLinear)
+    assert m.proj.weight is w  # the dense weight is shared, not copied
+    assert isinstance(m.lm_head, PackedLinear) and m.lm_head.weight is m.embed.weight
+    x = torch.randn(6, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(m.lm_head(x), x @ m.embed.weight.T, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_flow_through_the_dense_path():
+    lin = PackedLinear(nn.Parameter(torch.randn(8, 4), requires_grad=False), None)
+    x = torch.randn(5, 4, requires_grad=True)
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(5, 4))
