@@ -15,9 +15,13 @@ Measured window per configuration: --point-s seconds of its own clock from its f
 aborted). Output tok/s over the window and over its two halves (the spread), TPOT (mean over the
 requests completed in it), the controller's k histogram (mean k, k = 0 share), accept length.
 
-Then: "off costs nothing" (C = --off-concurrency, none vs adaptive only, more requests), and the
+Then: "off costs nothing" (C = --off-concurrency, none vs adaptive only, more requests; once more
+with the adaptive engine on a random head, where the controller has to stay off), and the
 ramp (C 1 -> 32 -> 1 on each engine's own clock, --ramp-level-s per level, windows of
 --ramp-window-s, none vs adaptive interleaved the same way; k switches counted by the controller).
+When the ramp's level falls, each client cancels its newest requests above it (users leaving), so
+both engines run exactly C requests at every level: left to drain, the faster engine would empty
+its C = 32 backlog sooner and be compared at a lower concurrency than the slower one.
 
     .venv/bin/python benchmarks/adaptive.py            # full run (~30 min on a quiet machine)
     .venv/bin/python benchmarks/adaptive.py --quick    # end-to-end check (~2 min)
@@ -32,6 +36,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -94,6 +99,15 @@ class Client:
             self.llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
             self.live[rid] = Req(rid, out_len, self.clock + time.perf_counter() - t0)
             self.issued += 1
+        self.clock += time.perf_counter() - t0
+
+    def trim(self, c: int) -> None:
+        """Cancel the newest requests above c (users leaving as the load falls)."""
+        t0 = time.perf_counter()
+        while len(self.live) > c:
+            rid = next(reversed(self.live))
+            self.llm.engine.abort_request(rid)
+            self.live.pop(rid)
         self.clock += time.perf_counter() - t0
 
     def step(self) -> None:
@@ -178,14 +192,17 @@ def window_stats(c: Client) -> dict[str, Any]:
 
 
 def run_side_by_side(clients: list[Client], c_of: Callable[[Client], int], source, limit: int | None,
-                     until: Callable[[Client], bool]) -> None:
-    """Round robin, one step per client, order reversed every round, until ``until`` holds for all."""
+                     until: Callable[[Client], bool], trim: bool = False) -> None:
+    """Round robin, one step per client, order reversed every round, until ``until`` holds for all.
+    trim: cancel requests above the client's current level, so it runs exactly that many."""
     rnd = 0
     while True:
         active = [c for c in clients if not c.stopped]
         if not active:
             return
         for c in active if rnd % 2 == 0 else active[::-1]:
+            if trim:
+                c.trim(c_of(c))
             c.top_up(c_of(c), source, limit)
             if until(c):
                 c.stopped = True
@@ -219,7 +236,7 @@ def run_ramp(clients: list[Client], levels: list[int], level_s: float, window_s:
     probe = OtherCpu()
     t0 = time.perf_counter()
     run_side_by_side(clients, lambda c: levels[min(int(c.clock // level_s), len(levels) - 1)], source, None,
-                     lambda c: c.clock >= total)
+                     lambda c: c.clock >= total, trim=True)
     other = probe.cores()
     n_win = int(total // window_s)
     out: dict[str, Any] = {"levels": levels, "level_s": level_s, "window_s": window_s, "wall_s": time.perf_counter() - t0,
@@ -308,6 +325,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"Off costs nothing (C={off['concurrency']}, {off['seconds']:.0f} s each, none vs adaptive): "
                   f"TPOT adaptive/none {f(off['tpot_ratio'], '.3f')}, tok/s ratio {f(off['tok_s_ratio'], '.3f')}, "
                   f"adaptive k=0 share {f(off['adaptive_k0_share'], '.3f')}"]
+    off = result.get("off_cost_random_head")
+    if off:
+        lines += ["", f"Off costs nothing, random head (adaptive on a never-accepted head, C={off['concurrency']}, "
+                  f"{off['seconds']:.0f} s each): TPOT adaptive/none {f(off['tpot_ratio'], '.3f')}, tok/s ratio "
+                  f"{f(off['tok_s_ratio'], '.3f')}, adaptive k=0 share {f(off['adaptive_k0_share'], '.3f')}"]
     ramp = result.get("ramp")
     if ramp and "adaptive_vs_none" in ramp:
         rv = ramp["adaptive_vs_none"]
@@ -384,6 +406,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--adaptive-steps", type=int, default=3)
     ap.add_argument("--off-concurrency", type=int, default=32)
     ap.add_argument("--off-s", type=float, default=40.0, help="seconds measured per engine at --off-concurrency; 0: skip")
+    ap.add_argument("--off-random-head", type=int, default=1,
+                    help="also measure off cost with an adaptive engine on a random (never accepted) head, "
+                         "where the controller must choose k = 0; 0: skip")
     ap.add_argument("--ramp", default="1,2,4,8,16,32,16,8,4,2,1", help="empty: skip the ramp")
     ap.add_argument("--ramp-level-s", type=float, default=20.0)
     ap.add_argument("--ramp-window-s", type=float, default=10.0)
@@ -465,6 +490,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "adaptive_k0_share": a["k0_share"]}
         print(f"off cost at C={args.off_concurrency}: TPOT x{result['off_cost']['tpot_ratio']:.3f}, "
               f"k=0 share {a['k0_share']}", flush=True)
+        if args.off_random_head:
+            from spec_single import make_random_head
+
+            with tempfile.TemporaryDirectory(prefix="random-eagle3-") as tmp:
+                kw = {**cfgs["adaptive"], "speculative_draft_model_path": make_random_head(os.path.join(tmp, "head"))}
+                useless = Client("adaptive", LLM(kv_cache_memory_gb=args.kv_cache_memory_gb,
+                                                 max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
+                none = next(c for c in clients if c.name == "none")
+                useless.reset()
+                run_side_by_side([useless], lambda _: 2, lambda i: warm[i], 2,
+                                 lambda cl: False if cl.live or cl.issued < 2 else True)
+                wait_for_quiet(args.quiet_threshold, args.max_wait)
+                p = run_point([none, useless], args.off_concurrency, source(offset), args.off_s)
+                offset += max(none.issued, useless.issued)
+                a, n = p["configs"]["adaptive"], p["configs"]["none"]
+                result["off_cost_random_head"] = {
+                    "concurrency": args.off_concurrency, "seconds": args.off_s, "point": p,
+                    "engine_args": kw, "tpot_ratio": a["tpot_ms_mean"] / n["tpot_ms_mean"] if n["tpot_ms_mean"] else None,
+                    "tok_s_ratio": a["tok_s"] / n["tok_s"] if n["tok_s"] else None, "adaptive_k0_share": a["k0_share"]}
+                del useless
+            r = result["off_cost_random_head"]
+            print(f"off cost, random head, C={args.off_concurrency}: TPOT x{r['tpot_ratio']:.3f}, "
+                  f"k=0 share {r['adaptive_k0_share']}", flush=True)
 
     if levels:
         pair = [c for c in clients if c.name in ("none", "adaptive")]
