@@ -81,6 +81,19 @@ def git_commit() -> str | None:
         return None
 
 
+def cpu_description() -> dict[str, Any]:
+    """CPU model and the instruction sets that decide matmul speed (the machine behind a name changes)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return {}
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), None)
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": model, "flags": [f for f in wanted if f in flags]}
+
+
 def run_metadata() -> dict[str, Any]:
     """Who/where/when: command line, date, versions, thread count, load average at start."""
     import transformers
@@ -94,6 +107,7 @@ def run_metadata() -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_description(),
         "torch_threads": torch.get_num_threads(),
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
                 if k in os.environ},

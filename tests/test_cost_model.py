@@ -141,3 +141,21 @@ def test_measure_past_its_budget_in_the_first_round_still_measures_every_point_o
     m = measure([1, 2, 3, 4], fn, rounds=3, repeats=3, clock=lambda: now[0], budget_s=5.0)
     assert m.over_budget and m.noisy and set(m.seconds) == {1, 2, 3, 4}
     assert len(calls) == 4 + 3 + 3  # warm-up, point 1 in full, then one call each (the budget ran out)
+
+
+def test_steps_of_the_same_size_are_learnt_per_batch():
+    # 32 tokens as 32 decodes cost more than as 8 requests x 4 verify tokens (per-request work)
+    cm = CostModel(target=Curve(dict(CPU_LIKE)))
+    for _ in range(3):
+        cm.observe_step(32, 0.200, num_seqs=32)
+        cm.observe_step(32, 0.120, num_seqs=8)
+        cm.observe_step(8, 0.080, num_seqs=8)
+    assert cm.step_time(32, num_seqs=32) == pytest.approx(0.200)
+    assert cm.step_time(32, num_seqs=8) == pytest.approx(0.120)
+    assert cm.step_time(32, num_seqs=7) == pytest.approx(0.120)  # same power-of-two bucket
+    # an unmeasured batch falls back to all steps' curve; unseen counts in a batch's curve keep the
+    # profile's shape scaled by that batch's own measurements
+    assert cm.step_time(32, num_seqs=2) == pytest.approx(cm.target.predict(32))
+    assert cm.step_time(16, num_seqs=8) == pytest.approx(0.060 * np.exp(np.interp(16, [8, 32], np.log([1.6, 4 / 3]))))
+    assert cm.samples_at(32, 8) == 3 and cm.samples_at(16, 8) == 0
+    assert set(cm.summary()["target_ms_by_batch"]) == {8, 32}

@@ -57,7 +57,7 @@ def goodput(cumacc: np.ndarray, ks: np.ndarray, n_base: int, cost: CostModel,
         on = int((ks > 0).sum())
         verify_tokens = on * nodes
         steps = [on] + [on * topk] * (depth - 1) if on else []
-    seconds = cost.step_time(n_base + verify_tokens) + cost.draft_time(steps)
+    seconds = cost.step_time(n_base + verify_tokens, len(ks)) + cost.draft_time(steps)
     return tokens, seconds, tokens / seconds if seconds > 0 else 0.0
 
 
@@ -77,7 +77,7 @@ def chain_curves(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostMo
     B, K = cumacc.shape
     K = min(K, int(caps.max(initial=0)))
     # every step time and draft forward time the search can need, predicted once
-    step = cost.step_times(n_base + np.arange(B * K + 1))
+    step = cost.step_times(n_base + np.arange(B * K + 1), B)
     draft_of = np.concatenate([[0.0], cost.draft.predict_many(np.arange(1, B + 1))])
     g0 = B / step[0] if step[0] > 0 else 0.0
     curves = []
@@ -124,7 +124,7 @@ def explore_chain(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostM
         b = bucket(n_base + int(S))
         if b == own:
             continue
-        key = (len(cost.target.samples.get(b, ())), abs(int(S) - S_plan))
+        key = (cost.samples_at(b, len(caps)), abs(int(S) - S_plan))
         if best_key is None or key < best_key:
             best_key, best_S = key, int(S)
     return None if best_S is None else (c.ks(best_S, cumacc.shape[0]), best_key[0])
@@ -141,7 +141,7 @@ def _best_tree(cumacc: np.ndarray, caps: np.ndarray, n_base: int, cost: CostMode
         m = np.arange(1, len(order) + 1)
         tokens = B + np.cumsum(cumacc[order].sum(axis=1))
         draft = cost.draft.predict_many(m) + (K - 1) * cost.draft.predict_many(m * topk)
-        g = tokens / (cost.step_times(n_base + m * nodes) + draft)
+        g = tokens / (cost.step_times(n_base + m * nodes, B) + draft)
         i = int(np.argmax(g))
         if g[i] > best * (1 + 1e-9):
             best_m = i + 1
@@ -262,7 +262,7 @@ class SpecController:
         self._last_k.pop(request_id, None)
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        pred = self.cost.observe_step(num_tokens, seconds)
+        pred = self.cost.observe_step(num_tokens, seconds, num_seqs)
         if pred is not None:
             self.last_prediction = (pred, seconds)
 

@@ -41,6 +41,12 @@ def bucket(x: float) -> int:
     return lo if x - lo <= hi - x else hi
 
 
+def batch_bucket(num_seqs: int) -> int:
+    """Requests in a step, rounded up to a power of two: steps of the same token count but very
+    different batch (32 decodes vs. 8 requests x 4 verify tokens) do not cost the same."""
+    return 1 << max(int(num_seqs) - 1, 0).bit_length()
+
+
 def _interp(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Piecewise-linear through (xs, ys); flat below the first point, the last segment's slope past the last."""
     out = np.interp(x, xs, ys)
@@ -139,7 +145,8 @@ class Curve:
 
 @dataclass
 class CostModel:
-    target: Curve = field(default_factory=Curve)  # seconds per target step vs. tokens in it
+    target: Curve = field(default_factory=Curve)  # seconds per target step vs. tokens in it, all batches
+    by_batch: dict[int, Curve] = field(default_factory=dict)  # the same per batch_bucket(requests in the step)
     draft: Curve = field(default_factory=Curve)  # seconds per draft forward vs. requests in it
     errors: deque = field(default_factory=lambda: deque(maxlen=256))  # (measured - predicted) / predicted per step
     profile_ratios: deque = field(default_factory=lambda: deque(maxlen=256))  # measured / profile alone per step
@@ -147,20 +154,36 @@ class CostModel:
     stale_after: int = 64  # ... over at least this many steps
     meta: dict = field(default_factory=dict)  # how the profile was taken (date, spread, rounds)
 
-    def step_time(self, num_tokens: float) -> float:
-        return self.target.predict(num_tokens)
+    def curve(self, num_seqs: int | None = None) -> Curve:
+        """The target curve for steps of this many requests: its batch bucket's once that has a
+        bucket measured ``min_samples`` times (the start-up profile, scaled, fills the rest),
+        else the curve of all steps."""
+        if num_seqs is None:
+            return self.target
+        c = self.by_batch.get(batch_bucket(num_seqs))
+        if c is None or not any(len(s) >= c.min_samples for s in c.samples.values()):
+            return self.target
+        return c
 
-    def step_times(self, num_tokens: np.ndarray) -> np.ndarray:
-        return self.target.predict_many(num_tokens)
+    def samples_at(self, g: int, num_seqs: int) -> int:
+        """How often steps of token bucket g were measured at this batch bucket."""
+        c = self.by_batch.get(batch_bucket(num_seqs))
+        return len(c.samples.get(g, ())) if c is not None else 0
+
+    def step_time(self, num_tokens: float, num_seqs: int | None = None) -> float:
+        return self.curve(num_seqs).predict(num_tokens)
+
+    def step_times(self, num_tokens: np.ndarray, num_seqs: int | None = None) -> np.ndarray:
+        return self.curve(num_seqs).predict_many(num_tokens)
 
     def draft_time(self, batch_per_step: list[int]) -> float:
         """One head forward per draft step, each over that step's active requests."""
         b = np.array([x for x in batch_per_step if x > 0], dtype=float)
         return float(self.draft.predict_many(b).sum()) if len(b) else 0.0
 
-    def observe_step(self, num_tokens: int, seconds: float) -> float | None:
+    def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> float | None:
         """Record a measured target step; returns what was predicted for it (None without a curve)."""
-        pred = self.target.predict(num_tokens) if (self.target.profile or self.target.samples) else None
+        pred = self.step_time(num_tokens, num_seqs) if (self.target.profile or self.target.samples) else None
         if pred:
             self.errors.append((seconds - pred) / pred)
         if self.target.profile and num_tokens <= max(self.target.profile):
@@ -168,6 +191,10 @@ class CostModel:
             if p > 0:
                 self.profile_ratios.append(seconds / p)
         self.target.observe(num_tokens, seconds)
+        if num_seqs is not None:
+            c = self.by_batch.setdefault(batch_bucket(num_seqs), Curve(self.target.profile, self.target.min_samples,
+                                                                         self.target.window))
+            c.observe(num_tokens, seconds)
         return pred
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
@@ -195,7 +222,9 @@ class CostModel:
         return {"mean_abs_error": self.mean_abs_error, "profile_ratio": self.profile_ratio, "stale": self.stale,
                 "target_ms": {int(x): round(y * 1e3, 3) for x, y in zip(xs, ys)},
                 "draft_ms": {int(x): round(y * 1e3, 3) for x, y in zip(dx, dy)},
-                "target_samples": {g: len(s) for g, s in sorted(self.target.samples.items())}}
+                "target_samples": {g: len(s) for g, s in sorted(self.target.samples.items())},
+                "target_ms_by_batch": {b: {int(x): round(y * 1e3, 3) for x, y in zip(*c.table())}
+                                       for b, c in sorted(self.by_batch.items())}}
 
     # -- persistence (the profile only; observations are this run's) --------------------------
     def to_json(self) -> dict:

@@ -494,8 +494,13 @@ class EagleSpeculator:
                 todo.append((r, k))
         if todo:
             t0 = time.perf_counter()
-            self._draft(todo)
-            self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
+            caught_up = self._draft(todo)
+            steps = max(k for _, k in todo)
+            # the draft time per step includes a steady catch-up (the tokens the last verify
+            # committed); one after a stretch of plain decoding is a one-off, not a cost of drafting
+            # next step: kept out of the measurement
+            if caught_up <= len(todo) * (self.max_k + 2):
+                self.controller.observe_draft(len(todo), steps, time.perf_counter() - t0)
         self.engine.stats.k_histogram = dict(self.controller.k_histogram)
 
     def _prefill_tokens_waiting(self) -> int:
@@ -542,8 +547,10 @@ class EagleSpeculator:
         toks = sampler.draw(q, sb, self.runner.generator).tolist()
         return toks, [None if r.params.greedy else q[i] for i, r in enumerate(reqs)]
 
-    def _draft(self, todo: list[tuple[Request, int]]) -> None:
+    def _draft(self, todo: list[tuple[Request, int]]) -> int:
+        """Draft for every request in todo; returns how many positions the catch-up covered."""
         reqs = [r for r, _ in todo]
+        caught_up = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r in reqs)
         h = self._catch_up(reqs)
         if self.topk > 1:
             self._draft_tree(todo, h)
@@ -551,6 +558,7 @@ class EagleSpeculator:
             self._draft_chain_static(todo)
         else:
             self._draft_chain(todo, h)
+        return caught_up
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Draft KV over every position that lacks it: pairs (embed(token i+1), feature i).
