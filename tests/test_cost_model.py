@@ -44,15 +44,15 @@ def test_predictions_never_fall_as_the_count_grows():
     assert (np.diff(c.predict_many(xs)) >= 0).all()
 
 
-def test_unseen_buckets_keep_the_profile_shape_scaled_by_seen_neighbours():
+def test_unseen_buckets_keep_the_profile_increments_shifted_by_seen_neighbours():
     c = Curve(dict(CPU_LIKE))
-    for n in (2, 8):  # the machine is 1.5x slower than profiled at both
-        for _ in range(3):
-            c.observe(n, 1.5 * CPU_LIKE[n])
-    assert c.predict(3) == pytest.approx(1.5 * 0.022)
-    assert c.predict(4) == pytest.approx(1.5 * 0.040)  # the jump is still there, scaled
-    assert c.predict(1) == pytest.approx(1.5 * 0.020)  # constant ratio past the seen ones
-    assert c.predict(64) == pytest.approx(1.5 * 0.150)
+    for _ in range(3):  # real steps take 10 ms more than the profiled forward at 2, 20 ms more at 8
+        c.observe(2, CPU_LIKE[2] + 0.010)
+        c.observe(8, CPU_LIKE[8] + 0.020)
+    assert c.predict(3) == pytest.approx(0.022 + 0.010 + 0.010 / 6)
+    assert c.predict(4) == pytest.approx(0.040 + 0.010 + 0.020 / 6)  # the jump is still there, as profiled
+    assert c.predict(1) == pytest.approx(0.020 + 0.010)  # constant offset past the seen ones
+    assert c.predict(64) == pytest.approx(0.150 + 0.020)
 
 
 def test_off_grid_observations_land_on_the_nearest_grid_point_by_shape():
@@ -154,8 +154,20 @@ def test_steps_of_the_same_size_are_learnt_per_batch():
     assert cm.step_time(32, num_seqs=8) == pytest.approx(0.120)
     assert cm.step_time(32, num_seqs=7) == pytest.approx(0.120)  # same power-of-two bucket
     # an unmeasured batch falls back to all steps' curve; unseen counts in a batch's curve keep the
-    # profile's shape scaled by that batch's own measurements
+    # profile's increments, shifted by that batch's own measurements
     assert cm.step_time(32, num_seqs=2) == pytest.approx(cm.target.predict(32))
-    assert cm.step_time(16, num_seqs=8) == pytest.approx(0.060 * np.exp(np.interp(16, [8, 32], np.log([1.6, 4 / 3]))))
+    assert cm.step_time(16, num_seqs=8) == pytest.approx(0.060 + 0.030)  # offset 0.030 at both 8 and 32
     assert cm.samples_at(32, 8) == 3 and cm.samples_at(16, 8) == 0
     assert set(cm.summary()["target_ms_by_batch"]) == {8, 32}
+
+
+def test_a_batch_profile_gives_verify_shaped_steps_their_own_curve(tmp_path):
+    # 8 single-token requests cost 0.050; 8 requests x 2 tokens 0.055 (not the 16-request 0.060)
+    cm = CostModel(target=Curve(dict(CPU_LIKE)), batch_profiles={8: {8: 0.050, 16: 0.055, 24: 0.058}})
+    assert cm.step_time(16, num_seqs=8) == pytest.approx(0.055)
+    assert cm.step_time(16, num_seqs=16) == pytest.approx(0.060)  # no batch profile there: all-batch curve
+    assert cm.step_time(64, num_seqs=8) == pytest.approx(0.150)  # past the batch profile: the all-batch one
+    cm.save(str(tmp_path / "p.json"))
+    back = CostModel.load(str(tmp_path / "p.json"))
+    assert back.batch_profiles == cm.batch_profiles
+    assert back.step_time(24, num_seqs=5) == pytest.approx(0.058)

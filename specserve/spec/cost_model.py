@@ -6,7 +6,8 @@ curve is a table, exact at every count 1..EXACT and on a grid above, linear only
 points. A start-up profile fills it (``measure``: median of interleaved rounds, re-measured where
 the rounds disagree). Online, every measured step lands in its bucket; once a bucket has a few
 samples their median replaces the profile there, and buckets not seen yet keep the profile's
-shape scaled by the observed/profile ratio of their seen neighbours. A profile that is far off
+increments, shifted by the observed - profile difference of their seen neighbours (a real step
+adds host work to the profiled forward). A profile that is far off
 for many steps (taken under load, or a different machine state) is flagged ``stale``.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 EXACT = 16
 GRID: tuple[int, ...] = (*range(1, EXACT + 1), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
                          224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 3072, 4096)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def bucket(x: float) -> int:
@@ -90,9 +91,9 @@ class Curve:
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         """(counts, seconds) the predictions interpolate, non-decreasing in the count.
 
-        The prior is the profile scaled by the observed/profile ratio of the buckets with at least
-        ``min_samples`` measurements, interpolated in log between them (constant past the ends; 1
-        when there are none), so unseen buckets keep the profile's shape. A measured bucket is its
+        The prior is the profile shifted by the observed - profile difference of the buckets with at
+        least ``min_samples`` measurements, interpolated between them (constant past the ends; 0
+        when there are none), so unseen buckets keep the profile's increments. A measured bucket is its
         median from ``min_samples`` on, and before that a log-average of median and prior with the
         prior counted as one measurement (one sample moves it half-way).
         """
@@ -104,9 +105,12 @@ class Curve:
             px, py = self._profile_xy()
             rx = [g for g in sorted(med) if med[g][1] >= self.min_samples]
             at = _interp(px, py, np.array(rx, dtype=float))
-            if rx and (at > 0).all():
-                log_r = np.log([med[g][0] for g in rx] / at)
-                prior = {int(x): float(y) for x, y in zip(px, py * np.exp(np.interp(px, rx, log_r)))}
+            if rx:
+                # what a real step adds to the profiled forward (host work, sampling, bookkeeping) is
+                # about constant per batch, not proportional: an offset, not a ratio, so the profile's
+                # increments between token counts are kept as measured
+                off = np.interp(px, rx, np.array([med[g][0] for g in rx]) - at)
+                prior = {int(x): float(max(y + o, 0.1 * y)) for x, y, o in zip(px, py, off)}
         pts = dict(prior)
         if prior:
             qx = np.array(sorted(prior), dtype=float)
@@ -147,6 +151,8 @@ class Curve:
 class CostModel:
     target: Curve = field(default_factory=Curve)  # seconds per target step vs. tokens in it, all batches
     by_batch: dict[int, Curve] = field(default_factory=dict)  # the same per batch_bucket(requests in the step)
+    # start-up profile per batch bucket b: steps of b requests x 1..k+1 tokens each (a verify step's shape)
+    batch_profiles: dict[int, dict[int, float]] = field(default_factory=dict)
     draft: Curve = field(default_factory=Curve)  # seconds per draft forward vs. requests in it
     errors: deque = field(default_factory=lambda: deque(maxlen=256))  # (measured - predicted) / predicted per step
     profile_ratios: deque = field(default_factory=lambda: deque(maxlen=256))  # measured / profile alone per step
@@ -160,9 +166,23 @@ class CostModel:
         else the curve of all steps."""
         if num_seqs is None:
             return self.target
-        c = self.by_batch.get(batch_bucket(num_seqs))
-        if c is None or not any(len(s) >= c.min_samples for s in c.samples.values()):
+        b = batch_bucket(num_seqs)
+        c = self.by_batch.get(b)
+        if c is None and b in self.batch_profiles:
+            c = self._batch_curve(b)
+        if c is None or not (b in self.batch_profiles or any(len(s) >= c.min_samples for s in c.samples.values())):
             return self.target
+        return c
+
+    def _batch_curve(self, b: int) -> Curve:
+        """The curve of batch bucket b: its own profile where measured (b requests x t tokens), the
+        all-batch profile past it (steps that also carry prefill)."""
+        c = self.by_batch.get(b)
+        if c is None:
+            own = self.batch_profiles.get(b, {})
+            top = max(own, default=0)
+            profile = {**{n: s for n, s in self.target.profile.items() if n > top}, **own}
+            c = self.by_batch[b] = Curve(profile, self.target.min_samples, self.target.window)
         return c
 
     def samples_at(self, g: int, num_seqs: int) -> int:
@@ -192,9 +212,7 @@ class CostModel:
                 self.profile_ratios.append(seconds / p)
         self.target.observe(num_tokens, seconds)
         if num_seqs is not None:
-            c = self.by_batch.setdefault(batch_bucket(num_seqs), Curve(self.target.profile, self.target.min_samples,
-                                                                         self.target.window))
-            c.observe(num_tokens, seconds)
+            self._batch_curve(batch_bucket(num_seqs)).observe(num_tokens, seconds)
         return pred
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
@@ -230,14 +248,17 @@ class CostModel:
     def to_json(self) -> dict:
         return {"version": FORMAT_VERSION, "meta": self.meta,
                 "target": {str(k): v for k, v in sorted(self.target.profile.items())},
-                "draft": {str(k): v for k, v in sorted(self.draft.profile.items())}}
+                "draft": {str(k): v for k, v in sorted(self.draft.profile.items())},
+                "by_batch": {str(b): {str(k): v for k, v in sorted(p.items())} for b, p in sorted(self.batch_profiles.items())}}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
         if d.get("version") != FORMAT_VERSION:
             raise ValueError(f"cost profile format {d.get('version')}, want {FORMAT_VERSION}")
         return cls(target=Curve({int(k): float(v) for k, v in d["target"].items()}),
-                   draft=Curve({int(k): float(v) for k, v in d["draft"].items()}), meta=dict(d.get("meta", {})))
+                   draft=Curve({int(k): float(v) for k, v in d["draft"].items()}), meta=dict(d.get("meta", {})),
+                   batch_profiles={int(b): {int(k): float(v) for k, v in p.items()}
+                                   for b, p in d.get("by_batch", {}).items()})
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -175,25 +175,25 @@ class EagleSpeculator:
         hc = self.head.config
         table = torch.arange(nblk, device=self.device)
 
-        def q_lens(n: int) -> list[int]:
+        def q_lens(n: int, b: int | None = None) -> list[int]:
             # more tokens than requests the backends are sized for: several tokens per request
-            b = min(n, e.config.max_num_seqs)
+            b = min(n, e.config.max_num_seqs) if b is None else b
             return [n // b + (1 if i < n % b else 0) for i in range(b)]
 
-        def meta(n: int) -> AttentionMetadata:
-            q = q_lens(n)
+        def meta(n: int, b: int | None = None) -> AttentionMetadata:
+            q = q_lens(n, b)
             return AttentionMetadata(query_lens=q, seq_lens=[ctx] * len(q),
                                      slot_mapping=torch.full((n,), ctx - 1, device=self.device),
                                      block_tables=table[None, :].expand(len(q), -1).contiguous())
 
-        def inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            pos = [ctx - qi + j for qi in q_lens(n) for j in range(qi)]
+        def inputs(n: int, b: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            pos = [ctx - qi + j for qi in q_lens(n, b) for j in range(qi)]
             return (torch.zeros(n, dtype=torch.long, device=self.device),
                     torch.tensor(pos, dtype=torch.long, device=self.device))
 
-        def target(n: int) -> None:
-            ids, pos = inputs(n)
-            self.runner.attn.plan(meta(n))
+        def target(n: int, b: int | None = None) -> None:
+            ids, pos = inputs(n, b)
+            self.runner.attn.plan(meta(n, b))
             with forward_context(self.runner.attn):
                 out = self.target(ids, pos)
             hidden = out[0] if isinstance(out, tuple) else out
@@ -210,14 +210,24 @@ class EagleSpeculator:
         t0 = time.perf_counter()
         mt = measure(profile_points(max_tokens), target, sync=sync, budget_s=60.0)
         md = measure(profile_points(max_batch), draft, sync=sync, budget_s=20.0)
+        # verify-shaped steps: b requests x t tokens (b a power of two), since b x t tokens do not cost
+        # what b*t single-token requests cost
+        # (t = 1 is the single-token profile above); at most 8 tokens per request (trees verify more)
+        pairs = [(b, b * t) for b in (1 << i for i in range(max_batch.bit_length())) if b in mt.seconds
+                 for t in range(2, min(self.cfg.resolved_num_draft_tokens, 8) + 1) if b * t <= max_tokens]
+        mb = measure(list(range(len(pairs))), lambda i: target(pairs[i][1], pairs[i][0]), rounds=2, repeats=2,
+                     sync=sync, budget_s=30.0)
         cost = CostModel()
         cost.target.profile = mt.seconds
         cost.draft.profile = md.seconds
+        for i, (b, n) in enumerate(pairs):
+            cost.batch_profiles.setdefault(b, {b: mt.seconds[b]})[n] = mb.seconds[i]
         cost.meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "seconds": round(time.perf_counter() - t0, 1), "context": ctx,
-                     "rounds": {"target": mt.rounds, "draft": md.rounds},
+                     "rounds": {"target": mt.rounds, "draft": md.rounds, "by_batch": mb.rounds},
                      "rechecked": {"target": mt.rechecked, "draft": md.rechecked},
-                     "noisy": mt.noisy or md.noisy, "over_budget": mt.over_budget or md.over_budget,
+                     "noisy": mt.noisy or md.noisy or mb.noisy,
+                     "over_budget": mt.over_budget or md.over_budget or mb.over_budget,
                      "max_spread": {"target": round(max(mt.spread.values()), 3),
                                     "draft": round(max(md.spread.values()), 3)}}
         return cost
