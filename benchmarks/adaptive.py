@@ -320,16 +320,13 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"{thr[0]}: share of decisions with k > 0 per C: " + ", ".join(
             f"C={r['concurrency']}: {f(1 - r[thr[0]]['k0_share'] if r[thr[0]]['k0_share'] is not None else None, '.2f')}"
             for r in s)]
-    off = result.get("off_cost")
-    if off:
-        lines += ["", f"Off costs nothing (C={off['concurrency']}, {off['seconds']:.0f} s each, none vs adaptive): "
-                  f"TPOT adaptive/none {f(off['tpot_ratio'], '.3f')}, tok/s ratio {f(off['tok_s_ratio'], '.3f')}, "
-                  f"adaptive k=0 share {f(off['adaptive_k0_share'], '.3f')}"]
-    off = result.get("off_cost_random_head")
-    if off:
-        lines += ["", f"Off costs nothing, random head (adaptive on a never-accepted head, C={off['concurrency']}, "
-                  f"{off['seconds']:.0f} s each): TPOT adaptive/none {f(off['tpot_ratio'], '.3f')}, tok/s ratio "
-                  f"{f(off['tok_s_ratio'], '.3f')}, adaptive k=0 share {f(off['adaptive_k0_share'], '.3f')}"]
+    for key, title in (("off_cost", "Off costs nothing"),
+                       ("off_cost_random_head", "Off costs nothing, random head (adaptive on a never-accepted head)")):
+        off = result.get(key)
+        if off:
+            lines += ["", f"{title} (C={off['concurrency']}, {off['seconds']:.0f} s each, none vs adaptive): "
+                      f"TPOT adaptive/none {f(off['tpot_ratio'], '.3f')}, tok/s ratio {f(off['tok_s_ratio'], '.3f')}, "
+                      f"adaptive k=0 share {f(off['adaptive_k0_share'], '.3f')}"]
     ramp = result.get("ramp")
     if ramp and "adaptive_vs_none" in ramp:
         rv = ramp["adaptive_vs_none"]
@@ -450,9 +447,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     pool = prompt_pool(llms["none"].tokenizer, 600, args.max_input_len, args.output_len, args.seed)
     warm = [(p, 8) for p, _ in pool[:2]]
-    for c in clients:  # warm-up: allocator, kernels, first acceptance observations
+
+    def warm_up(c: Client) -> None:  # allocator, kernels, first acceptance observations
         c.reset()
         run_side_by_side([c], lambda _: 2, lambda i: warm[i], 2, lambda cl: False if cl.live or cl.issued < 2 else True)
+
+    for c in clients:
+        warm_up(c)
     offset = 2
 
     points = []
@@ -479,17 +480,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["summary"] = summarise(points, names)
 
     if args.off_s:
-        pair = [c for c in clients if c.name in ("none", "adaptive")]
-        wait_for_quiet(args.quiet_threshold, args.max_wait)
-        p = run_point(pair, args.off_concurrency, source(offset), args.off_s)
-        offset += max(c.issued for c in pair)
-        a, n = p["configs"]["adaptive"], p["configs"]["none"]
-        result["off_cost"] = {"concurrency": args.off_concurrency, "seconds": args.off_s, "point": p,
-                              "tpot_ratio": a["tpot_ms_mean"] / n["tpot_ms_mean"] if n["tpot_ms_mean"] else None,
-                              "tok_s_ratio": a["tok_s"] / n["tok_s"] if n["tok_s"] else None,
-                              "adaptive_k0_share": a["k0_share"]}
-        print(f"off cost at C={args.off_concurrency}: TPOT x{result['off_cost']['tpot_ratio']:.3f}, "
-              f"k=0 share {a['k0_share']}", flush=True)
+        none = next(c for c in clients if c.name == "none")
+
+        def off_cost(key: str, adaptive: Client, **extra: Any) -> None:
+            """TPOT and tok/s of ``adaptive`` against no speculation at --off-concurrency."""
+            nonlocal offset
+            wait_for_quiet(args.quiet_threshold, args.max_wait)
+            p = run_point([none, adaptive], args.off_concurrency, source(offset), args.off_s)
+            offset += max(none.issued, adaptive.issued)
+            a, n = p["configs"]["adaptive"], p["configs"]["none"]
+            result[key] = {"concurrency": args.off_concurrency, "seconds": args.off_s, "point": p, **extra,
+                           "tpot_ratio": a["tpot_ms_mean"] / n["tpot_ms_mean"] if n["tpot_ms_mean"] else None,
+                           "tok_s_ratio": a["tok_s"] / n["tok_s"] if n["tok_s"] else None,
+                           "adaptive_k0_share": a["k0_share"]}
+            print(f"{key} at C={args.off_concurrency}: TPOT x{result[key]['tpot_ratio']:.3f}, "
+                  f"k=0 share {a['k0_share']}", flush=True)
+
+        off_cost("off_cost", next(c for c in clients if c.name == "adaptive"))
         if args.off_random_head:
             from spec_single import make_random_head
 
@@ -497,22 +504,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 kw = {**cfgs["adaptive"], "speculative_draft_model_path": make_random_head(os.path.join(tmp, "head"))}
                 useless = Client("adaptive", LLM(kv_cache_memory_gb=args.kv_cache_memory_gb,
                                                  max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
-                none = next(c for c in clients if c.name == "none")
-                useless.reset()
-                run_side_by_side([useless], lambda _: 2, lambda i: warm[i], 2,
-                                 lambda cl: False if cl.live or cl.issued < 2 else True)
-                wait_for_quiet(args.quiet_threshold, args.max_wait)
-                p = run_point([none, useless], args.off_concurrency, source(offset), args.off_s)
-                offset += max(none.issued, useless.issued)
-                a, n = p["configs"]["adaptive"], p["configs"]["none"]
-                result["off_cost_random_head"] = {
-                    "concurrency": args.off_concurrency, "seconds": args.off_s, "point": p,
-                    "engine_args": kw, "tpot_ratio": a["tpot_ms_mean"] / n["tpot_ms_mean"] if n["tpot_ms_mean"] else None,
-                    "tok_s_ratio": a["tok_s"] / n["tok_s"] if n["tok_s"] else None, "adaptive_k0_share": a["k0_share"]}
+                warm_up(useless)
+                off_cost("off_cost_random_head", useless, engine_args=kw)
                 del useless
-            r = result["off_cost_random_head"]
-            print(f"off cost, random head, C={args.off_concurrency}: TPOT x{r['tpot_ratio']:.3f}, "
-                  f"k=0 share {r['adaptive_k0_share']}", flush=True)
 
     if levels:
         pair = [c for c in clients if c.name in ("none", "adaptive")]

@@ -36,10 +36,10 @@ def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T (+ b) through oneDNN with W packed once; same interface as ``Linear``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: nn.Parameter, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.weight = weight
         self.bias = bias
         self.min_numel = PACKED_MIN_ROWS[weight.dtype] * self.in_features
         with torch.no_grad():

@@ -68,6 +68,7 @@ class Curve:
     min_samples: int = 3  # observations a bucket needs before their median replaces the profile there
     window: int = 16  # most recent observations kept per bucket
     samples: dict[int, deque] = field(default_factory=dict)
+    measured: bool = False  # some bucket has min_samples observations (its median is in the table)
     _table: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     _pxy: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
@@ -143,7 +144,9 @@ class Curve:
             px, pg = self.predict(x), self.predict(g)
             if px > 0 and pg > 0:
                 seconds *= pg / px
-        self.samples.setdefault(g, deque(maxlen=self.window)).append(seconds)
+        s = self.samples.setdefault(g, deque(maxlen=self.window))
+        s.append(seconds)
+        self.measured = self.measured or len(s) >= self.min_samples
         self._table = None
 
 
@@ -161,18 +164,13 @@ class CostModel:
     meta: dict = field(default_factory=dict)  # how the profile was taken (date, spread, rounds)
 
     def curve(self, num_seqs: int | None = None) -> Curve:
-        """The target curve for steps of this many requests: its batch bucket's once that has a
-        bucket measured ``min_samples`` times (the start-up profile, scaled, fills the rest),
-        else the curve of all steps."""
-        if num_seqs is None:
-            return self.target
-        b = batch_bucket(num_seqs)
-        c = self.by_batch.get(b)
-        if c is None and b in self.batch_profiles:
-            c = self._batch_curve(b)
-        if c is None or not (b in self.batch_profiles or any(len(s) >= c.min_samples for s in c.samples.values())):
-            return self.target
-        return c
+        """The target curve for steps of this many requests: its batch bucket's when that has a
+        profile or a measured bucket, else the curve of all steps."""
+        if num_seqs is not None:
+            b = batch_bucket(num_seqs)
+            if b in self.batch_profiles or (b in self.by_batch and self.by_batch[b].measured):
+                return self._batch_curve(b)
+        return self.target
 
     def _batch_curve(self, b: int) -> Curve:
         """The curve of batch bucket b: its own profile where measured (b requests x t tokens), the

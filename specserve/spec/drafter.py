@@ -210,9 +210,8 @@ class EagleSpeculator:
         t0 = time.perf_counter()
         mt = measure(profile_points(max_tokens), target, sync=sync, budget_s=60.0)
         md = measure(profile_points(max_batch), draft, sync=sync, budget_s=20.0)
-        # verify-shaped steps: b requests x t tokens (b a power of two), since b x t tokens do not cost
-        # what b*t single-token requests cost
-        # (t = 1 is the single-token profile above); at most 8 tokens per request (trees verify more)
+        # verify-shaped steps, b requests (a power of two) x t = 2..8 tokens: they do not cost what b*t
+        # single-token requests cost (t = 1 is the profile above; trees verify more than 8, not profiled)
         pairs = [(b, b * t) for b in (1 << i for i in range(max_batch.bit_length())) if b in mt.seconds
                  for t in range(2, min(self.cfg.resolved_num_draft_tokens, 8) + 1) if b * t <= max_tokens]
         mb = measure(list(range(len(pairs))), lambda i: target(pairs[i][1], pairs[i][0]), rounds=2, repeats=2,
@@ -503,14 +502,14 @@ class EagleSpeculator:
             if k > 0 and sched._reserve(r, r.num_tokens + k):
                 todo.append((r, k))
         if todo:
-            t0 = time.perf_counter()
-            caught_up = self._draft(todo)
-            steps = max(k for _, k in todo)
             # the draft time per step includes a steady catch-up (the tokens the last verify
             # committed); one after a stretch of plain decoding is a one-off, not a cost of drafting
             # next step: kept out of the measurement
+            caught_up = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r, _ in todo)
+            t0 = time.perf_counter()
+            self._draft(todo)
             if caught_up <= len(todo) * (self.max_k + 2):
-                self.controller.observe_draft(len(todo), steps, time.perf_counter() - t0)
+                self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
         self.engine.stats.k_histogram = dict(self.controller.k_histogram)
 
     def _prefill_tokens_waiting(self) -> int:
@@ -557,10 +556,8 @@ class EagleSpeculator:
         toks = sampler.draw(q, sb, self.runner.generator).tolist()
         return toks, [None if r.params.greedy else q[i] for i, r in enumerate(reqs)]
 
-    def _draft(self, todo: list[tuple[Request, int]]) -> int:
-        """Draft for every request in todo; returns how many positions the catch-up covered."""
+    def _draft(self, todo: list[tuple[Request, int]]) -> None:
         reqs = [r for r, _ in todo]
-        caught_up = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r in reqs)
         h = self._catch_up(reqs)
         if self.topk > 1:
             self._draft_tree(todo, h)
@@ -568,7 +565,6 @@ class EagleSpeculator:
             self._draft_chain_static(todo)
         else:
             self._draft_chain(todo, h)
-        return caught_up
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Draft KV over every position that lacks it: pairs (embed(token i+1), feature i).
