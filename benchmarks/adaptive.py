@@ -150,7 +150,7 @@ def spec_snapshot(llm: LLM) -> dict[str, Any]:
     snap = {"verify": st.spec_verify_steps, "accepted": st.spec_accepted_tokens,
             "k_histogram": dict(st.k_histogram)}
     if ctl is not None:
-        snap.update(switches=ctl.switches, k_changes=ctl.k_changes, probes=ctl.probes, decisions=ctl.decisions)
+        snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions)
     return snap
 
 
@@ -165,7 +165,7 @@ def spec_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         "k0_share": hist.get(0, 0) / n if n else None,
         "accept_length": (after["accepted"] - before["accepted"] + verify) / verify if verify else None,
     }
-    for key in ("switches", "k_changes", "probes", "decisions"):
+    for key in ("switches", "k_changes", "explorations", "decisions"):
         if key in after:
             out[key] = after[key] - before[key]
     return out
@@ -335,7 +335,7 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{ramp['window_s']:.0f} s windows): none {f(ramp['configs']['none']['tok_s'])} tok/s, adaptive "
                   f"{f(ad['tok_s'])} tok/s (x{f(rv['overall_ratio'], '.3f')}); worst window x{f(rv['min_ratio'], '.3f')}; "
                   f"on/off switches {ad.get('switches')}, decisions with a k change {ad.get('k_changes')} "
-                  f"of {ad.get('decisions')}, probes {ad.get('probes')}",
+                  f"of {ad.get('decisions')}, explorations {ad.get('explorations')}",
                   "", "window ratios (adaptive / none, C): " + ", ".join(
                       f"{f(x, '.2f')}@{c}" for x, c in zip(rv["window_ratios"], rv["window_levels"]))]
     return "\n".join(lines) + "\n"

@@ -106,6 +106,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or ctx, kv_capacity)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
+        self.step_started = 0.0  # perf_counter at the start of the current step()
         self.stats = EngineStats()
         self.drafter = None
         if config.speculative is not None:
@@ -162,6 +163,7 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.step_started = time.perf_counter()
         plan = self.scheduler.schedule()  # who runs, how many tokens each (drafts included)
         if self.drafter is not None:
             for req in plan.preempted:

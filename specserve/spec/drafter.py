@@ -16,6 +16,7 @@ draft KV of position i lives in the same slot as the target KV of position i.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -105,6 +106,7 @@ class EagleSpeculator:
         engine.blocks.require_draft_kv = True
         self.states: dict[str, DraftState] = {}
         self.controller = SpecController(cfg)
+        self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
         if cfg.policy == "adaptive":
             self.controller.cost = self._load_or_profile_costs(path)
         # most tokens one request verifies: the chain's steps or the tree's nodes
@@ -482,6 +484,12 @@ class EagleSpeculator:
     @torch.inference_mode()
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         sched = self.engine.scheduler
+        now = time.perf_counter()
+        if self._cycle_head is not None:
+            # the last decision's cycle, in this engine's own time (a caller may run other work
+            # between steps): its draft at the end of the last step, then this step up to here
+            self.controller.end_cycle(self._cycle_head + now - self.engine.step_started)
+            self._cycle_head = None
         # requests that produced a token this step and decode next step
         candidates = [s.req for s in plan.scheduled
                       if s.samples and not s.req.is_finished and s.req.num_tokens - s.req.num_computed_tokens == 1]
@@ -496,7 +504,7 @@ class EagleSpeculator:
                 cap = min(cap, r.params.max_tokens - r.num_output_tokens - 1)
             cap = min(cap, self.engine.max_model_len - r.num_tokens - 1)
             caps.append(max(cap, 0))
-        ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_waiting())
+        ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step())
         todo: list[tuple[Request, int]] = []
         for r, k in zip(candidates, ks):
             if k > 0 and sched._reserve(r, r.num_tokens + k):
@@ -511,11 +519,17 @@ class EagleSpeculator:
             if caught_up <= len(todo) * (self.max_k + 2):
                 self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
         self.engine.stats.k_histogram = dict(self.controller.k_histogram)
+        self._cycle_head = time.perf_counter() - now
 
-    def _prefill_tokens_waiting(self) -> int:
+    def _prefill_tokens_next_step(self) -> int:
+        """Prompt tokens the next step will also carry: running prefills, and waiting requests for
+        the free seats, within the step's token budget."""
         sched = self.engine.scheduler
+        cfg = self.engine.config
         n = sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.is_prefilling)
-        return n + sum(r.num_tokens for r in list(sched.waiting)[:8])
+        seats = max(cfg.max_num_seqs - len(sched.running), 0)
+        n += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
+        return min(n, max(cfg.max_num_batched_tokens - len(sched.running), 0))
 
     def _slots(self, reqs: list[Request], q_lens: list[int], positions: list[int]) -> list[int]:
         bs = self.engine.config.block_size

@@ -1,0 +1,148 @@
+"""Measured cycle times per (batch size, draft depth): what the adaptive controller decides by.
+
+A cost model predicts a step's time from a table; on a noisy machine the table's error (10-15 %
+per entry on a 2-core CPU) is larger than the gap between drafting 1 and 2 tokens, so a plan
+picked from predictions alone wanders. Here every decision's cost is measured instead: the wall
+time of the whole cycle it started (draft, verify, sampling, commit, scheduling: everything the
+user waits for), kept per arm, where an arm is a uniform draft depth d (0 = plain decode) in one
+batch-size bucket. What is kept is the ratio measured / predicted seconds, so the model still
+accounts for the batch and prefill sizes varying inside a bucket, and an arm never run borrows
+the ratio of those that did (with a wide uncertainty, ``prior_cv``, so it gets tried). Expected tokens come from the
+acceptance model (measured per draft position over every arm's cycles): far less noisy than a
+cycle's own count of accepted tokens.
+
+Choice: the arm with the best goodput = expected tokens / (predicted seconds x measured ratio),
+kept unless another is better by ``margin`` and by one standard error of the difference
+(hysteresis). Exploration: every ``explore_every`` decisions of a bucket, the arm with the highest
+upper bound (``z`` standard errors) runs once, if that bound beats the chosen arm; an arm clearly
+worse stops being tried. Old cycles fade (``decay`` per decision in the bucket), so uncertainty
+grows back and a load that drifts is followed. Pure numbers: no clock, no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def batch_key(batch: int) -> int:
+    """Half-octave buckets centred on powers of two: 31 and 32 requests share one (a closed loop at
+    C = 32 runs 31 while a finished request's successor prefills)."""
+    return int(round(2 * math.log2(max(batch, 1))))
+
+
+@dataclass
+class ArmStats:
+    """Decayed sums over the cycles an arm ran: r = measured / predicted seconds."""
+
+    n: float = 0.0
+    r: float = 0.0
+    r2: float = 0.0
+    tokens: float = 0.0  # measured, for reports
+    seconds: float = 0.0
+
+    def fade(self, f: float) -> None:
+        self.n *= f
+        self.r *= f
+        self.r2 *= f
+        self.tokens *= f
+        self.seconds *= f
+
+    def add(self, ratio: float, tokens: float, seconds: float) -> None:
+        self.n += 1
+        self.r += ratio
+        self.r2 += ratio * ratio
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def cv(self, default: float, strength: float = 4.0) -> float:
+        """Coefficient of variation of one cycle's ratio, shrunk towards ``default``."""
+        var = 0.0
+        if self.n > 1e-9 and self.r > 0:
+            m = self.r / self.n
+            var = max(self.r2 / self.n - m * m, 0.0) / (m * m)
+        return math.sqrt((self.n * var + strength * default**2) / (self.n + strength))
+
+
+Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
+
+
+@dataclass
+class GoodputBandit:
+    decay: float = 0.995  # per decision in a bucket: ~200 cycles of memory
+    prior_cv: float = 0.3  # how far an arm's time ratio may be from the bucket's before it ran
+    default_cv: float = 0.15
+    z: float = 1.5  # standard errors of optimism when exploring
+    margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
+    explore_every: int = 8
+    stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> stats
+    chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
+    visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
+
+    def _bucket_ratio(self, key: int) -> float:
+        arms = self.stats.get(key, {})
+        n = sum(st.n for st in arms.values())
+        return sum(st.r for st in arms.values()) / n if n > 1e-9 else 1.0
+
+    def estimates(self, key: int, priors: dict[int, Prior]) -> dict[int, tuple[float, float]]:
+        """(goodput, standard error) per arm: the arm's time ratio is the bucket's (an arm never run
+        borrows it, with ``prior_cv`` uncertainty) updated by its own cycles."""
+        base = self._bucket_ratio(key)
+        arms = self.stats.get(key, {})
+        p0 = 1.0 / (self.prior_cv * base) ** 2
+        out = {}
+        for arm, (tokens, sec) in priors.items():
+            st = arms.get(arm) or ArmStats()
+            prec, acc = p0, p0 * base
+            if st.n > 1e-9:
+                var = (st.cv(self.default_cv) * st.r / st.n) ** 2  # of one cycle's ratio
+                prec += st.n / var
+                acc += st.r / var
+            ratio = acc / prec
+            g = tokens / (sec * ratio) if sec > 0 else 0.0
+            out[arm] = (g, g / (ratio * prec**0.5))
+        return out
+
+    def choose(self, key: int, priors: dict[int, Prior]) -> tuple[int, bool]:
+        """(arm, exploring) for the next cycle in bucket ``key``."""
+        est = self.estimates(key, priors)
+        visit = self.visits.get(key, 0)
+        self.visits[key] = visit + 1
+        best = max(est, key=lambda a: est[a][0])
+        cur = self.chosen.get(key)
+        if cur in est and cur != best:
+            (gb, sb), (gc, sc) = est[best], est[cur]
+            cur_st = self.stats.get(key, {}).get(cur)
+            # the noise band only once the current arm has cycles of its own: a pick made on the
+            # prior alone is left as soon as the prior (or a measurement) says otherwise
+            band = math.hypot(sb, sc) if cur_st is not None and cur_st.n >= 2 else 0.0
+            if gb - gc < max(self.margin * gc, band):
+                best = cur
+        self.chosen[key] = best
+        if self.explore_every and visit % self.explore_every == self.explore_every - 1:
+            others = [a for a in est if a != best]
+            if others:
+                alt = max(others, key=lambda a: est[a][0] + self.z * est[a][1])
+                if est[alt][0] + self.z * est[alt][1] > est[best][0]:
+                    return alt, True
+        return best, False
+
+    def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float) -> None:
+        """A cycle of ``arm``: its predicted and measured seconds, the tokens it committed."""
+        if seconds <= 0 or predicted <= 0:
+            return
+        arms = self.stats.setdefault(key, {})
+        for st in arms.values():
+            st.fade(self.decay)
+        arms.setdefault(arm, ArmStats()).add(seconds / predicted, tokens, seconds)
+
+    def summary(self) -> dict:
+        """Per bucket (as its batch size) and arm: cycles (decayed), measured/predicted time, tok/s."""
+        out: dict[int, dict[int, dict]] = {}
+        for key, arms in sorted(self.stats.items()):
+            for arm, st in sorted(arms.items()):
+                if st.n >= 1e-3:
+                    out.setdefault(round(2 ** (key / 2)), {})[arm] = {
+                        "cycles": round(st.n, 1), "time_ratio": round(st.r / st.n, 3),
+                        "tok_per_s": round(st.tokens / st.seconds, 2)}
+        return out
