@@ -7,12 +7,12 @@ time of the whole cycle it started (draft, verify, sampling, commit, scheduling:
 user waits for), kept per arm, where an arm is a uniform draft depth d (0 = plain decode) in one
 batch-size bucket. What is kept is the ratio measured / predicted seconds, so the model still
 accounts for the batch and prefill sizes varying inside a bucket, and an arm never run borrows
-the ratio of those that did (with a wide uncertainty, ``prior_cv``, so it gets tried). Expected tokens come from the
-acceptance model (measured per draft position over every arm's cycles): far less noisy than a
-cycle's own count of accepted tokens.
+the ratio of those that did (with a wide uncertainty, ``prior_cv``, so it gets tried). Tokens:
+one per request plus the acceptance model's expected accepted drafts (measured per draft position
+over every arm's cycles, far less noisy than one cycle's count) times the arm's measured / expected
+ratio of accepted drafts (pooled over buckets), which removes the model's bias at rare depths.
 
-Choice: the arm with the best goodput = expected tokens / (predicted seconds x measured ratio),
-kept unless another is better by ``margin`` and by one standard error of the difference
+Choice: the arm with the best goodput = tokens / (predicted seconds x time ratio), kept unless another is better by ``margin`` and by one standard error of the difference
 (hysteresis). Exploration: every ``explore_every`` decisions of a bucket, the arm with the highest
 upper bound (``z`` standard errors) runs once, if that bound beats the chosen arm; an arm clearly
 worse stops being tried. Old cycles fade (``decay`` per decision in the bucket), so uncertainty
@@ -64,6 +64,21 @@ class ArmStats:
         return math.sqrt((self.n * var + strength * default**2) / (self.n + strength))
 
 
+@dataclass
+class TokenStats:
+    """Decayed sums of accepted drafts (committed tokens less one per request), measured and
+    expected, over an arm's cycles."""
+
+    requests: float = 0.0
+    tokens: float = 0.0
+    expected: float = 0.0
+
+    def fade(self, f: float) -> None:
+        self.requests *= f
+        self.tokens *= f
+        self.expected *= f
+
+
 Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
 
 
@@ -71,11 +86,15 @@ Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
 class GoodputBandit:
     decay: float = 0.995  # per decision in a bucket: ~200 cycles of memory
     prior_cv: float = 0.3  # how far an arm's time ratio may be from the bucket's before it ran
-    default_cv: float = 0.15
+    default_cv: float = 0.15  # of one cycle's time ratio, before its own spread is measured
+    token_prior_cv: float = 0.05  # how far committed / expected tokens may be from 1 before measured
+    token_cv: float = 0.5  # of one request's committed / expected tokens (accept counts vary a lot)
     z: float = 1.5  # standard errors of optimism when exploring
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
     explore_every: int = 8
-    stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> stats
+    token_decay: float = 0.995  # per cycle of the arm
+    stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> time ratios
+    token_stats: dict[int, "TokenStats"] = field(default_factory=dict)  # arm -> committed vs. expected tokens
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
 
@@ -84,28 +103,51 @@ class GoodputBandit:
         n = sum(st.n for st in arms.values())
         return sum(st.r for st in arms.values()) / n if n > 1e-9 else 1.0
 
-    def estimates(self, key: int, priors: dict[int, Prior]) -> dict[int, tuple[float, float]]:
-        """(goodput, standard error) per arm: the arm's time ratio is the bucket's (an arm never run
-        borrows it, with ``prior_cv`` uncertainty) updated by its own cycles."""
+    @staticmethod
+    def _posterior(st: ArmStats | None, prior: float, prior_cv: float, default_cv: float) -> tuple[float, float]:
+        """(mean, relative standard error) of a ratio: a normal prior updated by the arm's cycles."""
+        prec = 1.0 / (prior_cv * prior) ** 2
+        acc = prec * prior
+        if st is not None and st.n > 1e-9:
+            var = (st.cv(default_cv) * st.r / st.n) ** 2  # of one cycle's ratio
+            prec += st.n / var
+            acc += st.r / var
+        mean = acc / prec
+        return mean, 1.0 / (mean * prec**0.5)
+
+    def _token_ratio(self, arm: int) -> tuple[float, float]:
+        """(committed / expected accepted drafts, relative standard error) of an arm: a ratio of sums
+        over its requests (``token_cv`` per request), shrunk towards 1 (``token_prior_cv``)."""
+        st = self.token_stats.get(arm)
+        prec = 1.0 / self.token_prior_cv**2
+        acc = prec
+        if st is not None and st.expected > 1e-9:
+            data = st.requests / self.token_cv**2
+            prec += data
+            acc += data * st.tokens / st.expected
+        mean = acc / prec
+        return mean, 1.0 / (mean * prec**0.5)
+
+    def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
+        """(goodput, standard error) per arm: ``batch`` tokens (one per request) + expected accepted
+        drafts x the arm's measured token ratio, over
+        predicted seconds x the arm's time ratio (an arm never run borrows the bucket's, with
+        ``prior_cv`` uncertainty)."""
         base = self._bucket_ratio(key)
         arms = self.stats.get(key, {})
-        p0 = 1.0 / (self.prior_cv * base) ** 2
         out = {}
         for arm, (tokens, sec) in priors.items():
-            st = arms.get(arm) or ArmStats()
-            prec, acc = p0, p0 * base
-            if st.n > 1e-9:
-                var = (st.cv(self.default_cv) * st.r / st.n) ** 2  # of one cycle's ratio
-                prec += st.n / var
-                acc += st.r / var
-            ratio = acc / prec
-            g = tokens / (sec * ratio) if sec > 0 else 0.0
-            out[arm] = (g, g / (ratio * prec**0.5))
+            t, t_se = self._posterior(arms.get(arm), base, self.prior_cv, self.default_cv)
+            a, a_se = self._token_ratio(arm)
+            bonus = max(tokens - batch, 0.0)  # expected accepted drafts: the part a corrects
+            total = batch + bonus * a
+            g = total / (sec * t) if sec > 0 else 0.0
+            out[arm] = (g, g * math.hypot(t_se, a_se * bonus * a / total if total > 0 else 0.0))
         return out
 
-    def choose(self, key: int, priors: dict[int, Prior]) -> tuple[int, bool]:
-        """(arm, exploring) for the next cycle in bucket ``key``."""
-        est = self.estimates(key, priors)
+    def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:
+        """(arm, exploring) for the next cycle of ``batch`` requests in bucket ``key``."""
+        est = self.estimates(key, priors, batch)
         visit = self.visits.get(key, 0)
         self.visits[key] = visit + 1
         best = max(est, key=lambda a: est[a][0])
@@ -127,14 +169,23 @@ class GoodputBandit:
                     return alt, True
         return best, False
 
-    def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float) -> None:
-        """A cycle of ``arm``: its predicted and measured seconds, the tokens it committed."""
-        if seconds <= 0 or predicted <= 0:
+    def observe(self, key: int, arm: int, predicted: float, expected: float, tokens: float, seconds: float,
+                requests: int = 1) -> None:
+        """A cycle of ``arm``: its predicted and measured seconds, the tokens expected and committed
+        by its ``requests``."""
+        if seconds <= 0 or predicted <= 0 or expected <= 0:
             return
         arms = self.stats.setdefault(key, {})
         for st in arms.values():
             st.fade(self.decay)
         arms.setdefault(arm, ArmStats()).add(seconds / predicted, tokens, seconds)
+        # the acceptance model's bias per depth does not depend on the batch: pooled over buckets
+        if expected > requests:  # accepted drafts vs. expected: nothing to learn from plain decode
+            ts = self.token_stats.setdefault(arm, TokenStats())
+            ts.fade(self.token_decay)
+            ts.requests += requests
+            ts.tokens += tokens - requests
+            ts.expected += expected - requests
 
     def summary(self) -> dict:
         """Per bucket (as its batch size) and arm: cycles (decayed), measured/predicted time, tok/s."""
@@ -145,4 +196,6 @@ class GoodputBandit:
                     out.setdefault(round(2 ** (key / 2)), {})[arm] = {
                         "cycles": round(st.n, 1), "time_ratio": round(st.r / st.n, 3),
                         "tok_per_s": round(st.tokens / st.seconds, 2)}
+        out["token_ratio"] = {arm: round(st.tokens / st.expected, 3) for arm, st in sorted(self.token_stats.items())
+                              if st.expected > 1e-3}
         return out

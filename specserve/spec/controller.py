@@ -122,6 +122,7 @@ class Cycle:
     key: int
     arm: int
     draft_predicted: float  # seconds of the drafting it starts, by the reference cost model
+    expected_tokens: float  # by the acceptance model
     request_ids: set[str]
     target_predicted: float | None = None  # of the verify step that ran, once it ran (its real size)
     tokens: int = 0
@@ -137,7 +138,7 @@ class SpecController:
     bandit: GoodputBandit = field(default_factory=GoodputBandit)
     overall: AcceptanceStats = field(init=False)
     per_request: dict[str, AcceptanceStats] = field(default_factory=dict)
-    optimism: float = 0.5  # standard errors added to little-measured acceptance rates (the prior's)
+    optimism: float = 0.0  # standard errors added to little-measured acceptance rates (exploration is the bandit's)
     spec_on: bool = True  # threshold policy state
     k_histogram: Counter = field(default_factory=Counter)
     last_prediction: tuple[float, float] | None = None  # (predicted, measured) seconds of the last target step
@@ -168,7 +169,8 @@ class SpecController:
         """The wall time since the last adaptive decision: its outcome goes to the bandit."""
         c, self._cycle = self._cycle, None
         if c is not None and c.tokens > 0 and c.target_predicted is not None:
-            self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds)
+            self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.expected_tokens, c.tokens,
+                                seconds, len(c.request_ids))
             self.cycles += 1
 
     def forget(self, request_id: str) -> None:
@@ -233,12 +235,16 @@ class SpecController:
             arms = np.array([0, self.cfg.num_steps])
             caps = np.where(caps > 0, self.cfg.num_steps, 0)
         depths = arm_depths(arms, cumacc, caps, overall)
+        # arms that draft the same depths (a short cap, poor acceptance) are one arm: the shallowest
+        _, first = np.unique(depths, axis=0, return_index=True)
+        keep = np.sort(first)
+        arms, depths = arms[keep], depths[keep]
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree)
         key = batch_key(len(requests))
-        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)))
+        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests))
         i = int(np.flatnonzero(arms == arm)[0])
-        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests})
+        self._cycle = Cycle(key, arm, drafting[i], priors[i][0], {r.request_id for r in requests})
         ks = depths[i]
         if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
             self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests
