@@ -95,7 +95,9 @@ class AcceptanceStats:
         for j in range(a):
             self.accepted[j] += 1
 
-    def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = 4.0,
+    prior_strength = 4.0  # pseudo-observations of the overall rate in a request's own
+
+    def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = prior_strength,
               unseen: float = 0.7, chain_strength: float = 8.0, first_strength: float = 2.0) -> list[float]:
         """Per-position rates; with ``prior``, shrunk towards it by ``strength`` pseudo-observations.
 
@@ -138,7 +140,6 @@ class SpecController:
     bandit: GoodputBandit = field(default_factory=GoodputBandit)
     overall: AcceptanceStats = field(init=False)
     per_request: dict[str, AcceptanceStats] = field(default_factory=dict)
-    optimism: float = 0.0  # standard errors added to little-measured acceptance rates (exploration is the bandit's)
     spec_on: bool = True  # threshold policy state
     k_histogram: Counter = field(default_factory=Counter)
     last_prediction: tuple[float, float] | None = None  # (predicted, measured) seconds of the last target step
@@ -218,15 +219,16 @@ class SpecController:
         K = int(caps.max(initial=0))
         if K == 0 or self.cfg.num_steps == 0:
             return np.zeros(len(caps), dtype=np.int64), False
-        prior = self.overall.rates()
-        alphas = np.array([self.per_request[r.request_id].rates(prior) if r.request_id in self.per_request
-                           else prior for r in requests], dtype=float)
-        # optimism where the head's acceptance at a position is little measured (a position that is
-        # rarely drafted would otherwise keep an unlucky early estimate): + optimism x standard error
-        a = np.asarray(prior)
-        bonus = self.optimism * np.sqrt(a * (1 - a) / (np.asarray(self.overall.drafted) + 1))
-        cumacc = np.cumprod(np.minimum(alphas + bonus, 1.0), axis=1)
-        overall = np.cumprod(np.minimum(a + bonus, 1.0))
+        prior = np.asarray(self.overall.rates())
+        # per-request rates shrunk towards the overall ones (AcceptanceStats.rates with a prior),
+        # for the whole batch at once
+        zeros = [0.0] * len(prior)
+        stats = [self.per_request.get(r.request_id) for r in requests]
+        acc = np.array([st.accepted if st is not None else zeros for st in stats])
+        drafted = np.array([st.drafted if st is not None else zeros for st in stats])
+        strength = AcceptanceStats.prior_strength
+        cumacc = np.cumprod((acc + strength * prior) / (drafted + strength), axis=1)
+        overall = np.cumprod(prior)
         if self.cfg.is_chain:
             tree = None
             arms = np.arange(min(K, self.cfg.num_steps) + 1)

@@ -68,7 +68,9 @@ class DraftState:
     """Per-request drafting state."""
 
     draft_pos: int  # first position whose draft KV is not computed
-    pending: list[torch.Tensor] = field(default_factory=list)  # target features of positions draft_pos..
+    # target features of positions draft_pos..: (a step's feature rows, first row, count), sliced
+    # only when a catch-up needs them (while speculation is off nothing per request is built)
+    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [k, V] q of the current drafts (sampled requests only)
 
 
@@ -318,10 +320,12 @@ class EagleSpeculator:
             # nobody drafted (speculation off, prefill): the plain-decode sampler, and the target
             # features of every computed token kept for the head's catch-up
             result = self.runner.sample(plan, inputs, hidden)
-            sizes = [s.num_new_tokens for s in plan.scheduled]
             # a copy: with CUDA graphs `feats` is the graph's output buffer, rewritten next step
-            for s, f in zip(plan.scheduled, feats[: sum(sizes)].clone().split(sizes)):
-                self._state(s.req).pending.append(f)
+            step_feats = feats[: sum(s.num_new_tokens for s in plan.scheduled)].clone()
+            off = 0
+            for s in plan.scheduled:
+                self._state(s.req).pending.append((step_feats, off, s.num_new_tokens))
+                off += s.num_new_tokens
             sampling = [s for s in plan.scheduled if s.samples]
             self._record(plan, sampling, [0] * len(sampling), time.perf_counter() - t0)
             return result
@@ -365,9 +369,11 @@ class EagleSpeculator:
             keep.extend(rows_kept)
             sizes.append(len(rows_kept))
             start += s.num_query_tokens
-        kept_feats = feats.index_select(0, host_to_device(keep, self.device)).split(sizes)
-        for s, f in zip(plan.scheduled, kept_feats):
-            self._state(s.req).pending.append(f)
+        kept_feats = feats.index_select(0, host_to_device(keep, self.device))
+        off = 0
+        for s, n in zip(plan.scheduled, sizes):
+            self._state(s.req).pending.append((kept_feats, off, n))
+            off += n
         self._record(plan, sampling, accepted, time.perf_counter() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
 
@@ -592,7 +598,7 @@ class EagleSpeculator:
             q_lens.append(r.num_computed_tokens - st.draft_pos)
             positions.extend(range(st.draft_pos, r.num_computed_tokens))
             next_tokens.extend(r.all_token_ids[st.draft_pos + 1 : r.num_computed_tokens + 1])
-            feats.extend(st.pending)
+            feats.extend(t[a : a + n] for t, a, n in st.pending)
         seq_lens = [r.num_computed_tokens for r in reqs]
         cu = self.catch_up_runner
         if cu is not None and len(positions) <= cu.max_tokens:
