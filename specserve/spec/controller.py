@@ -149,7 +149,8 @@ class SpecController:
     k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
     cycles: int = 0  # adaptive decisions whose outcome was measured
     _cycle: Cycle | None = None
-    _last_out: dict[str, int] = field(default_factory=dict)
+    _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
+    _last_ks: list[int] = field(default_factory=list)
     _was_on: bool | None = None
 
     def __post_init__(self) -> None:
@@ -238,8 +239,8 @@ class SpecController:
             caps = np.where(caps > 0, self.cfg.num_steps, 0)
         depths = arm_depths(arms, cumacc, caps, overall)
         # arms that draft the same depths (a short cap, poor acceptance) are one arm: the shallowest
-        _, first = np.unique(depths, axis=0, return_index=True)
-        keep = np.sort(first)
+        # (depths grow with the arm, so equal rows are neighbours)
+        keep = np.concatenate([[True], (depths[1:] != depths[:-1]).any(axis=1)])
         arms, depths = arms[keep], depths[keep]
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree)
@@ -265,10 +266,14 @@ class SpecController:
         if self._was_on is not None and on != self._was_on:
             self.switches += 1
         self._was_on = on
-        out = {r.request_id: k for r, k in zip(requests, ks)}
-        if any(self._last_out.get(rid, k) != k for rid, k in out.items()):
-            self.k_changes += 1
-        self._last_out = out
+        ids = [r.request_id for r in requests]
+        if ids == self._last_ids:  # the usual case: the same batch as last step
+            changed = ks != self._last_ks
+        else:
+            last = dict(zip(self._last_ids, self._last_ks))
+            changed = any(last.get(rid, k) != k for rid, k in zip(ids, ks))
+        self.k_changes += changed
+        self._last_ids, self._last_ks = ids, ks
 
     def snapshot(self) -> dict:
         """Observable state: decisions, switches, k histogram, measured goodput per arm, cost model."""
