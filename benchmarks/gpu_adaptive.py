@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["goal_adaptive_ge_0.97_best"] = {"min_ratio": min(r["adaptive_vs_best"] for r in rows),
                                                "met": all(r["adaptive_vs_best"] >= 0.97 for r in rows)}
         d = engines["adaptive"].engine.drafter
+        result["adaptive_controller"] = d.controller.snapshot()
         cost = getattr(getattr(d, "controller", None), "cost", None)
         if cost is not None and hasattr(cost, "to_json"):
             result["adaptive_cost_model"] = cost.to_json()

@@ -114,6 +114,8 @@ class LLMEngine:
 
             self.drafter = build_speculator(self)
         self.runner.capture_graphs()  # after the drafter: it sets the target's aux outputs
+        if self.drafter is not None:
+            self.drafter.after_capture()  # its cost profile measures the graphs
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d, max_model_len %d",
                  self.load_time_s, self.model_name, self.device, self.dtype, num_blocks, config.block_size,

@@ -13,7 +13,8 @@ over every arm's cycles, far less noisy than one cycle's count) times the arm's 
 ratio of accepted drafts (pooled over buckets), which removes the model's bias at rare depths.
 
 Choice: the arm with the best goodput = tokens / (predicted seconds x time ratio), kept unless another is better by ``margin`` and by one standard error of the difference
-(hysteresis). Exploration: every ``explore_every`` decisions of a bucket, the arm with the highest
+(hysteresis). Exploration: every ``explore_every`` decisions of a bucket, plain decoding or a
+neighbour of the chosen arm if measured less than ``min_cycles``, else the arm with the highest
 upper bound (``z`` standard errors) runs once, if that bound beats the chosen arm; an arm clearly
 worse stops being tried. Old cycles fade (``decay`` per decision in the bucket), so uncertainty
 grows back and a load that drifts is followed. Pure numbers: no clock, no tensors.
@@ -92,6 +93,7 @@ class GoodputBandit:
     z: float = 1.5  # standard errors of optimism when exploring
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
     explore_every: int = 8
+    min_cycles: float = 2.0  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
     token_decay: float = 0.995  # per cycle of the arm
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> time ratios
     token_stats: dict[int, "TokenStats"] = field(default_factory=dict)  # arm -> committed vs. expected tokens
@@ -163,6 +165,14 @@ class GoodputBandit:
         self.chosen[key] = best
         if self.explore_every and visit % self.explore_every == self.explore_every - 1:
             others = [a for a in est if a != best]
+            # plain decoding and the chosen arm's neighbours are measured whatever the prior says:
+            # plain decoding is what speculation must never fall below, and a profile of the wrong
+            # shape (taken eagerly where steps replay graphs) can put any arm far off
+            arms = self.stats.get(key, {})
+            must = [a for a in others if (a == min(est) or abs(a - best) == 1)
+                    and (arms[a].n if a in arms else 0.0) < self.min_cycles]
+            if must:
+                return min(must, key=lambda a: arms[a].n if a in arms else 0.0), True
             if others:
                 alt = max(others, key=lambda a: est[a][0] + self.z * est[a][1])
                 if est[alt][0] + self.z * est[alt][1] > est[best][0]:

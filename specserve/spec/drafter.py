@@ -109,8 +109,9 @@ class EagleSpeculator:
         self.states: dict[str, DraftState] = {}
         self.controller = SpecController(cfg)
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
-        if cfg.policy == "adaptive":
-            self.controller.cost = self._load_or_profile_costs(path)
+        self._head_path = path
+        if cfg.policy == "adaptive" and self.runner.graphs is None:
+            self.controller.cost = self._load_or_profile_costs(path)  # else after_capture()
         # most tokens one request verifies: the chain's steps or the tree's nodes
         self.max_k = cfg.resolved_num_draft_tokens - 1
         log.info("speculation: %s head from %s (draft vocab %d), policy %s, up to %d tokens",
@@ -118,6 +119,12 @@ class EagleSpeculator:
         self._setup_static_draft()
 
     # -- start-up cost profile ------------------------------------------------------------------
+    def after_capture(self) -> None:
+        """Where target steps replay CUDA graphs, the profile measures them once they are captured
+        (eager forwards on a GPU cost several times a replay, and not in the same shape)."""
+        if self.cfg.policy == "adaptive" and self.runner.graphs is not None:
+            self.controller.cost = self._load_or_profile_costs(self._head_path)
+
     def _load_or_profile_costs(self, head_path: str) -> CostModel:
         """Target step time vs. tokens and draft time vs. batch, measured here; cached per model+device.
 
@@ -135,7 +142,7 @@ class EagleSpeculator:
         head_shape = dataclasses.replace(self.head.config, extra={})
         key = (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
                f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
-               f"{self.cfg.resolved_num_draft_tokens}")
+               f"{self.cfg.resolved_num_draft_tokens}|graphs={self.runner.graphs is not None}")
         path = os.path.join(cache_root(), "profiles", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
         self.cost_profile_path = path
         refresh = os.environ.get("SPECSERVE_COST_PROFILE", "") == "refresh"
@@ -197,9 +204,13 @@ class EagleSpeculator:
 
         def target(n: int, b: int | None = None) -> None:
             ids, pos = inputs(n, b)
-            self.runner.attn.plan(meta(n, b))
-            with forward_context(self.runner.attn):
-                out = self.target(ids, pos)
+            graphs = self.runner.graphs
+            if graphs is not None and graphs.fits(n):
+                out = graphs.replay(ids, pos, meta(n, b))
+            else:
+                self.runner.attn.plan(meta(n, b))
+                with forward_context(self.runner.attn):
+                    out = self.target(ids, pos)
             hidden = out[0] if isinstance(out, tuple) else out
             self.target.compute_logits(hidden)
 
