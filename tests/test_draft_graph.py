@@ -41,11 +41,14 @@ def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
     return log
 
 
-def run(model: str | None, head: str, static: str | None, prompts, params, **engine) -> tuple[list, list, dict]:
+def run(model: str | None, head: str, static: str | None, prompts, params, catch_up_tokens: int | None = None,
+        **engine) -> tuple[list, list, dict]:
     llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", **engine)
     if static is not None:
         llm.engine.drafter.enable_static_draft(attention=static)
+    if catch_up_tokens is not None:  # a smaller static catch-up: larger catch-ups run in groups of requests
+        llm.engine.drafter.catch_up_runner.attn.max_num_tokens = catch_up_tokens
     log = record_drafts(llm)
     if prompts and isinstance(prompts[0][0], dict):
         outs = llm.chat(prompts, params)

@@ -69,3 +69,7 @@ def test_triton_static_draft_path_same_drafts(tmp_path):
     assert out == ref_out
     assert log == ref_log
     assert paths["catch_up:eager"] == len(log) and paths["chain:eager"] == len(log)
+    # catch-ups larger than the static runner's token budget: in groups of whole requests, same drafts
+    out, log, paths = run(model, head, "triton", PROMPTS[:3], params, catch_up_tokens=12, **eng)
+    assert out == ref_out and log == ref_log
+    assert paths["catch_up:eager"] > len(log) and "catch_up:torch" not in paths

@@ -15,8 +15,9 @@ ratio of accepted drafts (pooled over buckets), which removes the model's bias a
 Choice: the arm with the best goodput = tokens / (predicted seconds x time ratio), kept unless another is better by ``margin`` and by one standard error of the difference
 (hysteresis). Exploration: every ``explore_every`` decisions of a bucket, plain decoding or a
 neighbour of the chosen arm if measured less than ``min_cycles``, else the arm with the highest
-upper bound (``z`` standard errors) runs once, if that bound beats the chosen arm; an arm clearly
-worse stops being tried. Old cycles fade (``decay`` per decision in the bucket), so uncertainty
+upper bound (``z`` standard errors) if that bound beats the chosen arm, runs for two cycles (the
+first may pay a one-off switch, which the caller leaves unmeasured); an arm clearly worse stops
+being tried. Old cycles fade (``decay`` per decision in the bucket), so uncertainty
 grows back and a load that drifts is followed. Pure numbers: no clock, no tensors.
 """
 
@@ -92,13 +93,14 @@ class GoodputBandit:
     token_cv: float = 0.5  # of one request's committed / expected tokens (accept counts vary a lot)
     z: float = 1.5  # standard errors of optimism when exploring
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
-    explore_every: int = 8
+    explore_every: int = 16  # an exploration runs two cycles: the first may pay a switch (a catch-up)
     min_cycles: float = 2.0  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
     token_decay: float = 0.995  # per cycle of the arm
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> time ratios
     token_stats: dict[int, "TokenStats"] = field(default_factory=dict)  # arm -> committed vs. expected tokens
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
+    _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
 
     def _bucket_ratio(self, key: int) -> float:
         arms = self.stats.get(key, {})
@@ -152,6 +154,9 @@ class GoodputBandit:
         est = self.estimates(key, priors, batch)
         visit = self.visits.get(key, 0)
         self.visits[key] = visit + 1
+        again = self._explore_again.pop(key, None)
+        if again in est:  # an exploration's second cycle (its first paid the switch)
+            return again, True
         best = max(est, key=lambda a: est[a][0])
         cur = self.chosen.get(key)
         if cur in est and cur != best:
@@ -171,12 +176,16 @@ class GoodputBandit:
             arms = self.stats.get(key, {})
             must = [a for a in others if (a == min(est) or abs(a - best) == 1)
                     and (arms[a].n if a in arms else 0.0) < self.min_cycles]
+            alt = None
             if must:
-                return min(must, key=lambda a: arms[a].n if a in arms else 0.0), True
-            if others:
-                alt = max(others, key=lambda a: est[a][0] + self.z * est[a][1])
-                if est[alt][0] + self.z * est[alt][1] > est[best][0]:
-                    return alt, True
+                alt = min(must, key=lambda a: arms[a].n if a in arms else 0.0)
+            elif others:
+                top = max(others, key=lambda a: est[a][0] + self.z * est[a][1])
+                if est[top][0] + self.z * est[top][1] > est[best][0]:
+                    alt = top
+            if alt is not None:
+                self._explore_again[key] = alt
+                return alt, True
         return best, False
 
     def observe(self, key: int, arm: int, predicted: float, expected: float, tokens: float, seconds: float,

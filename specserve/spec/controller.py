@@ -167,6 +167,11 @@ class SpecController:
         st = self.per_request.setdefault(request_id, AcceptanceStats.zeros(self.cfg.num_steps))
         st.observe(k, accepted)
 
+    def skip_cycle(self) -> None:
+        """The current cycle is not typical of its arm (it caught the draft KV up over a stretch of
+        plain decoding, a one-off cost of switching): leave it unmeasured."""
+        self._cycle = None
+
     def end_cycle(self, seconds: float) -> None:
         """The wall time since the last adaptive decision: its outcome goes to the bandit."""
         c, self._cycle = self._cycle, None

@@ -535,6 +535,8 @@ class EagleSpeculator:
             self._draft(todo)
             if caught_up <= len(todo) * (self.max_k + 2):
                 self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
+            else:  # nor is it what this depth costs per cycle once on
+                self.controller.skip_cycle()
         self.engine.stats.k_histogram = dict(self.controller.k_histogram)
         self._cycle_head = time.perf_counter() - now
 
@@ -603,23 +605,34 @@ class EagleSpeculator:
         Returns the head's output at each request's last committed position (predicts the next
         token); with the static draft path that is a view of the loop's input buffer ``h0``.
         """
-        q_lens, positions, next_tokens, feats = [], [], [], []
+        q_lens, positions, next_tokens = [], [], []
+        # the pending feature rows of every request, gathered with one index over the step tensors
+        # they sit in (after a stretch of plain decoding: one entry per request per step)
+        parts: list[torch.Tensor] = []
+        offset: dict[int, int] = {}
+        rows: list[int] = []
+        total = 0
         for r in reqs:
             st = self.states[r.request_id]
             q_lens.append(r.num_computed_tokens - st.draft_pos)
             positions.extend(range(st.draft_pos, r.num_computed_tokens))
             next_tokens.extend(r.all_token_ids[st.draft_pos + 1 : r.num_computed_tokens + 1])
-            feats.extend(t[a : a + n] for t, a, n in st.pending)
+            for t, a, n in st.pending:
+                o = offset.get(id(t))
+                if o is None:
+                    o = offset[id(t)] = total
+                    parts.append(t)
+                    total += t.shape[0]
+                rows.extend(range(o + a, o + a + n))
+        store = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        feats = store if len(rows) == total else store.index_select(0, host_to_device(rows, self.device))
         seq_lens = [r.num_computed_tokens for r in reqs]
         cu = self.catch_up_runner
-        if cu is not None and len(positions) <= cu.max_tokens:
-            path = cu.run(next_tokens, positions, self._slots(reqs, q_lens, positions), q_lens, seq_lens,
-                          [r.kv.block_table for r in reqs], torch.cat(feats, 0))
-            self.path_counts[f"catch_up:{path}"] += 1
-            h = cu.h_out[: len(reqs)]
-        else:  # the CPU path, and on the GPU catch-ups larger than a step (a long prompt's first draft)
+        if cu is not None and max(q_lens) <= cu.max_tokens:
+            h = self._catch_up_in_chunks(cu, reqs, q_lens, positions, next_tokens, seq_lens, feats)
+        else:  # the CPU path, and on the GPU a request with more tokens than a step (a long prompt)
             emb = self.target.embed_tokens(host_to_device(next_tokens, self.device))
-            h = self._run_head(reqs, q_lens, positions, seq_lens, emb, self.head.combine(torch.cat(feats, 0)))
+            h = self._run_head(reqs, q_lens, positions, seq_lens, emb, self.head.combine(feats))
             ends, acc = [], 0
             for q in q_lens:
                 acc += q
@@ -635,6 +648,32 @@ class EagleSpeculator:
             st.pending = []
             self.engine.blocks.mark_draft_ready(r.kv.block_table[: st.draft_pos // bs])
         return h
+
+    def _catch_up_in_chunks(self, cu: CatchUpRunner, reqs: list[Request], q_lens: list[int], positions: list[int],
+                            next_tokens: list[int], seq_lens: list[int], feats: torch.Tensor) -> torch.Tensor:
+        """The catch-up through the static runner, in groups of whole requests within its token
+        budget (after a long stretch of plain decoding a batch has more tokens to catch up than a
+        step holds); returns each request's last output row (in ``cu.h_out``)."""
+        slots = self._slots(reqs, q_lens, positions)
+        tables = [r.kv.block_table for r in reqs]
+        groups = []  # (first request, end request, first token, end token)
+        a = p = e = 0
+        for j, q in enumerate(q_lens):
+            if e + q - p > cu.max_tokens:
+                groups.append((a, j, p, e))
+                a, p = j, e
+            e += q
+        groups.append((a, len(reqs), p, e))
+        outs = []
+        for a, b, p, e in groups:
+            path = cu.run(next_tokens[p:e], positions[p:e], slots[p:e], q_lens[a:b], seq_lens[a:b], tables[a:b],
+                          feats[p:e])
+            self.path_counts[f"catch_up:{path}"] += 1
+            if len(groups) > 1:
+                outs.append(cu.h_out[: b - a].clone())  # the next group's run rewrites h_out
+        if outs:
+            cu.h_out[: len(reqs)].copy_(torch.cat(outs, 0))
+        return cu.h_out[: len(reqs)]
 
     def _draft_chain_static(self, todo: list[tuple[Request, int]]) -> None:
         """Greedy chains through the static loop (a CUDA graph per padded batch and K on the GPU):
