@@ -148,6 +148,7 @@ class SpecController:
     switches: int = 0  # decisions where speculation went on <-> off (explorations excluded)
     k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
     cycles: int = 0  # adaptive decisions whose outcome was measured
+    full_every: int = 4  # while a bucket stays off, weigh its arms every this many decisions (stay_off)
     _cycle: Cycle | None = None
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
@@ -166,6 +167,32 @@ class SpecController:
         self.overall.observe(k, accepted, decay=0.999)
         st = self.per_request.setdefault(request_id, AcceptanceStats.zeros(self.cfg.num_steps))
         st.observe(k, accepted)
+
+    @property
+    def cycle_open(self) -> bool:
+        return self._cycle is not None
+
+    def stay_off(self, batch: int) -> bool:
+        """k = 0 for the whole batch without weighing the arms, when plain decoding is what this batch
+        bucket exploits and this is neither a full decision (every ``full_every``) nor an
+        exploration: a step at k = 0 then costs no per-request work (at 256 requests that work is
+        milliseconds of host time, a large share of a GPU decode step)."""
+        if self.cfg.policy != "adaptive" or self.full_every <= 1:
+            return False
+        b = self.bandit
+        key = batch_key(batch)
+        visit = b.visits.get(key, 0)
+        if (b.chosen.get(key) != 0 or key in b._explore_again or visit % self.full_every == 0
+                or (b.explore_every and visit % b.explore_every == b.explore_every - 1)):
+            return False
+        b.visits[key] = visit + 1
+        self._cycle = None
+        self.decisions += 1
+        self.k_histogram[0] += batch
+        if self._was_on:
+            self.switches += 1
+        self._was_on = False
+        return True
 
     def skip_cycle(self) -> None:
         """The current cycle is not typical of its arm (it caught the draft KV up over a stretch of

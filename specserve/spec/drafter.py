@@ -480,8 +480,9 @@ class EagleSpeculator:
                 stats.spec_drafted_per_position[pos] += 1
                 if pos < a:
                     stats.spec_accepted_per_position[pos] += 1
-        for s, a in zip(sampling, accepted):
-            self.controller.observe(s.req.request_id, self._depth(s), a)
+        if verified or self.controller.cycle_open:  # else nothing per request to learn
+            for s, a in zip(sampling, accepted):
+                self.controller.observe(s.req.request_id, self._depth(s), a)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds)
         cost = self.controller.cost
         if cost.stale and not cost.meta.get("stale_reported"):
@@ -511,6 +512,8 @@ class EagleSpeculator:
         candidates = [s.req for s in plan.scheduled
                       if s.samples and not s.req.is_finished and s.req.num_tokens - s.req.num_computed_tokens == 1]
         if not candidates:
+            return
+        if self.controller.stay_off(len(candidates)):  # plain decoding again, nothing weighed per request
             return
         caps = []
         for r in candidates:
