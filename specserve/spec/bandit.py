@@ -1,24 +1,24 @@
-"""Measured cycle times per (batch size, draft depth): what the adaptive controller decides by.
+"""Measured goodput per (batch size, draft depth): what the adaptive controller decides by.
 
-A cost model predicts a step's time from a table; on a noisy machine the table's error (10-15 %
-per entry on a 2-core CPU) is larger than the gap between drafting 1 and 2 tokens, so a plan
-picked from predictions alone wanders. Here every decision's cost is measured instead: the wall
-time of the whole cycle it started (draft, verify, sampling, commit, scheduling: everything the
-user waits for), kept per arm, where an arm is a uniform draft depth d (0 = plain decode) in one
-batch-size bucket. What is kept is the ratio measured / predicted seconds, so the model still
-accounts for the batch and prefill sizes varying inside a bucket, and an arm never run borrows
-the ratio of those that did (with a wide uncertainty, ``prior_cv``, so it gets tried). Tokens:
-one per request plus the acceptance model's expected accepted drafts (measured per draft position
-over every arm's cycles, far less noisy than one cycle's count) times the arm's measured / expected
-ratio of accepted drafts (pooled over buckets), which removes the model's bias at rare depths.
+A cost model predicts a step's time from a table, and an acceptance model the tokens a depth
+returns; on a noisy machine their errors (10-15 % per table entry on a 2-core CPU, a few % per
+draft position, more where the two interact with prefill sharing the step) are larger than the
+gap between drafting 1 and 2 tokens, so a plan picked from predictions alone wanders. Here every
+decision's outcome is measured instead: the tokens its requests committed and the wall time of
+the whole cycle it started (draft, verify, sampling, commit, scheduling: everything the user
+waits for), kept per arm, where an arm is a uniform draft depth d (0 = plain decode) in one
+batch-size bucket. An arm's goodput is its committed tokens over its seconds (decayed sums), with
+the models' prediction as a prior worth (cycle spread / ``prior_cv``)^2 cycles, its seconds
+rescaled by how far this bucket's measured cycles are from their predictions: it decides only
+until the arm has a few cycles of its own.
 
-Choice: the arm with the best goodput = tokens / (predicted seconds x time ratio), kept unless another is better by ``margin`` and by one standard error of the difference
-(hysteresis). Exploration: every ``explore_every`` decisions of a bucket, plain decoding or a
-neighbour of the chosen arm if measured less than ``min_cycles``, else the arm with the highest
-upper bound (``z`` standard errors) if that bound beats the chosen arm, runs for two cycles (the
-first may pay a one-off switch, which the caller leaves unmeasured); an arm clearly worse stops
-being tried. Old cycles fade (``decay`` per decision in the bucket), so uncertainty
-grows back and a load that drifts is followed. Pure numbers: no clock, no tensors.
+Choice: the arm with the best goodput, kept unless another is better by ``margin`` and by ``band``
+standard errors of the difference (hysteresis). Exploration: every ``explore_every`` decisions of a
+bucket, plain decoding or a neighbour of the chosen arm if measured less than ``min_cycles``, else
+the arm with the highest upper bound (``z`` standard errors) if that bound beats the chosen arm,
+runs for two cycles (the first may pay a one-off switch, which the caller leaves unmeasured); an
+arm clearly worse stops being tried. Old cycles fade (``decay`` per decision in the bucket), so
+uncertainty grows back and a load that drifts is followed. Pure numbers: no clock, no tensors.
 """
 
 from __future__ import annotations
@@ -35,50 +35,39 @@ def batch_key(batch: int) -> int:
 
 @dataclass
 class ArmStats:
-    """Decayed sums over the cycles an arm ran: r = measured / predicted seconds."""
+    """Decayed sums over the cycles an arm ran."""
 
     n: float = 0.0
-    r: float = 0.0
-    r2: float = 0.0
-    tokens: float = 0.0  # measured, for reports
-    seconds: float = 0.0
+    tokens: float = 0.0  # committed
+    seconds: float = 0.0  # measured
+    predicted: float = 0.0  # by the cost model, for the cycles as they ran
+    g: float = 0.0  # per-cycle goodput, for the spread
+    g2: float = 0.0
 
     def fade(self, f: float) -> None:
         self.n *= f
-        self.r *= f
-        self.r2 *= f
         self.tokens *= f
         self.seconds *= f
+        self.predicted *= f
+        self.g *= f
+        self.g2 *= f
 
-    def add(self, ratio: float, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, predicted: float) -> None:
+        g = tokens / seconds
         self.n += 1
-        self.r += ratio
-        self.r2 += ratio * ratio
         self.tokens += tokens
         self.seconds += seconds
+        self.predicted += predicted
+        self.g += g
+        self.g2 += g * g
 
     def cv(self, default: float, strength: float = 4.0) -> float:
-        """Coefficient of variation of one cycle's ratio, shrunk towards ``default``."""
+        """Coefficient of variation of one cycle's goodput, shrunk towards ``default``."""
         var = 0.0
-        if self.n > 1e-9 and self.r > 0:
-            m = self.r / self.n
-            var = max(self.r2 / self.n - m * m, 0.0) / (m * m)
+        if self.n > 1e-9 and self.g > 0:
+            m = self.g / self.n
+            var = max(self.g2 / self.n - m * m, 0.0) / (m * m)
         return math.sqrt((self.n * var + strength * default**2) / (self.n + strength))
-
-
-@dataclass
-class TokenStats:
-    """Decayed sums of accepted drafts (committed tokens less one per request), measured and
-    expected, over an arm's cycles."""
-
-    requests: float = 0.0
-    tokens: float = 0.0
-    expected: float = 0.0
-
-    def fade(self, f: float) -> None:
-        self.requests *= f
-        self.tokens *= f
-        self.expected *= f
 
 
 Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
@@ -87,66 +76,33 @@ Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
 @dataclass
 class GoodputBandit:
     decay: float = 0.995  # per decision in a bucket: ~200 cycles of memory
-    prior_cv: float = 0.3  # how far an arm's time ratio may be from the bucket's before it ran
-    default_cv: float = 0.15  # of one cycle's time ratio, before its own spread is measured
-    token_prior_cv: float = 0.05  # how far committed / expected tokens may be from 1 before measured
-    token_cv: float = 0.5  # of one request's committed / expected tokens (accept counts vary a lot)
+    prior_cv: float = 0.3  # relative error of the models' prediction for an arm (one never run gets tried)
+    default_cv: float = 0.3  # of one cycle's goodput, before its own spread is measured
     z: float = 1.5  # standard errors of optimism when exploring
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
+    band: float = 0.5  # ... and by this many standard errors of the difference
     explore_every: int = 16  # an exploration runs two cycles: the first may pay a switch (a catch-up)
-    min_cycles: float = 2.0  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
-    token_decay: float = 0.995  # per cycle of the arm
-    stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> time ratios
-    token_stats: dict[int, "TokenStats"] = field(default_factory=dict)  # arm -> committed vs. expected tokens
+    min_cycles: float = 1.0  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
+    stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
 
-    def _bucket_ratio(self, key: int) -> float:
-        arms = self.stats.get(key, {})
-        n = sum(st.n for st in arms.values())
-        return sum(st.r for st in arms.values()) / n if n > 1e-9 else 1.0
-
-    @staticmethod
-    def _posterior(st: ArmStats | None, prior: float, prior_cv: float, default_cv: float) -> tuple[float, float]:
-        """(mean, relative standard error) of a ratio: a normal prior updated by the arm's cycles."""
-        prec = 1.0 / (prior_cv * prior) ** 2
-        acc = prec * prior
-        if st is not None and st.n > 1e-9:
-            var = (st.cv(default_cv) * st.r / st.n) ** 2  # of one cycle's ratio
-            prec += st.n / var
-            acc += st.r / var
-        mean = acc / prec
-        return mean, 1.0 / (mean * prec**0.5)
-
-    def _token_ratio(self, arm: int) -> tuple[float, float]:
-        """(committed / expected accepted drafts, relative standard error) of an arm: a ratio of sums
-        over its requests (``token_cv`` per request), shrunk towards 1 (``token_prior_cv``)."""
-        st = self.token_stats.get(arm)
-        prec = 1.0 / self.token_prior_cv**2
-        acc = prec
-        if st is not None and st.expected > 1e-9:
-            data = st.requests / self.token_cv**2
-            prec += data
-            acc += data * st.tokens / st.expected
-        mean = acc / prec
-        return mean, 1.0 / (mean * prec**0.5)
-
     def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
-        """(goodput, standard error) per arm: ``batch`` tokens (one per request) + expected accepted
-        drafts x the arm's measured token ratio, over
-        predicted seconds x the arm's time ratio (an arm never run borrows the bucket's, with
-        ``prior_cv`` uncertainty)."""
-        base = self._bucket_ratio(key)
+        """(goodput, standard error) per arm."""
         arms = self.stats.get(key, {})
+        sec = sum(st.seconds for st in arms.values())
+        pred = sum(st.predicted for st in arms.values())
+        scale = sec / pred if pred > 0 else 1.0  # measured / predicted seconds in this bucket
         out = {}
-        for arm, (tokens, sec) in priors.items():
-            t, t_se = self._posterior(arms.get(arm), base, self.prior_cv, self.default_cv)
-            a, a_se = self._token_ratio(arm)
-            bonus = max(tokens - batch, 0.0)  # expected accepted drafts: the part a corrects
-            total = batch + bonus * a
-            g = total / (sec * t) if sec > 0 else 0.0
-            out[arm] = (g, g * math.hypot(t_se, a_se * bonus * a / total if total > 0 else 0.0))
+        for arm, (tokens, psec) in priors.items():
+            st = arms.get(arm) or ArmStats()
+            cv = st.cv(self.default_cv)
+            # the prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
+            w = (cv / self.prior_cv) ** 2
+            denom = st.seconds + w * psec * scale
+            g = (st.tokens + w * tokens) / denom if denom > 0 else 0.0
+            out[arm] = (g, g * cv / math.sqrt(st.n + w))
         return out
 
     def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:
@@ -164,7 +120,7 @@ class GoodputBandit:
             cur_st = self.stats.get(key, {}).get(cur)
             # the noise band only once the current arm has cycles of its own: a pick made on the
             # prior alone is left as soon as the prior (or a measurement) says otherwise
-            band = math.hypot(sb, sc) if cur_st is not None and cur_st.n >= 2 else 0.0
+            band = self.band * math.hypot(sb, sc) if cur_st is not None and cur_st.n >= 2 else 0.0
             if gb - gc < max(self.margin * gc, band):
                 best = cur
         self.chosen[key] = best
@@ -190,31 +146,22 @@ class GoodputBandit:
 
     def observe(self, key: int, arm: int, predicted: float, expected: float, tokens: float, seconds: float,
                 requests: int = 1) -> None:
-        """A cycle of ``arm``: its predicted and measured seconds, the tokens expected and committed
-        by its ``requests``."""
-        if seconds <= 0 or predicted <= 0 or expected <= 0:
+        """A cycle of ``arm``: its predicted and measured seconds, the tokens it committed (``expected``
+        and ``requests`` are the models' view, kept for reports)."""
+        if seconds <= 0 or predicted <= 0:
             return
         arms = self.stats.setdefault(key, {})
         for st in arms.values():
             st.fade(self.decay)
-        arms.setdefault(arm, ArmStats()).add(seconds / predicted, tokens, seconds)
-        # the acceptance model's bias per depth does not depend on the batch: pooled over buckets
-        if expected > requests:  # accepted drafts vs. expected: nothing to learn from plain decode
-            ts = self.token_stats.setdefault(arm, TokenStats())
-            ts.fade(self.token_decay)
-            ts.requests += requests
-            ts.tokens += tokens - requests
-            ts.expected += expected - requests
+        arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted)
 
     def summary(self) -> dict:
-        """Per bucket (as its batch size) and arm: cycles (decayed), measured/predicted time, tok/s."""
+        """Per bucket (as its batch size) and arm: cycles (decayed), tok/s, measured/predicted time."""
         out: dict[int, dict[int, dict]] = {}
         for key, arms in sorted(self.stats.items()):
             for arm, st in sorted(arms.items()):
                 if st.n >= 1e-3:
                     out.setdefault(round(2 ** (key / 2)), {})[arm] = {
-                        "cycles": round(st.n, 1), "time_ratio": round(st.r / st.n, 3),
-                        "tok_per_s": round(st.tokens / st.seconds, 2)}
-        out["token_ratio"] = {arm: round(st.tokens / st.expected, 3) for arm, st in sorted(self.token_stats.items())
-                              if st.expected > 1e-3}
+                        "cycles": round(st.n, 1), "tok_per_s": round(st.tokens / st.seconds, 2),
+                        "time_ratio": round(st.seconds / st.predicted, 3)}
         return out

@@ -148,7 +148,7 @@ class SpecController:
     switches: int = 0  # decisions where speculation went on <-> off (explorations excluded)
     k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
     cycles: int = 0  # adaptive decisions whose outcome was measured
-    full_every: int = 4  # while a bucket stays off, weigh its arms every this many decisions (stay_off)
+    full_every: int = 4  # weigh a bucket's arms every this many decisions (quick_arm in between)
     _cycle: Cycle | None = None
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
@@ -172,27 +172,40 @@ class SpecController:
     def cycle_open(self) -> bool:
         return self._cycle is not None
 
-    def stay_off(self, batch: int) -> bool:
-        """k = 0 for the whole batch without weighing the arms, when plain decoding is what this batch
-        bucket exploits and this is neither a full decision (every ``full_every``) nor an
-        exploration: a step at k = 0 then costs no per-request work (at 256 requests that work is
-        milliseconds of host time, a large share of a GPU decode step)."""
+    def quick_arm(self, batch: int) -> int | None:
+        """The depth this batch bucket exploits, to apply without weighing the arms again (None: weigh
+        them, ``decide``): three decisions in four (``full_every``), explorations excluded. Per
+        request, a decision is milliseconds of host time at 256 requests and a tenth of a millisecond
+        at one: a real share of a GPU step either way."""
         if self.cfg.policy != "adaptive" or self.full_every <= 1:
-            return False
+            return None
         b = self.bandit
         key = batch_key(batch)
         visit = b.visits.get(key, 0)
-        if (b.chosen.get(key) != 0 or key in b._explore_again or visit % self.full_every == 0
+        arm = b.chosen.get(key)
+        if (arm is None or key in b._explore_again or visit % self.full_every == 0
                 or (b.explore_every and visit % b.explore_every == b.explore_every - 1)):
-            return False
+            return None
         b.visits[key] = visit + 1
         self._cycle = None
+        return arm
+
+    def count_off(self, batch: int) -> None:
+        """A quick decision of k = 0 for the whole batch (no per-request bookkeeping)."""
         self.decisions += 1
         self.k_histogram[0] += batch
         if self._was_on:
             self.switches += 1
         self._was_on = False
-        return True
+
+    def uniform(self, requests: list, arm: int, caps: list[int]) -> list[int]:
+        """Every request drafts min(arm, its cap) (a tree: all of it, or none), counted as a decision."""
+        if arm and not self.cfg.is_chain:
+            ks = [self.cfg.resolved_num_draft_tokens - 1 if c > 0 else 0 for c in caps]
+        else:
+            ks = [min(arm, c) for c in caps]
+        self._count(requests, ks, False)
+        return ks
 
     def skip_cycle(self) -> None:
         """The current cycle is not typical of its arm (it caught the draft KV up over a stretch of

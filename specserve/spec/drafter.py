@@ -513,7 +513,9 @@ class EagleSpeculator:
                       if s.samples and not s.req.is_finished and s.req.num_tokens - s.req.num_computed_tokens == 1]
         if not candidates:
             return
-        if self.controller.stay_off(len(candidates)):  # plain decoding again, nothing weighed per request
+        arm = self.controller.quick_arm(len(candidates))
+        if arm == 0:  # plain decoding again: nothing per request
+            self.controller.count_off(len(candidates))
             return
         caps = []
         for r in candidates:
@@ -524,7 +526,10 @@ class EagleSpeculator:
                 cap = min(cap, r.params.max_tokens - r.num_output_tokens - 1)
             cap = min(cap, self.engine.max_model_len - r.num_tokens - 1)
             caps.append(max(cap, 0))
-        ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step())
+        if arm is not None:
+            ks = self.controller.uniform(candidates, arm, caps)
+        else:
+            ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step())
         todo: list[tuple[Request, int]] = []
         for r, k in zip(candidates, ks):
             if k > 0 and sched._reserve(r, r.num_tokens + k):
