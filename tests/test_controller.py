@@ -151,7 +151,7 @@ def test_a_useless_head_is_turned_off_and_rarely_tried():
     assert tail.count(0) >= 95
     assert ctl.switches <= 2
     snap = ctl.snapshot()
-    assert snap["decisions"] == 500 and snap["cycles"] == 400 - skipped
+    assert snap["decisions"] == 500 and snap["cycles"] == 400  # quick decisions are measured too
     assert snap["k_histogram"][0] + sum(v for k, v in snap["k_histogram"].items() if k) == 500
 
 

@@ -82,7 +82,7 @@ class GoodputBandit:
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
     band: float = 0.5  # ... and by this many standard errors of the difference
     explore_every: int = 16  # an exploration runs two cycles: the first may pay a switch (a catch-up)
-    min_cycles: float = 1.0  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
+    min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
@@ -100,7 +100,10 @@ class GoodputBandit:
             cv = st.cv(self.default_cv)
             # the prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
             w = (cv / self.prior_cv) ** 2
-            denom = st.seconds + w * psec * scale
+            # the prediction's seconds rescaled by this arm's own measured / predicted ratio once it
+            # has cycles (one pseudo-cycle of the bucket's), else by the bucket's
+            own = (st.seconds + scale * psec) / (st.predicted + psec) if psec > 0 else scale
+            denom = st.seconds + w * psec * own
             g = (st.tokens + w * tokens) / denom if denom > 0 else 0.0
             out[arm] = (g, g * cv / math.sqrt(st.n + w))
         return out

@@ -125,7 +125,7 @@ class Cycle:
     arm: int
     draft_predicted: float  # seconds of the drafting it starts, by the reference cost model
     expected_tokens: float  # by the acceptance model
-    request_ids: set[str]
+    request_ids: set[str] | None  # whose committed tokens count; None: counted already (plain decode)
     target_predicted: float | None = None  # of the verify step that ran, once it ran (its real size)
     tokens: int = 0
 
@@ -150,6 +150,8 @@ class SpecController:
     cycles: int = 0  # adaptive decisions whose outcome was measured
     full_every: int = 4  # weigh a bucket's arms every this many decisions (quick_arm in between)
     _cycle: Cycle | None = None
+    _quick_key: int = 0  # bucket of the last quick_arm
+    _draft_predicted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, arm) -> seconds
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
     _was_on: bool | None = None
@@ -160,7 +162,7 @@ class SpecController:
     # -- observations ------------------------------------------------------------------------
     def observe(self, request_id: str, k: int, accepted: int) -> None:
         c = self._cycle
-        if c is not None and request_id in c.request_ids:
+        if c is not None and c.request_ids is not None and request_id in c.request_ids:
             c.tokens += accepted + 1
         if k == 0:
             return
@@ -170,7 +172,8 @@ class SpecController:
 
     @property
     def cycle_open(self) -> bool:
-        return self._cycle is not None
+        """A cycle whose requests' accepted counts are still to be observed."""
+        return self._cycle is not None and self._cycle.request_ids is not None
 
     def quick_arm(self, batch: int) -> int | None:
         """The depth this batch bucket exploits, to apply without weighing the arms again (None: weigh
@@ -187,11 +190,13 @@ class SpecController:
                 or (b.explore_every and visit % b.explore_every == b.explore_every - 1)):
             return None
         b.visits[key] = visit + 1
-        self._cycle = None
+        self._quick_key = key
         return arm
 
     def count_off(self, batch: int) -> None:
-        """A quick decision of k = 0 for the whole batch (no per-request bookkeeping)."""
+        """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; still measured,
+        one token per request)."""
+        self._cycle = Cycle(self._quick_key, 0, 0.0, batch, None, tokens=batch)
         self.decisions += 1
         self.k_histogram[0] += batch
         if self._was_on:
@@ -204,6 +209,9 @@ class SpecController:
             ks = [self.cfg.resolved_num_draft_tokens - 1 if c > 0 else 0 for c in caps]
         else:
             ks = [min(arm, c) for c in caps]
+        key = self._quick_key
+        self._cycle = Cycle(key, arm, self._draft_predicted.get((key, arm), 0.0), 0.0,
+                            {r.request_id for r in requests})
         self._count(requests, ks, False)
         return ks
 
@@ -217,7 +225,7 @@ class SpecController:
         c, self._cycle = self._cycle, None
         if c is not None and c.tokens > 0 and c.target_predicted is not None:
             self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.expected_tokens, c.tokens,
-                                seconds, len(c.request_ids))
+                                seconds, len(c.request_ids) if c.request_ids is not None else c.tokens)
             self.cycles += 1
 
     def forget(self, request_id: str) -> None:
@@ -291,6 +299,7 @@ class SpecController:
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree)
         key = batch_key(len(requests))
         arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests))
+        self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
         self._cycle = Cycle(key, arm, drafting[i], priors[i][0], {r.request_id for r in requests})
         ks = depths[i]
