@@ -82,6 +82,7 @@ class GoodputBandit:
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
     band: float = 0.5  # ... and by this many standard errors of the difference
     explore_every: int = 16  # an exploration runs two cycles: the first may pay a switch (a catch-up)
+    off_slower: int = 4  # upper-bound explorations this many times rarer while plain decoding is chosen
     min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
@@ -138,7 +139,10 @@ class GoodputBandit:
             alt = None
             if must:
                 alt = min(must, key=lambda a: arms[a].n if a in arms else 0.0)
-            elif others:
+            elif others and (best != min(est) or visit % (self.off_slower * self.explore_every)
+                             == self.off_slower * self.explore_every - 1):
+                # while plain decoding is chosen, trying a depth costs a catch-up over the steps
+                # since the last draft as well: upper-bound explorations are ``off_slower`` x rarer
                 top = max(others, key=lambda a: est[a][0] + self.z * est[a][1])
                 if est[top][0] + self.z * est[top][1] > est[best][0]:
                     alt = top
