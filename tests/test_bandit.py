@@ -102,15 +102,3 @@ def test_plain_decoding_is_measured_even_when_the_profile_says_it_is_far_worse()
     choices = run(b, priors, {0: 0.4, 1: 1.2}, 400)
     assert choices[0][0] == 1
     assert [a for a, _ in choices[-200:]].count(0) >= 190
-
-
-def test_a_new_batch_bucket_starts_from_what_its_neighbour_measured_per_depth():
-    # the profile favours plain decoding (1.0 token in 10 ms vs 1.3 in 12 ms), but in the measured
-    # bucket plain decoding runs at 2x its prediction and drafting at 1x: a new bucket starts drafting
-    priors = {0: (1.0, 0.010), 1: (1.3, 0.012)}
-    b = GoodputBandit()
-    run(b, priors, {0: 2.0, 1: 1.0}, 300, key=6)
-    assert b.chosen[6] == 1
-    assert b.choose(8, priors)[0] == 1
-    fresh = GoodputBandit()
-    assert fresh.choose(8, priors)[0] == 0  # without a neighbour: the prior's pick

@@ -92,9 +92,9 @@ class GoodputBandit:
     def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
         """(goodput, standard error) per arm."""
         arms = self.stats.get(key, {})
-        near = self._nearest(key)
-        # measured / predicted seconds in this bucket (a new one: the nearest measured bucket's)
-        scale = self._ratio(arms) if arms else (self._ratio(self.stats[near]) if near is not None else 1.0)
+        sec = sum(st.seconds for st in arms.values())
+        pred = sum(st.predicted for st in arms.values())
+        scale = sec / pred if pred > 0 else 1.0  # measured / predicted seconds in this bucket
         out = {}
         for arm, (tokens, psec) in priors.items():
             st = arms.get(arm) or ArmStats()
@@ -102,36 +102,12 @@ class GoodputBandit:
             # the prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
             w = (cv / self.prior_cv) ** 2
             # the prediction's seconds rescaled by this arm's own measured / predicted ratio once it
-            # has cycles (one pseudo-cycle of the prior), else by the bucket's times how this arm
-            # compared with its bucket in the nearest bucket that ran it (the model's error differs
-            # per depth in much the same way from one batch size to the next)
-            prior_scale = scale * self._arm_factor(key, arm)
-            own = (st.seconds + prior_scale * psec) / (st.predicted + psec) if psec > 0 else prior_scale
+            # has cycles (one pseudo-cycle of the bucket's), else by the bucket's
+            own = (st.seconds + scale * psec) / (st.predicted + psec) if psec > 0 else scale
             denom = st.seconds + w * psec * own
             g = (st.tokens + w * tokens) / denom if denom > 0 else 0.0
             out[arm] = (g, g * cv / math.sqrt(st.n + w))
         return out
-
-    @staticmethod
-    def _ratio(arms: dict[int, ArmStats]) -> float:
-        pred = sum(st.predicted for st in arms.values())
-        return sum(st.seconds for st in arms.values()) / pred if pred > 0 else 1.0
-
-    def _nearest(self, key: int, arm: int | None = None) -> int | None:
-        """The measured bucket nearest to ``key`` (other than it), with cycles of ``arm`` if given."""
-        best = None
-        for k, arms in self.stats.items():
-            if k != key and (arm is None or (arm in arms and arms[arm].n >= 1.0)):
-                if best is None or abs(k - key) < abs(best - key):
-                    best = k
-        return best
-
-    def _arm_factor(self, key: int, arm: int) -> float:
-        k = self._nearest(key, arm)
-        if k is None:
-            return 1.0
-        st = self.stats[k][arm]
-        return (st.seconds / st.predicted) / self._ratio(self.stats[k])
 
     def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:
         """(arm, exploring) for the next cycle of ``batch`` requests in bucket ``key``."""
