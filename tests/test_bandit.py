@@ -13,7 +13,7 @@ def run(bandit: GoodputBandit, priors: dict, true_ratio: dict, cycles: int, seed
     for _ in range(cycles):
         arm, exploring = bandit.choose(key, priors)
         tok, sec = priors[arm]
-        bandit.observe(key, arm, sec, tok, tok, sec * true_ratio[arm] * rng.lognormal(0, noise))
+        bandit.observe(key, arm, sec, tok, sec * true_ratio[arm] * rng.lognormal(0, noise))
         out.append((arm, exploring))
     return out
 
@@ -71,7 +71,7 @@ def test_an_unmeasured_arm_borrows_the_bucket_time_ratio():
     priors = {0: (1.0, 0.010), 1: (1.5, 0.012)}
     b = GoodputBandit(explore_every=0)
     for _ in range(50):
-        b.observe(6, 0, 0.010, 1.0, 1.0, 0.020)
+        b.observe(6, 0, 0.010, 1.0, 0.020)
     est = b.estimates(6, priors)
     assert np.isclose(est[0][0], 1.0 / 0.020, rtol=1e-3) and np.isclose(est[1][0], 1.5 / 0.024)
     summary = b.summary()
@@ -88,7 +88,7 @@ def test_committed_tokens_overrule_an_acceptance_model_that_overrates_an_arm():
     for _ in range(600):
         arm, _ = b.choose(6, priors)
         tok = 1 + (priors[arm][0] - 1) * (1.0 if arm == 1 else 0.5) * rng.lognormal(0, 0.2)
-        b.observe(6, arm, priors[arm][1], priors[arm][0], tok, priors[arm][1] * rng.lognormal(0, 0.1))
+        b.observe(6, arm, priors[arm][1], tok, priors[arm][1] * rng.lognormal(0, 0.1))
         arms.append(arm)
     assert arms[0] == 2 and arms[-200:].count(1) >= 180
 

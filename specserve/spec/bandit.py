@@ -89,7 +89,7 @@ class GoodputBandit:
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
 
-    def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
+    def estimates(self, key: int, priors: dict[int, Prior]) -> dict[int, tuple[float, float]]:
         """(goodput, standard error) per arm."""
         arms = self.stats.get(key, {})
         sec = sum(st.seconds for st in arms.values())
@@ -109,9 +109,9 @@ class GoodputBandit:
             out[arm] = (g, g * cv / math.sqrt(st.n + w))
         return out
 
-    def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:
+    def choose(self, key: int, priors: dict[int, Prior]) -> tuple[int, bool]:
         """(arm, exploring) for the next cycle of ``batch`` requests in bucket ``key``."""
-        est = self.estimates(key, priors, batch)
+        est = self.estimates(key, priors)
         visit = self.visits.get(key, 0)
         self.visits[key] = visit + 1
         again = self._explore_again.pop(key, None)
@@ -151,10 +151,8 @@ class GoodputBandit:
                 return alt, True
         return best, False
 
-    def observe(self, key: int, arm: int, predicted: float, expected: float, tokens: float, seconds: float,
-                requests: int = 1) -> None:
-        """A cycle of ``arm``: its predicted and measured seconds, the tokens it committed (``expected``
-        and ``requests`` are the models' view, kept for reports)."""
+    def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float) -> None:
+        """A cycle of ``arm``: its predicted and measured seconds, the tokens it committed."""
         if seconds <= 0 or predicted <= 0:
             return
         arms = self.stats.setdefault(key, {})

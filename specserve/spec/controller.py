@@ -124,7 +124,6 @@ class Cycle:
     key: int
     arm: int
     draft_predicted: float  # seconds of the drafting it starts, by the reference cost model
-    expected_tokens: float  # by the acceptance model
     request_ids: set[str] | None  # whose committed tokens count; None: counted already (plain decode)
     target_predicted: float | None = None  # of the verify step that ran, once it ran (its real size)
     tokens: int = 0
@@ -196,7 +195,7 @@ class SpecController:
     def count_off(self, batch: int) -> None:
         """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; still measured,
         one token per request)."""
-        self._cycle = Cycle(self._quick_key, 0, 0.0, batch, None, tokens=batch)
+        self._cycle = Cycle(self._quick_key, 0, 0.0, None, tokens=batch)
         self.decisions += 1
         self.k_histogram[0] += batch
         if self._was_on:
@@ -210,7 +209,7 @@ class SpecController:
         else:
             ks = [min(arm, c) for c in caps]
         key = self._quick_key
-        self._cycle = Cycle(key, arm, self._draft_predicted.get((key, arm), 0.0), 0.0,
+        self._cycle = Cycle(key, arm, self._draft_predicted.get((key, arm), 0.0),
                             {r.request_id for r in requests})
         self._count(requests, ks, False)
         return ks
@@ -224,8 +223,7 @@ class SpecController:
         """The wall time since the last adaptive decision: its outcome goes to the bandit."""
         c, self._cycle = self._cycle, None
         if c is not None and c.tokens > 0 and c.target_predicted is not None:
-            self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.expected_tokens, c.tokens,
-                                seconds, len(c.request_ids) if c.request_ids is not None else c.tokens)
+            self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds)
             self.cycles += 1
 
     def forget(self, request_id: str) -> None:
@@ -298,10 +296,10 @@ class SpecController:
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree)
         key = batch_key(len(requests))
-        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests))
+        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)))
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
-        self._cycle = Cycle(key, arm, drafting[i], priors[i][0], {r.request_id for r in requests})
+        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests})
         ks = depths[i]
         if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
             self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests
