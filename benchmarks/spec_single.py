@@ -5,9 +5,11 @@ One engine per configuration, all in this process, all on the same target weight
     nospec           no speculation
     chain2..chain7   speculative_num_steps 2, 3, 5, 7, topk 1 (a chain)
     tree             steps 5, topk 4, 16 draft tokens (EAGLE-2 dynamic tree)
+    tree8, tree12    the same tree with 8 or 12 draft tokens (a cheaper verify)
 
 Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration in turn, the
-order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens, policy
+order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens (or up to it and
+the natural end of turn with ``--natural-stop``), policy
 ``static`` (always draft). Per configuration: tokens/s end to end (prefill included) and over the
 decode part only (after the first token), accept length from RequestOutput.metrics
 ((accepted + verify steps) / verify steps, SGLang's count), per-position acceptance from
@@ -46,6 +48,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chain5": {"speculative_num_steps": 5, "speculative_eagle_topk": 1},
     "chain7": {"speculative_num_steps": 7, "speculative_eagle_topk": 1},
     "tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16},
+    "tree8": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
+    "tree12": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
 }
 _ids = itertools.count()
 
@@ -90,12 +94,12 @@ def head_provenance(path: str) -> dict[str, Any]:
     return {"model_safetensors_sha256": h.hexdigest(), "model_safetensors_mtime": mtime}
 
 
-def run_one(llm: LLM, prompt: list[int], output_len: int) -> dict[str, Any]:
+def run_one(llm: LLM, prompt: list[int], output_len: int, natural_stop: bool = False) -> dict[str, Any]:
     """One request alone; step timestamps split prefill (until the first token) from decode."""
     eng = llm.engine
     rid = f"spec-bench-{next(_ids)}"
     t0 = time.perf_counter()
-    eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=not natural_stop))
     req = eng.requests[rid]
     final = None
     t_first = None
@@ -158,7 +162,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--draft", default=None, help="EAGLE-3 head directory (default: the shipped head, else random)")
     ap.add_argument("--random-head", action="store_true", help="use a random head even when the shipped one exists")
     ap.add_argument("--num-prompts", type=int, default=10)
-    ap.add_argument("--output-len", type=int, default=64, help="new tokens per request (exact)")
+    ap.add_argument("--output-len", type=int, default=64,
+                    help="new tokens per request (exact; with --natural-stop, the most)")
+    ap.add_argument("--natural-stop", action="store_true",
+                    help="stop at the model's end of turn as a chat user would see it (default: ignore_eos, "
+                         "exactly --output-len tokens, text past the natural end included)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
@@ -209,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["engine_args"] = engine_args
     result["settings"] = {"num_prompts": args.num_prompts, "output_len": args.output_len, "seed": args.seed,
                           "quiet_threshold": args.quiet_threshold,
-                          "max_prompt_chars": args.max_prompt_chars, "greedy": True, "concurrency": 1}
+                          "max_prompt_chars": args.max_prompt_chars, "greedy": True, "concurrency": 1,
+                          "natural_stop": args.natural_stop}
 
     tok = engines["nospec"].tokenizer
     prompts = chat_prompt_ids(tok, args.num_prompts + 1, seed=args.seed, max_chars=args.max_prompt_chars)
@@ -227,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in order:
             la = load_average()
             probe = OtherCpu()
-            got[name] = run_one(engines[name], p, args.output_len)
+            got[name] = run_one(engines[name], p, args.output_len, args.natural_stop)
             got[name]["other_cpu_cores"] = probe.cores()
             got[name]["load_average_before"] = la
         ref = got["nospec"]["token_ids"]
@@ -260,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tok_s": tokens / sum(r["total_s"] for r in mine),
             "decode_tok_s_median": median([r["decode_tok_s"] for r in mine]),
             "decode_ms_per_step_median": median([r["decode_ms_per_step"] for r in mine]),
-            "speedup_vs_nospec_median": median([base_runs[r["prompt_index"]]["total_s"] / r["total_s"] for r in mine]),
+                        # tok/s ratio: equal to the time ratio when outputs are equal, fair when (bf16) lengths differ
+            "speedup_vs_nospec_median": median([r["tok_s"] / base_runs[r["prompt_index"]]["tok_s"] for r in mine]),
             "accept_length": None,
             "prompts_timed": len(mine),
             "same_tokens_as_nospec": f"{sum(r['same_tokens_as_nospec'] for r in mine_all)}/{len(mine_all)}",

@@ -12,13 +12,25 @@ the models' prediction as a prior worth (cycle spread / ``prior_cv``)^2 cycles, 
 rescaled by how far this bucket's measured cycles are from their predictions: it decides only
 until the arm has a few cycles of its own.
 
+The time a prediction misses is mostly additive: host time per cycle (scheduling, sampling,
+commit), attention over contexts the profile did not have, the same for every depth. So an arm's
+predicted seconds are corrected by adding the measured excess (measured - predicted seconds per
+cycle): the arm's own once it has cycles, else its bucket's, and a bucket with few cycles borrows
+the excess per request measured in all buckets, times its batch size. A constant added to every
+arm cannot make drafting a head that is never right look better than plain decoding (it drafts
+the same tokens for more seconds), while a ratio borrowed from elsewhere could.
+
 Choice: the arm with the best goodput, kept unless another is better by ``margin`` and by ``band``
 standard errors of the difference (hysteresis). Exploration: every ``explore_every`` decisions of a
 bucket, plain decoding or a neighbour of the chosen arm if measured less than ``min_cycles``, else
 the arm with the highest upper bound (``z`` standard errors) if that bound beats the chosen arm,
-runs for two cycles (the first may pay a one-off switch, which the caller leaves unmeasured); an
-arm clearly worse stops being tried. Old cycles fade (``decay`` per decision in the bucket), so
-uncertainty grows back and a load that drifts is followed. Pure numbers: no clock, no tensors.
+runs for two cycles (the first may pay a one-off switch, which the caller leaves out of the arm's
+measurement but charges to exploration); an arm clearly worse stops being tried. Explorations are
+held back while what they lost (seconds over what the chosen arm would have taken for the same
+tokens) exceeds ``explore_budget`` of the bucket's time: a catch-up of every request's draft KV
+after a long stretch of plain decoding, or a head that is never right, then costs at most that
+share. Old cycles fade (``decay`` per decision in the bucket), so uncertainty grows back and a
+load that drifts is followed. Pure numbers: no clock, no tensors.
 """
 
 from __future__ import annotations
@@ -84,27 +96,43 @@ class GoodputBandit:
     explore_every: int = 16  # an exploration runs two cycles: the first may pay a switch (a catch-up)
     off_slower: int = 4  # upper-bound explorations this many times rarer while plain decoding is chosen
     min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
+    explore_budget: float = 0.01  # share of a bucket's time explorations may lose
+    borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
+    spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
+    elapsed: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of its cycles (decayed)
+    _best_goodput: dict[int, float] = field(default_factory=dict)  # bucket -> the chosen arm's, when chosen
+    _last_loss: dict[int, float] = field(default_factory=dict)  # bucket -> seconds its last exploration lost
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
 
+    def excess_per_request(self) -> float:
+        """Measured minus predicted seconds per cycle and request, over every bucket."""
+        num = den = 0.0
+        for key, arms in self.stats.items():
+            for st in arms.values():
+                num += st.seconds - st.predicted
+                den += st.n * 2 ** (key / 2)
+        return num / den if den > 0 else 0.0
+
     def estimates(self, key: int, priors: dict[int, Prior]) -> dict[int, tuple[float, float]]:
         """(goodput, standard error) per arm."""
         arms = self.stats.get(key, {})
-        sec = sum(st.seconds for st in arms.values())
-        pred = sum(st.predicted for st in arms.values())
-        scale = sec / pred if pred > 0 else 1.0  # measured / predicted seconds in this bucket
+        n = sum(st.n for st in arms.values())
+        excess = sum(st.seconds - st.predicted for st in arms.values())
+        # this bucket's excess seconds per cycle, starting from every bucket's per request
+        bucket = (excess + self.borrow * self.excess_per_request() * 2 ** (key / 2)) / (n + self.borrow)
         out = {}
         for arm, (tokens, psec) in priors.items():
             st = arms.get(arm) or ArmStats()
             cv = st.cv(self.default_cv)
             # the prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
             w = (cv / self.prior_cv) ** 2
-            # the prediction's seconds rescaled by this arm's own measured / predicted ratio once it
-            # has cycles (one pseudo-cycle of the bucket's), else by the bucket's
-            own = (st.seconds + scale * psec) / (st.predicted + psec) if psec > 0 else scale
-            denom = st.seconds + w * psec * own
+            # the prediction's seconds plus this arm's own excess once it has cycles (one
+            # pseudo-cycle of the bucket's), else the bucket's
+            own = (st.seconds - st.predicted + bucket) / (st.n + 1)
+            denom = st.seconds + w * max(psec + own, 0.1 * psec)
             g = (st.tokens + w * tokens) / denom if denom > 0 else 0.0
             out[arm] = (g, g * cv / math.sqrt(st.n + w))
         return out
@@ -128,7 +156,11 @@ class GoodputBandit:
             if gb - gc < max(self.margin * gc, band):
                 best = cur
         self.chosen[key] = best
-        if self.explore_every and visit % self.explore_every == self.explore_every - 1:
+        self._best_goodput[key] = est[best][0]
+        # the next exploration is expected to lose what the last one did: it must fit in the budget
+        if (self.explore_every and visit % self.explore_every == self.explore_every - 1
+                and self.spent.get(key, 0.0) + self._last_loss.get(key, 0.0)
+                <= self.explore_budget * self.elapsed.get(key, 0.0)):
             others = [a for a in est if a != best]
             # plain decoding and the chosen arm's neighbours are measured whatever the prior says:
             # plain decoding is what speculation must never fall below, and a profile of the wrong
@@ -148,6 +180,7 @@ class GoodputBandit:
                     alt = top
             if alt is not None:
                 self._explore_again[key] = alt
+                self._last_loss[key] = 0.0
                 return alt, True
         return best, False
 
@@ -159,6 +192,23 @@ class GoodputBandit:
         for st in arms.values():
             st.fade(self.decay)
         arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted)
+        self._account(key, arm, tokens, seconds)
+
+    def charge(self, key: int, arm: int, tokens: float, seconds: float) -> None:
+        """A cycle left out of ``arm``'s measurement (it paid a one-off switch): what it lost, if it
+        was an exploration, still counts against the exploration budget."""
+        if seconds > 0:
+            self._account(key, arm, tokens, seconds)
+
+    def _account(self, key: int, arm: int, tokens: float, seconds: float) -> None:
+        f = self.decay
+        self.elapsed[key] = self.elapsed.get(key, 0.0) * f + seconds
+        lost = 0.0
+        best = self._best_goodput.get(key, 0.0)
+        if arm != self.chosen.get(key) and best > 0:
+            lost = max(seconds - tokens / best, 0.0)
+            self._last_loss[key] = self._last_loss.get(key, 0.0) + lost
+        self.spent[key] = self.spent.get(key, 0.0) * f + lost
 
     def summary(self) -> dict:
         """Per bucket (as its batch size) and arm: cycles (decayed), tok/s, measured/predicted time."""

@@ -127,6 +127,7 @@ class Cycle:
     request_ids: set[str] | None  # whose committed tokens count; None: counted already (plain decode)
     target_predicted: float | None = None  # of the verify step that ran, once it ran (its real size)
     tokens: int = 0
+    measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
 
 
 @dataclass
@@ -216,13 +217,18 @@ class SpecController:
 
     def skip_cycle(self) -> None:
         """The current cycle is not typical of its arm (it caught the draft KV up over a stretch of
-        plain decoding, a one-off cost of switching): leave it unmeasured."""
-        self._cycle = None
+        plain decoding, a one-off cost of switching): leave it out of the arm's measurement."""
+        if self._cycle is not None:
+            self._cycle.measured = False
 
     def end_cycle(self, seconds: float) -> None:
         """The wall time since the last adaptive decision: its outcome goes to the bandit."""
         c, self._cycle = self._cycle, None
-        if c is not None and c.tokens > 0 and c.target_predicted is not None:
+        if c is None or c.tokens <= 0:
+            return
+        if not c.measured:
+            self.bandit.charge(c.key, c.arm, c.tokens, seconds)
+        elif c.target_predicted is not None:
             self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds)
             self.cycles += 1
 
