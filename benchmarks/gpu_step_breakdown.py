@@ -1,0 +1,130 @@
+"""Where an engine step's time goes, per phase, for plain decoding, a static chain and adaptive.
+
+Issue #8: at high concurrency on the GPU a step is mostly host time. This times the phases of
+``LLMEngine.step`` (schedule, forward + verify, commit, draft_step, building outputs) and, inside
+the drafter, the draft loop and its catch-ups, by wrapping those methods on one engine per
+configuration, then serves the same closed-loop batch as ``gpu_adaptive.py`` through each.
+With ``--sync`` every phase ends with a device synchronize, so GPU work is charged to the phase
+that launched it (slower overall; without it, asynchronous work lands where the host waits).
+
+    python benchmarks/gpu_step_breakdown.py --model /tmp/m.gguf --output-file $OUT/gpu_step_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from gpu_adaptive import SPEC, run_batch  # noqa: E402
+from spec_single import DEFAULT_HEAD  # noqa: E402
+
+from specserve import LLM  # noqa: E402
+
+
+def wrap(obj: Any, name: str, label: str, acc: dict[str, list[float]], sync: bool) -> None:
+    """Replace obj.name by a version that adds its wall time (ms) to acc[label]."""
+    fn: Callable = getattr(obj, name)
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        if sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        acc[label].append(1000 * (time.perf_counter() - t0))
+        return out
+
+    setattr(obj, name, timed)
+
+
+def instrument(llm: LLM, sync: bool) -> dict[str, list[float]]:
+    eng = llm.engine
+    acc: dict[str, list[float]] = collections.defaultdict(list)
+    wrap(eng, "step", "step", acc, sync)
+    wrap(eng.scheduler, "schedule", "schedule", acc, sync)
+    wrap(eng.scheduler, "commit", "commit", acc, sync)
+    wrap(eng, "_output", "output (per request)", acc, sync)
+    if eng.drafter is not None:
+        d = eng.drafter
+        wrap(d, "verify_step", "forward + verify", acc, sync)
+        wrap(d, "draft_step", "draft_step", acc, sync)
+        wrap(d, "_draft", "draft loop (in draft_step)", acc, sync)
+        wrap(d, "_catch_up", "catch-up (in draft loop)", acc, sync)
+        wrap(d.controller, "decide", "decide (in draft_step)", acc, sync)
+    else:
+        wrap(eng.runner, "execute", "forward + sample", acc, sync)
+    return acc
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="SmolLM2 GGUF ('default' for the packaged one)")
+    ap.add_argument("--head", default=DEFAULT_HEAD)
+    ap.add_argument("--output-file", required=True)
+    ap.add_argument("--concurrency", default="64,256")
+    ap.add_argument("--configs", default="nospec,static_chain1,adaptive")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--requests-per-c", type=int, default=2)
+    ap.add_argument("--sync", action="store_true", help="synchronize the device after every timed phase")
+    ap.add_argument("--num-kv-blocks", type=int, default=8192)
+    ap.add_argument("--allow-cpu", action="store_true", help="dry run on the CPU")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise SystemExit("gpu_step_breakdown needs a CUDA device")
+    cs = [int(c) for c in args.concurrency.split(",")]
+    names = args.configs.split(",")
+    cuda = torch.cuda.is_available()
+    result: dict[str, Any] = {"benchmark": "gpu_step_breakdown", **run_metadata(),
+                              "command": "python " + " ".join(["benchmarks/gpu_step_breakdown.py"] + (argv if argv is not None else sys.argv[1:])),
+                              "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                              "settings": vars(args), "points": []}
+    engines: dict[str, LLM] = {}
+    for n in names:
+        kw: dict[str, Any] = dict(model=None if args.model == "default" else args.model,
+                                  dtype="bfloat16" if cuda else "float32", max_num_seqs=max(cs),
+                                  num_kv_blocks=args.num_kv_blocks)
+        if SPEC[n]:
+            kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
+                      speculative_eagle_topk=1, **SPEC[n])
+        engines[n] = LLM(**kw)
+    need = max(args.requests_per_c * c for c in cs)
+    prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
+    warm, prompts = prompts[-8:], prompts[:-8]
+    for llm in engines.values():
+        run_batch(llm, warm, 8, 16)
+    for c in cs:
+        batch = [prompts[i % len(prompts)] for i in range(args.requests_per_c * c)]
+        point: dict[str, Any] = {"concurrency": c, "configs": {}}
+        for n in names:
+            acc = instrument(engines[n], args.sync)
+            got = run_batch(engines[n], batch, c, args.output_len)
+            steps = len(acc["step"])
+            phases = {k: {"calls": len(v), "ms_total": round(sum(v), 1),
+                          "ms_per_step": round(sum(v) / steps, 3)} for k, v in acc.items()}
+            for k in list(vars(engines[n].engine)):  # undo the wrappers (instance attributes)
+                if k in ("step", "_output"):
+                    delattr(engines[n].engine, k)
+            for obj in (engines[n].engine.scheduler, engines[n].engine.runner, engines[n].engine.drafter,
+                        getattr(engines[n].engine.drafter, "controller", None)):
+                for k in ("schedule", "commit", "execute", "verify_step", "draft_step", "_draft", "_catch_up", "decide"):
+                    if obj is not None and k in vars(obj):
+                        delattr(obj, k)
+            point["configs"][n] = {"tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
+                                   "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
+                                   "phases": phases}
+            print(f"C={c} {n}: {got['tok_s']:.0f} tok/s, {got['ms_per_step']:.2f} ms/step | " + ", ".join(
+                f"{k} {v['ms_per_step']:.2f}" for k, v in phases.items()), flush=True)
+        result["points"].append(point)
+    write_json(args.output_file, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
