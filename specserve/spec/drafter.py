@@ -109,6 +109,7 @@ class EagleSpeculator:
         self.states: dict[str, DraftState] = {}
         self.controller = SpecController(cfg)
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
+        self._drafted_last = False  # whether the last decision drafted for anyone
         self._head_path = path
         if cfg.policy == "adaptive" and self.runner.graphs is None:
             self.controller.cost = self._load_or_profile_costs(path)  # else after_capture()
@@ -516,6 +517,7 @@ class EagleSpeculator:
         arm = self.controller.quick_arm(len(candidates))
         if arm == 0:  # plain decoding again: nothing per request
             self.controller.count_off(len(candidates))
+            self._drafted_last = False
             return
         caps = []
         for r in candidates:
@@ -536,15 +538,16 @@ class EagleSpeculator:
                 todo.append((r, k))
         if todo:
             # the draft time per step includes a steady catch-up (the tokens the last verify
-            # committed); one after a stretch of plain decoding is a one-off, not a cost of drafting
-            # next step: kept out of the measurement
+            # committed, and the prompts of requests new to drafting: a cost of drafting itself);
+            # one after a stretch of plain decoding is a one-off switch, kept out of the measurement
             caught_up = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r, _ in todo)
             t0 = time.perf_counter()
             self._draft(todo)
             if caught_up <= len(todo) * (self.max_k + 2):
                 self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
-            else:  # nor is it what this depth costs per cycle once on
+            elif not self._drafted_last:  # nor is it what this depth costs per cycle once on
                 self.controller.skip_cycle()
+        self._drafted_last = bool(todo)
         self.engine.stats.k_histogram = dict(self.controller.k_histogram)
         self._cycle_head = time.perf_counter() - now
 
