@@ -84,13 +84,13 @@ def test_a_new_bucket_borrows_the_excess_per_request_of_the_others():
     # time added to both arms drafting is better (96 vs 98): the first decision there drafts
     b = GoodputBandit(explore_every=0)
     for _ in range(50):
-        b.observe(6, 0, 0.100, 8.0, 0.108)
+        b.observe(6, 0, 0.100, 8.0, 0.108, requests=8)
     priors = {0: (32.0, 0.300), 1: (48.0, 0.460)}
-    est = b.estimates(10, priors)
+    est = b.estimates(10, priors, batch=32)
     assert np.isclose(est[0][0], 32 / 0.332, rtol=1e-3) and np.isclose(est[1][0], 48 / 0.492, rtol=1e-3)
-    assert b.choose(10, priors)[0] == 1
+    assert b.choose(10, priors, 32)[0] == 1
     # a head that is never right (drafting yields no extra token) stays off whatever is added
-    assert b.choose(12, {0: (64.0, 0.600), 1: (64.0, 0.700)})[0] == 0
+    assert b.choose(12, {0: (64.0, 0.600), 1: (64.0, 0.700)}, 64)[0] == 0
 
 
 def run_with_catch_up(bandit: GoodputBandit, cycles: int, seed: int = 0) -> tuple[float, float]:
@@ -101,13 +101,13 @@ def run_with_catch_up(bandit: GoodputBandit, cycles: int, seed: int = 0) -> tupl
     priors = {0: (32.0, 0.30), 1: (48.0, 0.36), 2: (56.0, 0.42)}  # the prior overrates drafting
     last, lost, total, drafted = 0, 0.0, 0.0, 0
     for _ in range(cycles):
-        arm, _ = bandit.choose(10, priors)
+        arm, _ = bandit.choose(10, priors, 32)
         sec = priors[arm][1] * rng.lognormal(0, 0.1)
         if arm and last == 0:
             sec += 0.3
             bandit.charge(10, arm, 32.0, sec)
         else:
-            bandit.observe(10, arm, priors[arm][1], 32.0, sec)
+            bandit.observe(10, arm, priors[arm][1], 32.0, sec, requests=32)
         total += sec
         lost += sec - 32.0 / (32 / 0.30)
         drafted += arm != 0
@@ -147,3 +147,38 @@ def test_plain_decoding_is_measured_even_when_the_profile_says_it_is_far_worse()
     choices = run(b, priors, {0: 0.4, 1: 1.2}, 400)
     assert choices[0][0] == 1
     assert [a for a, _ in choices[-200:]].count(0) >= 190
+
+
+def test_tokens_per_request_are_pooled_over_buckets():
+    # depth 2 ran only at 4 requests (bucket 4), committing 2.0 tokens per request where the
+    # acceptance model expected 2.5; at 8 requests (bucket 6, never run at depth 2) the estimate
+    # uses the measured 2.0, timed by the prediction
+    b = GoodputBandit(explore_every=0, borrow=0.0)
+    for _ in range(200):
+        b.observe(4, 2, 0.050, 8.0, 0.050, requests=4)
+    est = b.estimates(6, {0: (8.0, 0.040), 2: (20.0, 0.060)}, batch=8)
+    assert np.isclose(est[2][0], 8 * 2.0 / 0.060, rtol=0.02)
+    assert np.isclose(est[0][0], 8 / 0.040, rtol=1e-3)
+
+
+def test_a_small_gap_is_found_through_noisy_accept_counts():
+    # 4 requests, each accepting a random number of drafts: depth 2 commits 1.9 tokens per request
+    # in 0.056 s, depth 1 1.6 in 0.050 s (depth 2 is 6 % better); per cycle the tokens' spread
+    # (~20 %) hides the gap, the time's (5 %) does not. A second bucket (8 requests) adds
+    # measurements of the same acceptance
+    rng = np.random.default_rng(3)
+    true_tpr, true_sec = {0: 1.0, 1: 1.6, 2: 1.9}, {0: 0.040, 1: 0.050, 2: 0.056}
+    b = GoodputBandit()
+    picks = []
+    for i in range(1200):
+        B, key = (4, 4) if i % 2 == 0 else (8, 6)
+        scale = 1.0 if B == 4 else 1.6  # 8 requests take 1.6x the time of 4
+        # the acceptance model overrates depth 1 (1.9 tokens): its prior picks depth 1
+        priors = {a: (B * (1.0, 1.9, 2.0)[a], true_sec[a] * scale) for a in true_tpr}
+        arm, exploring = b.choose(key, priors, B)
+        accepted = rng.binomial(arm, (true_tpr[arm] - 1) / arm, size=B) if arm else np.zeros(B)
+        tokens = float(B + accepted.sum())
+        b.observe(key, arm, priors[arm][1], tokens, true_sec[arm] * scale * rng.lognormal(0, 0.05), requests=B)
+        if key == 4 and not exploring and i >= 600:
+            picks.append(arm)
+    assert picks.count(2) >= 0.85 * len(picks), np.bincount(picks)

@@ -7,10 +7,13 @@ gap between drafting 1 and 2 tokens, so a plan picked from predictions alone wan
 decision's outcome is measured instead: the tokens its requests committed and the wall time of
 the whole cycle it started (draft, verify, sampling, commit, scheduling: everything the user
 waits for), kept per arm, where an arm is a uniform draft depth d (0 = plain decode) in one
-batch-size bucket. An arm's goodput is its committed tokens over its seconds (decayed sums), with
-the models' prediction as a prior worth (cycle spread / ``prior_cv``)^2 cycles, its seconds
-rescaled by how far this bucket's measured cycles are from their predictions: it decides only
-until the arm has a few cycles of its own.
+batch-size bucket. An arm's goodput is the tokens a request commits per cycle at that depth times
+the requests per second its cycles serve. The first is pooled over every bucket (acceptance is a
+property of the head and the text, not of the batch size, and one request's accepted count is
+the noisiest part of a cycle: at 4 requests its spread is ~25 % of the tokens, the time's ~5-10 %),
+with the acceptance model's expectation as a prior worth ``prior_requests`` requests; the second
+is this bucket's decayed sums, with the cost model's prediction as a prior worth (time spread /
+``prior_cv``)^2 cycles: it decides only until the arm has a few cycles of its own.
 
 The time a prediction misses is mostly additive: host time per cycle (scheduling, sampling,
 commit), attention over contexts the profile did not have, the same for every depth. So an arm's
@@ -47,38 +50,40 @@ def batch_key(batch: int) -> int:
 
 @dataclass
 class ArmStats:
-    """Decayed sums over the cycles an arm ran."""
+    """Decayed sums over the cycles an arm ran (in one bucket, or pooled over all of them)."""
 
     n: float = 0.0
     tokens: float = 0.0  # committed
     seconds: float = 0.0  # measured
     predicted: float = 0.0  # by the cost model, for the cycles as they ran
-    g: float = 0.0  # per-cycle goodput, for the spread
-    g2: float = 0.0
+    requests: float = 0.0  # request-cycles
+    x: float = 0.0  # per-cycle value whose spread matters (see add), and its square
+    x2: float = 0.0
 
     def fade(self, f: float) -> None:
         self.n *= f
         self.tokens *= f
         self.seconds *= f
         self.predicted *= f
-        self.g *= f
-        self.g2 *= f
+        self.requests *= f
+        self.x *= f
+        self.x2 *= f
 
-    def add(self, tokens: float, seconds: float, predicted: float) -> None:
-        g = tokens / seconds
+    def add(self, tokens: float, seconds: float, predicted: float, requests: float, x: float) -> None:
         self.n += 1
         self.tokens += tokens
         self.seconds += seconds
         self.predicted += predicted
-        self.g += g
-        self.g2 += g * g
+        self.requests += requests
+        self.x += x
+        self.x2 += x * x
 
     def cv(self, default: float, strength: float = 4.0) -> float:
-        """Coefficient of variation of one cycle's goodput, shrunk towards ``default``."""
+        """Coefficient of variation of the per-cycle value, shrunk towards ``default``."""
         var = 0.0
-        if self.n > 1e-9 and self.g > 0:
-            m = self.g / self.n
-            var = max(self.g2 / self.n - m * m, 0.0) / (m * m)
+        if self.n > 1e-9 and self.x > 0:
+            m = self.x / self.n
+            var = max(self.x2 / self.n - m * m, 0.0) / (m * m)
         return math.sqrt((self.n * var + strength * default**2) / (self.n + strength))
 
 
@@ -89,7 +94,10 @@ Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
 class GoodputBandit:
     decay: float = 0.995  # per decision in a bucket: ~200 cycles of memory
     prior_cv: float = 0.3  # relative error of the models' prediction for an arm (one never run gets tried)
-    default_cv: float = 0.3  # of one cycle's goodput, before its own spread is measured
+    default_cv: float = 0.3  # of one cycle's tokens per request, before their spread is measured
+    default_time_cv: float = 0.3  # of one cycle's time, likewise
+    prior_requests: float = 16.0  # requests' worth of the acceptance model's tokens per request
+    pool_decay: float = 0.998  # per cycle in any bucket: the pooled tokens per request
     z: float = 1.5  # standard errors of optimism when exploring
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
     band: float = 0.5  # ... and by this many standard errors of the difference
@@ -99,6 +107,7 @@ class GoodputBandit:
     explore_budget: float = 0.01  # share of a bucket's time explorations may lose
     borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
+    pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
     elapsed: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of its cycles (decayed)
     _best_goodput: dict[int, float] = field(default_factory=dict)  # bucket -> the chosen arm's, when chosen
@@ -110,36 +119,46 @@ class GoodputBandit:
     def excess_per_request(self) -> float:
         """Measured minus predicted seconds per cycle and request, over every bucket."""
         num = den = 0.0
-        for key, arms in self.stats.items():
+        for arms in self.stats.values():
             for st in arms.values():
                 num += st.seconds - st.predicted
-                den += st.n * 2 ** (key / 2)
+                den += st.requests
         return num / den if den > 0 else 0.0
 
-    def estimates(self, key: int, priors: dict[int, Prior]) -> dict[int, tuple[float, float]]:
-        """(goodput, standard error) per arm."""
+    def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
+        """(goodput, standard error) per arm, for a cycle of ``batch`` requests in bucket ``key``.
+
+        goodput = tokens per request (pooled over all buckets: acceptance does not depend on the
+        batch size) x requests per second (this bucket's measured cycle time)."""
         arms = self.stats.get(key, {})
         n = sum(st.n for st in arms.values())
         excess = sum(st.seconds - st.predicted for st in arms.values())
         # this bucket's excess seconds per cycle, starting from every bucket's per request
-        bucket = (excess + self.borrow * self.excess_per_request() * 2 ** (key / 2)) / (n + self.borrow)
+        bucket = (excess + self.borrow * self.excess_per_request() * batch) / (n + self.borrow) if n + self.borrow else 0.0
         out = {}
         for arm, (tokens, psec) in priors.items():
             st = arms.get(arm) or ArmStats()
-            cv = st.cv(self.default_cv)
-            # the prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
+            pool = self.pooled.get(arm) or ArmStats()
+            # tokens per request: measured in every bucket, the acceptance model's worth
+            # ``prior_requests`` requests
+            tpr = (pool.tokens + self.prior_requests * tokens / batch) / (pool.requests + self.prior_requests)
+            cv_tok = pool.cv(self.default_cv) if arm else 0.0  # plain decoding: exactly one token
+            cv = st.cv(self.default_time_cv)
+            # the time prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
             w = (cv / self.prior_cv) ** 2
             # the prediction's seconds plus this arm's own excess once it has cycles (one
             # pseudo-cycle of the bucket's), else the bucket's
             own = (st.seconds - st.predicted + bucket) / (st.n + 1)
             denom = st.seconds + w * max(psec + own, 0.1 * psec)
-            g = (st.tokens + w * tokens) / denom if denom > 0 else 0.0
-            out[arm] = (g, g * cv / math.sqrt(st.n + w))
+            rate = (st.requests + w * batch) / denom if denom > 0 else 0.0
+            g = rate * tpr
+            se = g * math.sqrt(cv**2 / (st.n + w) + cv_tok**2 / (pool.n + 1))
+            out[arm] = (g, se)
         return out
 
-    def choose(self, key: int, priors: dict[int, Prior]) -> tuple[int, bool]:
+    def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:
         """(arm, exploring) for the next cycle of ``batch`` requests in bucket ``key``."""
-        est = self.estimates(key, priors)
+        est = self.estimates(key, priors, batch)
         visit = self.visits.get(key, 0)
         self.visits[key] = visit + 1
         again = self._explore_again.pop(key, None)
@@ -184,14 +203,19 @@ class GoodputBandit:
                 return alt, True
         return best, False
 
-    def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float) -> None:
-        """A cycle of ``arm``: its predicted and measured seconds, the tokens it committed."""
-        if seconds <= 0 or predicted <= 0:
+    def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float,
+                requests: int = 1) -> None:
+        """A cycle of ``arm`` for ``requests`` requests: its predicted and measured seconds, the
+        tokens it committed."""
+        if seconds <= 0 or predicted <= 0 or requests <= 0:
             return
         arms = self.stats.setdefault(key, {})
         for st in arms.values():
             st.fade(self.decay)
-        arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted)
+        arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, requests / seconds)
+        for st in self.pooled.values():
+            st.fade(self.pool_decay)
+        self.pooled.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, tokens / requests)
         self._account(key, arm, tokens, seconds)
 
     def charge(self, key: int, arm: int, tokens: float, seconds: float) -> None:

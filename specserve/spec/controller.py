@@ -128,6 +128,7 @@ class Cycle:
     target_predicted: float | None = None  # of the verify step that ran, once it ran (its real size)
     tokens: int = 0
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
+    requests: int = 0  # in the decision
 
 
 @dataclass
@@ -196,7 +197,7 @@ class SpecController:
     def count_off(self, batch: int) -> None:
         """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; still measured,
         one token per request)."""
-        self._cycle = Cycle(self._quick_key, 0, 0.0, None, tokens=batch)
+        self._cycle = Cycle(self._quick_key, 0, 0.0, None, tokens=batch, requests=batch)
         self.decisions += 1
         self.k_histogram[0] += batch
         if self._was_on:
@@ -211,7 +212,7 @@ class SpecController:
             ks = [min(arm, c) for c in caps]
         key = self._quick_key
         self._cycle = Cycle(key, arm, self._draft_predicted.get((key, arm), 0.0),
-                            {r.request_id for r in requests})
+                            {r.request_id for r in requests}, requests=len(requests))
         self._count(requests, ks, False)
         return ks
 
@@ -229,7 +230,8 @@ class SpecController:
         if not c.measured:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
         elif c.target_predicted is not None:
-            self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds)
+            self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds,
+                                c.requests)
             self.cycles += 1
 
     def forget(self, request_id: str) -> None:
@@ -302,10 +304,10 @@ class SpecController:
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree)
         key = batch_key(len(requests))
-        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)))
+        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests))
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
-        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests})
+        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests))
         ks = depths[i]
         if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
             self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests
