@@ -98,6 +98,7 @@ def run_batch(llm: LLM, prompts: list[list[int]], concurrency: int, output_len: 
     return {"requests": len(prompts), "output_tokens": out_tokens, "wall_s": wall, "tok_s": out_tokens / wall,
             "steady_tok_s": steady_tokens / steady_s if steady_s > 0 else None, "steady_s": steady_s,
             "engine_steps": steps, "ms_per_step": 1000 * wall / steps,
+            "preemptions": after.num_preemptions - before.num_preemptions,
             "accept_length": (accepted + verify) / verify if verify else None,
             "k_histogram": hist, "spec_share": (total - hist.get(0, 0)) / total if total else 0.0}
 
@@ -114,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="output lengths uniform over mean x [1 - s, 1 + s] (0: all equal, requests run in waves)")
     ap.add_argument("--requests-per-c", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=8)
-    ap.add_argument("--num-kv-blocks", type=int, default=8192)
+    # 256 requests of up to ~300 prompt + 192 output tokens need ~126k token slots: 8192 blocks of
+    # 16 (131k) preempted at C = 256 once output lengths were spread
+    ap.add_argument("--num-kv-blocks", type=int, default=32768)
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--allow-cpu", action="store_true", help="dry run of this script on the CPU")
     args = ap.parse_args(argv)
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         print(f"C={c} ({metric}): " + " | ".join(
             f"{n} {got[n][metric]:.0f}" + (f" (al {got[n]['accept_length']:.2f})" if got[n]["accept_length"] else "")
-            for n in names)
+            + (f" [{got[n]['preemptions']} preempted]" if got[n]["preemptions"] else "") for n in names)
               + (f" | adaptive/best {row.get('adaptive_vs_best', 0):.3f} ({best_name}), whole batch "
                  f"{row.get('adaptive_vs_best_whole_batch', 0):.3f}, k {got['adaptive']['k_histogram']}"
                  if "adaptive" in got else ""),
