@@ -182,3 +182,30 @@ def test_a_small_gap_is_found_through_noisy_accept_counts():
         if key == 4 and not exploring and i >= 600:
             picks.append(arm)
     assert picks.count(2) >= 0.85 * len(picks), np.bincount(picks)
+
+
+def run_new_bucket(bandit: GoodputBandit, decisions: int, seed: int = 0) -> list[tuple[int, bool]]:
+    """A new bucket (16 requests) whose profile ranks the depths wrongly: it says depths 2 and 3
+    cost the same and pick depth 3; in truth depth 1 is best (120 tok/s vs 108 and 101). The
+    tokens per request of every depth are already known from another bucket."""
+    rng = np.random.default_rng(seed)
+    tpr = {0: 1.0, 1: 1.5, 2: 1.75, 3: 1.9}
+    for _ in range(100):  # another bucket (4 requests) measured every depth
+        for a in tpr:
+            bandit.observe(4, a, 0.05, 4 * tpr[a], 0.05, requests=4)
+    priors = {0: (16.0, 0.160), 1: (24.0, 0.179), 2: (28.0, 0.213), 3: (30.4, 0.213)}
+    true_sec = {0: 0.150, 1: 0.200, 2: 0.260, 3: 0.300}
+    out = []
+    for _ in range(decisions):
+        arm, exploring = bandit.choose(8, priors, 16)
+        bandit.observe(8, arm, priors[arm][1], 16 * tpr[arm], true_sec[arm] * rng.lognormal(0, 0.1), requests=16)
+        out.append((arm, exploring))
+    return out
+
+
+def test_a_new_bucket_tries_the_depths_its_profile_may_rank_wrongly_early():
+    for seed in range(3):
+        choices = run_new_bucket(GoodputBandit(), 80, seed)
+        assert choices[0][0] == 3  # the profile's pick
+        late = [a for a, e in choices[40:] if not e]
+        assert late.count(1) >= 0.9 * len(late), (seed, late)

@@ -28,7 +28,9 @@ standard errors of the difference (hysteresis). Exploration: every ``explore_eve
 bucket, plain decoding or a neighbour of the chosen arm if measured less than ``min_cycles``, else
 the arm with the highest upper bound (``z`` standard errors) if that bound beats the chosen arm,
 runs for two cycles (the first may pay a one-off switch, which the caller leaves out of the arm's
-measurement but charges to exploration); an arm clearly worse stops being tried. Explorations are
+measurement but charges to exploration); an arm clearly worse stops being tried. A new bucket's
+first ``warm_visits`` decisions may explore every ``warm_every``: each arm not measured there yet
+whose upper bound beats the pick gets a cycle, since until then its time is the profile's guess. Explorations are
 held back while what they lost (seconds over what the chosen arm would have taken for the same
 tokens) exceeds ``explore_budget`` of the bucket's time: a catch-up of every request's draft KV
 after a long stretch of plain decoding, or a head that is never right, then costs at most that
@@ -103,6 +105,8 @@ class GoodputBandit:
     band: float = 0.5  # ... and by this many standard errors of the difference
     explore_every: int = 16  # an exploration runs two cycles: the first may pay a switch (a catch-up)
     off_slower: int = 4  # upper-bound explorations this many times rarer while plain decoding is chosen
+    warm_visits: int = 32  # a bucket's first decisions ...
+    warm_every: int = 4  # ... may explore this often, an arm not yet measured there whose bound beats the pick
     min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
     explore_budget: float = 0.01  # share of a bucket's time explorations may lose
     borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
@@ -176,15 +180,28 @@ class GoodputBandit:
                 best = cur
         self.chosen[key] = best
         self._best_goodput[key] = est[best][0]
+        if not self.explores_at(key, visit):
+            return best, False
+        others = [a for a in est if a != best]
+        arms = self.stats.get(key, {})
+        if visit < self.warm_visits:
+            # a new bucket: its times are the profile's guesses until measured, and a coarse profile
+            # can rank depths wrongly; every arm whose upper bound beats the pick gets a cycle (with
+            # pooled tokens per request, a head known to be useless has no such arm)
+            unmeasured = [a for a in others if (arms[a].n if a in arms else 0.0) < self.min_cycles
+                          and est[a][0] + self.z * est[a][1] > est[best][0]]
+            if unmeasured:
+                alt = max(unmeasured, key=lambda a: est[a][0] + self.z * est[a][1])
+                self._explore_again[key] = alt
+                self._last_loss[key] = 0.0
+                return alt, True
         # the next exploration is expected to lose what the last one did: it must fit in the budget
-        if (self.explore_every and visit % self.explore_every == self.explore_every - 1
+        if (visit % self.explore_every == self.explore_every - 1
                 and self.spent.get(key, 0.0) + self._last_loss.get(key, 0.0)
                 <= self.explore_budget * self.elapsed.get(key, 0.0)):
-            others = [a for a in est if a != best]
             # plain decoding and the chosen arm's neighbours are measured whatever the prior says:
             # plain decoding is what speculation must never fall below, and a profile of the wrong
             # shape (taken eagerly where steps replay graphs) can put any arm far off
-            arms = self.stats.get(key, {})
             must = [a for a in others if (a == min(est) or abs(a - best) == 1)
                     and (arms[a].n if a in arms else 0.0) < self.min_cycles]
             alt = None
@@ -202,6 +219,14 @@ class GoodputBandit:
                 self._last_loss[key] = 0.0
                 return alt, True
         return best, False
+
+    def explores_at(self, key: int, visit: int) -> bool:
+        """Whether decision number ``visit`` of bucket ``key`` may explore (so needs a full decision)."""
+        if not self.explore_every:
+            return False
+        if visit < self.warm_visits and visit % self.warm_every == self.warm_every - 1:
+            return True
+        return visit % self.explore_every == self.explore_every - 1
 
     def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float,
                 requests: int = 1) -> None:

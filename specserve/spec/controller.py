@@ -187,8 +187,7 @@ class SpecController:
         key = batch_key(batch)
         visit = b.visits.get(key, 0)
         arm = b.chosen.get(key)
-        if (arm is None or key in b._explore_again or visit % self.full_every == 0
-                or (b.explore_every and visit % b.explore_every == b.explore_every - 1)):
+        if arm is None or key in b._explore_again or visit % self.full_every == 0 or b.explores_at(key, visit):
             return None
         b.visits[key] = visit + 1
         self._quick_key = key
