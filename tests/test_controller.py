@@ -76,10 +76,13 @@ def test_arm_depths_respect_caps_and_shorten_poor_acceptors():
     overall = cum(0.5, 1)[0]
     d = arm_depths(np.arange(4), acc, np.array([5, 2, 5, 5]), overall)
     assert d[0].tolist() == [0, 0, 0, 0]
-    assert d[1].tolist() == [1, 1, 0, 0]  # 0.1 < half of the average first-position rate 0.5
+    # 0.1 < half of the average first-position rate 0.5, but a drafting arm keeps one token per
+    # request, so the poor acceptors' rates go on being measured
+    assert d[1].tolist() == [1, 1, 1, 1]
     # at depth 3 the average request's last token is worth 0.125: a poor request's first (0.1) is
     # above half of that, its second (0.01) is not
     assert d[3].tolist() == [3, 2, 1, 1]
+    assert d[2].tolist() == [2, 2, 1, 1]
     # a request with the average acceptance drafts the arm's full depth
     assert arm_depths(np.array([3]), cum(0.5, 1), np.array([5]), overall).tolist() == [[3]]
 

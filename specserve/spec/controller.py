@@ -34,16 +34,19 @@ Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
 
 def arm_depths(arms: np.ndarray, cumacc: np.ndarray, caps: np.ndarray, overall: np.ndarray,
                relative: float = 0.5) -> np.ndarray:
-    """[arms, B] draft depth per request under each uniform depth d: min(d, cap), less for a request
-    whose own acceptance is far below the average (its expected gain at a position under
-    ``relative`` x the average request's at depth d: that position is not drafted for it)."""
+    """[arms, B] draft depth per request under each uniform depth d: min(d, cap), less (down to one
+    token) for a request whose own acceptance is far below the average (its expected gain at a
+    position under ``relative`` x the average request's at depth d: that position is not drafted
+    for it)."""
     K = cumacc.shape[1]
     d = np.minimum(arms[:, None], caps[None, :])
     if K == 0:
         return np.zeros_like(d)
     floor = relative * overall[np.clip(arms - 1, 0, K - 1)]  # [arms]
     worth = (cumacc[None, :, :] >= floor[:, None, None]).sum(axis=2)  # cumacc falls with depth: a prefix
-    return np.where(arms[:, None] > 0, np.minimum(d, worth), 0)
+    # at least one token: a request that drafts nothing is never measured again, and would stay at
+    # plain decoding for the rest of its life on a few unlucky early rejections
+    return np.where(arms[:, None] > 0, np.minimum(d, np.maximum(worth, 1)), 0)
 
 
 def arm_priors(arms: np.ndarray, ks: np.ndarray, cumacc: np.ndarray, n_base: int, cost: CostModel,

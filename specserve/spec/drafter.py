@@ -518,6 +518,7 @@ class EagleSpeculator:
         if arm == 0:  # plain decoding again: nothing per request
             self.controller.count_off(len(candidates))
             self._drafted_last = False
+            self._cycle_head = time.perf_counter() - now  # measured like any other cycle
             return
         caps = []
         for r in candidates:
