@@ -506,6 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                  max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
                 warm_up(useless)
                 off_cost("off_cost_random_head", useless, engine_args=kw)
+                result["off_cost_random_head"]["controller"] = useless.llm.engine.drafter.controller.snapshot()
                 del useless
 
     if levels:

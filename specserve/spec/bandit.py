@@ -30,7 +30,8 @@ the arm with the highest upper bound (``z`` standard errors) if that bound beats
 runs for two cycles (the first may pay a one-off switch, which the caller leaves out of the arm's
 measurement but charges to exploration); an arm clearly worse stops being tried. A new bucket's
 first ``warm_visits`` decisions may explore every ``warm_every``: each arm not measured there yet
-whose upper bound beats the pick gets a cycle, since until then its time is the profile's guess. Explorations are
+whose upper bound beats the pick gets a cycle, since until then its time is the profile's guess
+(within the budget while plain decoding is the pick). Explorations are
 held back while what they lost (seconds over what the chosen arm would have taken for the same
 tokens) exceeds ``explore_budget`` of the bucket's time: a catch-up of every request's draft KV
 after a long stretch of plain decoding, or a head that is never right, then costs at most that
@@ -184,10 +185,14 @@ class GoodputBandit:
             return best, False
         others = [a for a in est if a != best]
         arms = self.stats.get(key, {})
-        if visit < self.warm_visits:
+        # the next exploration is expected to lose what the last one did: it must fit in the budget
+        within_budget = (self.spent.get(key, 0.0) + self._last_loss.get(key, 0.0)
+                         <= self.explore_budget * self.elapsed.get(key, 0.0))
+        # (while plain decoding is the pick, warm-up explorations too: each pays a catch-up, and a
+        # head that is never right must cost nothing)
+        if visit < self.warm_visits and (best != min(est) or within_budget):
             # a new bucket: its times are the profile's guesses until measured, and a coarse profile
-            # can rank depths wrongly; every arm whose upper bound beats the pick gets a cycle (with
-            # pooled tokens per request, a head known to be useless has no such arm)
+            # can rank depths wrongly; every arm whose upper bound beats the pick gets a cycle
             unmeasured = [a for a in others if (arms[a].n if a in arms else 0.0) < self.min_cycles
                           and est[a][0] + self.z * est[a][1] > est[best][0]]
             if unmeasured:
@@ -195,10 +200,7 @@ class GoodputBandit:
                 self._explore_again[key] = alt
                 self._last_loss[key] = 0.0
                 return alt, True
-        # the next exploration is expected to lose what the last one did: it must fit in the budget
-        if (visit % self.explore_every == self.explore_every - 1
-                and self.spent.get(key, 0.0) + self._last_loss.get(key, 0.0)
-                <= self.explore_budget * self.elapsed.get(key, 0.0)):
+        if visit % self.explore_every == self.explore_every - 1 and within_budget:
             # plain decoding and the chosen arm's neighbours are measured whatever the prior says:
             # plain decoding is what speculation must never fall below, and a profile of the wrong
             # shape (taken eagerly where steps replay graphs) can put any arm far off
