@@ -233,3 +233,18 @@ def test_a_useless_head_stays_off_in_new_buckets():
         lost += sec - 0.01 * B
         last = arm
     assert lost / total < 0.02
+
+
+def test_a_depth_that_commits_one_token_per_request_never_beats_plain_decoding():
+    # a head that is never right: its few drafting cycles were timed in a quiet moment (as fast as
+    # plain decoding's), plain decoding's many in busier ones; a drafting cycle still does all a
+    # plain one does, so its goodput is at most plain decoding's x 1.0 tokens per request
+    b = GoodputBandit(explore_every=0)
+    for _ in range(100):
+        b.observe(10, 0, 0.30, 32.0, 0.45, requests=32)
+    for _ in range(3):
+        b.observe(10, 1, 0.36, 32.0, 0.40, requests=32)
+    priors = {0: (32.0, 0.30), 1: (32.0, 0.36)}
+    est = b.estimates(10, priors, 32)
+    assert est[1][0] <= est[0][0]
+    assert b.choose(10, priors, 32)[0] == 0

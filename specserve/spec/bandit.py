@@ -111,6 +111,7 @@ class GoodputBandit:
     min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
     explore_budget: float = 0.01  # share of a bucket's time explorations may lose
     borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
+    cap_cycles: float = 4.0  # plain decoding's own cycles before it bounds the drafting arms
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
@@ -141,6 +142,8 @@ class GoodputBandit:
         # this bucket's excess seconds per cycle, starting from every bucket's per request
         bucket = (excess + self.borrow * self.excess_per_request() * batch) / (n + self.borrow) if n + self.borrow else 0.0
         out = {}
+        tprs: dict[int, float] = {}
+        cvs: dict[int, float] = {}
         for arm, (tokens, psec) in priors.items():
             st = arms.get(arm) or ArmStats()
             pool = self.pooled.get(arm) or ArmStats()
@@ -157,8 +160,18 @@ class GoodputBandit:
             denom = st.seconds + w * max(psec + own, 0.1 * psec)
             rate = (st.requests + w * batch) / denom if denom > 0 else 0.0
             g = rate * tpr
+            tprs[arm], cvs[arm] = tpr, cv_tok / math.sqrt(pool.n + 1)
             se = g * math.sqrt(cv**2 / (st.n + w) + cv_tok**2 / (pool.n + 1))
             out[arm] = (g, se)
+        # a drafting cycle does all a plain one does and more, so its goodput is at most plain
+        # decoding's times its tokens per request: a head that is never right (1.0) cannot look
+        # better than plain decoding however its few cycles happened to be timed (once plain
+        # decoding's own goodput is measured: a guessed one would cap every depth alike)
+        if 0 in out and arms.get(0, ArmStats()).n >= self.cap_cycles:
+            g0 = out[0][0]
+            for arm in out:
+                if arm and out[arm][0] > g0 * tprs[arm]:
+                    out[arm] = (g0 * tprs[arm], g0 * tprs[arm] * cvs[arm])
         return out
 
     def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:
