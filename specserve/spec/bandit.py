@@ -21,7 +21,9 @@ predicted seconds are corrected by adding the measured excess (measured - predic
 cycle): the arm's own once it has cycles, else its bucket's, and a bucket with few cycles borrows
 the excess per request measured in all buckets, times its batch size. A constant added to every
 arm cannot make drafting a head that is never right look better than plain decoding (it drafts
-the same tokens for more seconds), while a ratio borrowed from elsewhere could.
+the same tokens for more seconds), while a ratio borrowed from elsewhere could. And once plain
+decoding has a few cycles in a bucket, a depth's goodput is bounded by plain decoding's times the
+depth's tokens per request: a drafting cycle does all a plain one does, and more.
 
 Choice: the arm with the best goodput, kept unless another is better by ``margin`` and by ``band``
 standard errors of the difference (hysteresis). Exploration: every ``explore_every`` decisions of a
