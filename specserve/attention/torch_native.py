@@ -1,10 +1,15 @@
 """Reference attention backend in plain PyTorch (CPU default; correctness reference on GPU).
 
 The ragged batch is padded to [B, max_q] queries and [B, max_kv] keys once per step; every
-layer then runs one batched scaled_dot_product_attention with a boolean mask.
+layer then runs one batched scaled_dot_product_attention with a boolean mask. Padding costs
+B x max_q x max_kv, so a step that mixes decodes (one query each, or a verify's few) with a
+prompt of hundreds of tokens would pad every decode to the prompt's length: requests with more
+than ``short_q`` queries get a padded group of their own (one more attention call per layer).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,25 +17,56 @@ import torch.nn.functional as F
 from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 
+@dataclass
+class _Group:
+    """Requests padded together: [B, max_q] queries x [B, max_kv] keys."""
+
+    q_index: torch.Tensor  # [B, max_q] flat token index of each padded query (pads -> the zero row T)
+    kv_slots: torch.Tensor  # [B, max_kv] cache slot of each padded key
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] row attends column
+    q_flat: torch.Tensor  # position of each real query in the padded [B * max_q] layout
+    shape: tuple[int, int, int]
+
+
 class TorchNativeBackend(AttentionBackend):
+    short_q = 32  # requests with at most this many queries share one padded group
+
     def plan(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
-        B = len(meta.query_lens)
-        q_lens = torch.tensor(meta.query_lens, dtype=torch.long)
-        kv_lens = torch.tensor(meta.seq_lens, dtype=torch.long)
+        q_lens = meta.query_lens
+        starts, acc = [], 0
+        for q in q_lens:
+            starts.append(acc)
+            acc += q
+        T = acc
+        short = [b for b, q in enumerate(q_lens) if q <= self.short_q]
+        groups = ([short] if short else []) + [[b] for b, q in enumerate(q_lens) if q > self.short_q]
+        bt_all = meta.block_tables.to("cpu", torch.long)
+        self._groups = [self._plan_group(meta, g, starts, T, bt_all, device) for g in groups]
+        self._order: torch.Tensor | None = None
+        if len(groups) > 1:  # the groups' outputs, concatenated, back in flat token order
+            dest = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for g in groups for b in g])
+            self._order = torch.argsort(dest).to(device)
+        self._slot_mapping = meta.slot_mapping
+
+    def _plan_group(self, meta: AttentionMetadata, members: list[int], starts: list[int], T: int,
+                    bt_all: torch.Tensor, device: torch.device) -> _Group:
+        B = len(members)
+        sel = torch.tensor(members, dtype=torch.long)
+        q_lens = torch.tensor([meta.query_lens[b] for b in members], dtype=torch.long)
+        kv_lens = torch.tensor([meta.seq_lens[b] for b in members], dtype=torch.long)
         max_q = int(q_lens.max())
         max_kv = int(kv_lens.max())
-        T = int(q_lens.sum())
 
         # query padding: [B, max_q] -> flat token index, pad rows point at a zero row T
-        starts = torch.cumsum(q_lens, 0) - q_lens
+        first = torch.tensor([starts[b] for b in members], dtype=torch.long)
         qi = torch.arange(max_q)
         q_valid = qi[None, :] < q_lens[:, None]
-        q_index = torch.where(q_valid, starts[:, None] + qi[None, :], torch.full_like(q_valid, T, dtype=torch.long))
+        q_index = torch.where(q_valid, first[:, None] + qi[None, :], torch.full_like(q_valid, T, dtype=torch.long))
 
         # key gather: [B, max_kv] -> cache slot
         kj = torch.arange(max_kv)
-        bt = meta.block_tables.to("cpu", torch.long)
+        bt = bt_all if B == bt_all.shape[0] else bt_all[sel]
         blk = bt.gather(1, (kj // self.block_size).clamp(max=bt.shape[1] - 1)[None, :].expand(B, -1))
         kv_slots = blk * self.block_size + (kj % self.block_size)[None, :]
         kv_valid = kj[None, :] < kv_lens[:, None]
@@ -39,33 +75,36 @@ class TorchNativeBackend(AttentionBackend):
         # mask: query i of request b sits at kv position kv_len - q_len + i
         q_pos = (kv_lens - q_lens)[:, None] + qi[None, :]
         mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
-        for b, tm in (meta.tree_masks or {}).items():
+        for i, b in enumerate(members):
+            tm = (meta.tree_masks or {}).get(b)
+            if tm is None:
+                continue
             ql, kl = meta.query_lens[b], meta.seq_lens[b]
             if tm.shape != (ql, ql):
                 raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
-            mask[b, :ql, kl - ql : kl] = tm.to("cpu", torch.bool)
+            mask[i, :ql, kl - ql : kl] = tm.to("cpu", torch.bool)
         mask[~q_valid] = False
         mask[:, :, 0] |= ~q_valid  # padded query rows attend something, avoiding NaN
 
-        self._q_index = q_index.to(device)
-        # flat position of each real query in the padded [B * max_q] layout (no mask indexing per layer)
-        self._q_flat = q_valid.reshape(-1).nonzero()[:, 0].to(device)
-        self._kv_slots = kv_slots.to(device)
-        self._mask = mask[:, None].to(device)
-        self._slot_mapping = meta.slot_mapping
-        self._shape = (B, max_q, max_kv)
+        return _Group(q_index.to(device), kv_slots.to(device), mask[:, None].to(device),
+                      # flat position of each real query in the padded [B * max_q] layout
+                      q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_flat, v_flat = write_kv(self.kv_caches[layer], self._slot_mapping, k, v)
         kvh, d = k_flat.shape[1:]
-
-        B, max_q, max_kv = self._shape
         h = q.shape[1]
         q_ext = torch.cat([q, q.new_zeros(1, h, d)], 0)
-        qp = q_ext[self._q_index].transpose(1, 2)  # [B, H, max_q, D]
-        kp = k_flat[self._kv_slots].transpose(1, 2)  # [B, KVH, max_kv, D]
-        vp = v_flat[self._kv_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=self._mask, scale=self.scale, enable_gqa=h != kvh
-        )
-        return out.transpose(1, 2).reshape(B * max_q, h, d)[self._q_flat]  # [T, H, D] in flat order
+        outs = []
+        for g in self._groups:
+            B, max_q, max_kv = g.shape
+            qp = q_ext[g.q_index].transpose(1, 2)  # [B, H, max_q, D]
+            kp = k_flat[g.kv_slots].transpose(1, 2)  # [B, KVH, max_kv, D]
+            vp = v_flat[g.kv_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=h != kvh
+            )
+            outs.append(out.transpose(1, 2).reshape(B * max_q, h, d)[g.q_flat])  # [T_g, H, D]
+        if self._order is None:
+            return outs[0]  # one group: already in flat order
+        return torch.cat(outs, 0)[self._order]
