@@ -4,11 +4,16 @@ Policies: ``static`` (every request drafts its cap), ``threshold`` (the seed's: 
 while more than N requests run, with hysteresis) and ``adaptive``, which maximises committed
 tokens per second:
 
-    goodput = sum_r E_r(k_r) / (T(n_base + sum_r k_r) + D(k))
+    goodput = sum_r E_r(k_r) / (T(n + P + sum_r k_r) - (T(n + P) - T(n)) + D(k))
 
-with E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (alpha: conditional acceptance at draft
+with n decoding requests and P prompt tokens sharing the step, E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (alpha: conditional acceptance at draft
 position i, per request, shrunk towards the overall rate), T the target step time vs. tokens in
 the step and D the draft time (one head forward per draft step over the requests still drafting).
+The prompt tokens' own share, T(n + P) - T(n), is left out: it is the same whatever the depth (a
+prompt is prefilled once), and in a closed loop it lands in the cycle after the one whose tokens
+finished a request, so counted it would charge a depth for its predecessor's prefills. What
+sharing the step does to the cost of verify tokens (they are dearer on top of a large prefill)
+stays in.
 
 The adaptive choice is made among uniform depths d = 0..K (arms; a tree is off or full) per
 batch-size bucket by ``GoodputBandit`` (spec/bandit.py): each arm's goodput is *measured* over
@@ -49,10 +54,18 @@ def arm_depths(arms: np.ndarray, cumacc: np.ndarray, caps: np.ndarray, overall: 
     return np.where(arms[:, None] > 0, np.minimum(d, np.maximum(worth, 1)), 0)
 
 
+def prefill_share(cost: CostModel, decode_tokens: int, prefill_tokens: int, num_seqs: int) -> float:
+    """Seconds the prompt tokens add to a step of ``decode_tokens`` other tokens, by ``cost``."""
+    if prefill_tokens <= 0:
+        return 0.0
+    return max(cost.step_time(decode_tokens + prefill_tokens, num_seqs) - cost.step_time(max(decode_tokens, 1), num_seqs), 0.0)
+
+
 def arm_priors(arms: np.ndarray, ks: np.ndarray, cumacc: np.ndarray, n_base: int, cost: CostModel,
-               tree: Tree | None = None) -> tuple[list[tuple[float, float]], list[float]]:
-    """The cost model's (expected tokens, seconds) of a cycle under each arm's depths ks [arms, B],
-    and the drafting part of those seconds."""
+               tree: Tree | None = None, prefill: int = 0) -> tuple[list[tuple[float, float]], list[float]]:
+    """The cost model's (expected tokens, seconds) of a cycle under each arm's depths ks [arms, B]
+    (``n_base`` decoding requests, ``prefill`` prompt tokens sharing the step, their own share
+    left out), and the drafting part of those seconds."""
     B, K = cumacc.shape
     csum = np.concatenate([np.zeros((B, 1)), np.cumsum(cumacc, axis=1)], axis=1)
     tokens = B + csum[np.arange(B)[None, :], np.minimum(ks, K)].sum(axis=1)
@@ -72,7 +85,7 @@ def arm_priors(arms: np.ndarray, ks: np.ndarray, cumacc: np.ndarray, n_base: int
         nz = counts > 0
         draft[nz] = cost.draft.predict_many(counts[nz])
     drafting = draft.sum(axis=1)
-    seconds = cost.step_times(n_base + verify, B) + drafting
+    seconds = cost.step_times(n_base + prefill + verify, B) - prefill_share(cost, n_base, prefill, B) + drafting
     return [(float(t), float(s)) for t, s in zip(tokens, seconds)], [float(d) for d in drafting]
 
 
@@ -132,6 +145,7 @@ class Cycle:
     tokens: int = 0
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
     requests: int = 0  # in the decision
+    prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
 
 
 @dataclass
@@ -229,6 +243,7 @@ class SpecController:
         c, self._cycle = self._cycle, None
         if c is None or c.tokens <= 0:
             return
+        seconds = max(seconds - c.prefill_seconds, 0.2 * seconds)
         if not c.measured:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
         elif c.target_predicted is not None:
@@ -239,10 +254,18 @@ class SpecController:
     def forget(self, request_id: str) -> None:
         self.per_request.pop(request_id, None)
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0,
+                     decode_rows: int | None = None) -> None:
+        """A target step of ``num_tokens`` for ``num_seqs`` requests took ``seconds``; of its tokens,
+        ``prefill_tokens`` were prompt tokens before each prompt's last and ``decode_rows`` one per
+        request that samples (the rest: drafts to verify)."""
         c = self._cycle
-        if c is not None and c.target_predicted is None:
-            c.target_predicted = self._reference().step_time(num_tokens, num_seqs)
+        if c is not None:
+            rows = num_tokens - prefill_tokens if decode_rows is None else decode_rows
+            if c.target_predicted is None:
+                ref = self._reference()
+                c.target_predicted = ref.step_time(num_tokens, num_seqs) - prefill_share(ref, rows, prefill_tokens, num_seqs)
+            c.prefill_seconds += prefill_share(self.cost, rows, prefill_tokens, num_seqs)
         pred = self.cost.observe_step(num_tokens, seconds, num_seqs)
         if pred is not None:
             self.last_prediction = (pred, seconds)
@@ -271,12 +294,12 @@ class SpecController:
                 self.spec_on = True
             ks = caps_a if self.spec_on else np.zeros_like(caps_a)
         else:
-            ks, exploring = self._decide_adaptive(requests, caps_a, num_running + prefill_tokens)
+            ks, exploring = self._decide_adaptive(requests, caps_a, num_running, prefill_tokens)
         out = [int(k) for k in ks]
         self._count(requests, out, exploring)
         return out
 
-    def _decide_adaptive(self, requests: list, caps: np.ndarray, n_base: int) -> tuple[np.ndarray, bool]:
+    def _decide_adaptive(self, requests: list, caps: np.ndarray, n_base: int, prefill: int) -> tuple[np.ndarray, bool]:
         self._cycle = None
         K = int(caps.max(initial=0))
         if K == 0 or self.cfg.num_steps == 0:
@@ -304,7 +327,7 @@ class SpecController:
         keep = np.concatenate([[True], (depths[1:] != depths[:-1]).any(axis=1)])
         arms, depths = arms[keep], depths[keep]
         ref = self._reference()
-        priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree)
+        priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree, prefill)
         key = batch_key(len(requests))
         arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests))
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})

@@ -484,7 +484,8 @@ class EagleSpeculator:
         if verified or self.controller.cycle_open:  # else nothing per request to learn
             for s, a in zip(sampling, accepted):
                 self.controller.observe(s.req.request_id, self._depth(s), a)
-        self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds)
+        prefill = sum(s.num_new_tokens - s.samples for s in plan.scheduled)
+        self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling))
         cost = self.controller.cost
         if cost.stale and not cost.meta.get("stale_reported"):
             # the cached profile is far from what steps measure: the next start-up measures anew
