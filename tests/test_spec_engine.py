@@ -81,6 +81,10 @@ def test_adaptive_turns_a_useless_head_off(random_head, reference, chat_prompts)
     assert [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)] == reference
     hist = {k: v - before.get(k, 0) for k, v in llm.engine.get_stats().k_histogram.items()}
     assert hist.get(0, 0) > 3 * sum(v for k, v in hist.items() if k > 0), hist
+    # and it decided by measurement: most decisions' cycles were timed and went to the bandit
+    snap = llm.engine.drafter.controller.snapshot()
+    assert snap["cycles"] > snap["decisions"] // 2, (snap["cycles"], snap["decisions"])
+    assert any(0 in arms for arms in snap["measured_goodput"].values())
 
 
 def test_per_request_cap_disables_speculation(random_head, chat_prompts):

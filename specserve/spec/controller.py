@@ -13,7 +13,9 @@ The prompt tokens' own share, T(n + P) - T(n), is left out: it is the same whate
 prompt is prefilled once), and in a closed loop it lands in the cycle after the one whose tokens
 finished a request, so counted it would charge a depth for its predecessor's prefills. What
 sharing the step does to the cost of verify tokens (they are dearer on top of a large prefill)
-stays in.
+stays in. A cycle where that share is a large part of its time is not measured at all
+(``prefill_share_limit``). Likewise the draft KV's catch-up over the tokens a verify committed is
+timed to the cycle of that verify (drafter.draft_step), not to the next one, whose depth may differ.
 
 The adaptive choice is made among uniform depths d = 0..K (arms; a tree is off or full) per
 batch-size bucket by ``GoodputBandit`` (spec/bandit.py): each arm's goodput is *measured* over
@@ -167,6 +169,10 @@ class SpecController:
     k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
     cycles: int = 0  # adaptive decisions whose outcome was measured
     full_every: int = 4  # weigh a bucket's arms every this many decisions (quick_arm in between)
+    # a cycle whose prompt tokens' predicted share is above this part of its time is left out of the
+    # arm's measure (charged to exploration only): what remains after subtracting a share that large
+    # is mostly the prediction's error (on two CPU cores, 150 prompt tokens cost ~1.5 decode steps)
+    prefill_share_limit: float = 0.25
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
     _draft_predicted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, arm) -> seconds
@@ -238,13 +244,22 @@ class SpecController:
         if self._cycle is not None:
             self._cycle.measured = False
 
+    def detach_cycle(self) -> Cycle | None:
+        """The cycle in flight, taken out so that a new decision can start before it is ended."""
+        c, self._cycle = self._cycle, None
+        return c
+
     def end_cycle(self, seconds: float) -> None:
         """The wall time since the last adaptive decision: its outcome goes to the bandit."""
-        c, self._cycle = self._cycle, None
+        self.finish_cycle(self.detach_cycle(), seconds)
+
+    def finish_cycle(self, c: Cycle | None, seconds: float) -> None:
+        """The wall time of a detached cycle (None: nothing to measure)."""
         if c is None or c.tokens <= 0:
             return
+        measured = c.measured and c.prefill_seconds <= self.prefill_share_limit * seconds
         seconds = max(seconds - c.prefill_seconds, 0.2 * seconds)
-        if not c.measured:
+        if not measured:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
         elif c.target_predicted is not None:
             self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds,

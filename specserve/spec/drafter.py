@@ -110,6 +110,7 @@ class EagleSpeculator:
         self.controller = SpecController(cfg)
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
         self._drafted_last = False  # whether the last decision drafted for anyone
+        self._time_catch_up = cfg.policy == "adaptive" and self.device.type == "cuda"
         self._head_path = path
         if cfg.policy == "adaptive" and self.runner.graphs is None:
             self.controller.cost = self._load_or_profile_costs(path)  # else after_capture()
@@ -505,19 +506,24 @@ class EagleSpeculator:
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         sched = self.engine.scheduler
         now = time.perf_counter()
+        prev, prev_s = None, 0.0
         if self._cycle_head is not None:
             # the last decision's cycle, in this engine's own time (a caller may run other work
-            # between steps): its draft at the end of the last step, then this step up to here
-            self.controller.end_cycle(self._cycle_head + now - self.engine.step_started)
+            # between steps): its draft at the end of the last step, then this step up to here;
+            # ended once this step's catch-up is timed (below)
+            prev_s = self._cycle_head + now - self.engine.step_started
+            prev = self.controller.detach_cycle()
             self._cycle_head = None
         # requests that produced a token this step and decode next step
         candidates = [s.req for s in plan.scheduled
                       if s.samples and not s.req.is_finished and s.req.num_tokens - s.req.num_computed_tokens == 1]
         if not candidates:
+            self.controller.finish_cycle(prev, prev_s)
             return
         arm = self.controller.quick_arm(len(candidates))
         if arm == 0:  # plain decoding again: nothing per request
             self.controller.count_off(len(candidates))
+            self.controller.finish_cycle(prev, prev_s)
             self._drafted_last = False
             self._cycle_head = time.perf_counter() - now  # measured like any other cycle
             return
@@ -538,20 +544,28 @@ class EagleSpeculator:
         for r, k in zip(candidates, ks):
             if k > 0 and sched._reserve(r, r.num_tokens + k):
                 todo.append((r, k))
+        shift = 0.0
         if todo:
             # the draft time per step includes a steady catch-up (the tokens the last verify
             # committed, and the prompts of requests new to drafting: a cost of drafting itself);
             # one after a stretch of plain decoding is a one-off switch, kept out of the measurement
             caught_up = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r, _ in todo)
             t0 = time.perf_counter()
-            self._draft(todo)
+            catch_up_s = self._draft(todo)
             if caught_up <= len(todo) * (self.max_k + 2):
                 self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
             elif not self._drafted_last:  # nor is it what this depth costs per cycle once on
                 self.controller.skip_cycle()
+            if self._drafted_last:
+                # after a drafting cycle the catch-up replays what its verify committed (and the
+                # prompts prefilled meanwhile): its cost, not this cycle's, which would otherwise
+                # pay for its predecessor's depth (an exploration of depth 1 after depth 3 would
+                # pay for three tokens per request, one of depth 3 after depth 1 for two)
+                shift = catch_up_s
+        self.controller.finish_cycle(prev, prev_s + shift)
         self._drafted_last = bool(todo)
         self.engine.stats.k_histogram = dict(self.controller.k_histogram)
-        self._cycle_head = time.perf_counter() - now
+        self._cycle_head = time.perf_counter() - now - shift
 
     def _prefill_tokens_next_step(self) -> int:
         """Prompt tokens the next step will also carry: running prefills, and waiting requests for
@@ -602,15 +616,22 @@ class EagleSpeculator:
         toks = sampler.draw(q, sb, self.runner.generator).tolist()
         return toks, [None if r.params.greedy else q[i] for i, r in enumerate(reqs)]
 
-    def _draft(self, todo: list[tuple[Request, int]]) -> None:
+    def _draft(self, todo: list[tuple[Request, int]]) -> float:
+        """Draft for ``todo``; returns the seconds its catch-up took (timed to its end on the GPU
+        only where the adaptive controller needs it)."""
         reqs = [r for r, _ in todo]
+        t0 = time.perf_counter()
         h = self._catch_up(reqs)
+        if self._time_catch_up:
+            torch.cuda.synchronize(self.device)
+        catch_up_s = time.perf_counter() - t0
         if self.topk > 1:
             self._draft_tree(todo, h)
         elif self.chain_runner is not None and all(r.params.greedy for r in reqs):
             self._draft_chain_static(todo)
         else:
             self._draft_chain(todo, h)
+        return catch_up_s
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
         """Draft KV over every position that lacks it: pairs (embed(token i+1), feature i).
