@@ -34,8 +34,9 @@ def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
     orig = dr._draft
 
     def wrapped(todo):
-        orig(todo)
+        catch_up_s = orig(todo)
         log.append([(r.request_id, list(r.draft_token_ids)) for r, _ in todo])
+        return catch_up_s
 
     dr._draft = wrapped
     return log

@@ -622,7 +622,7 @@ class EagleSpeculator:
         reqs = [r for r, _ in todo]
         t0 = time.perf_counter()
         h = self._catch_up(reqs)
-        if self._time_catch_up:
+        if self._time_catch_up and self._drafted_last:  # draft_step moves it to the last cycle
             torch.cuda.synchronize(self.device)
         catch_up_s = time.perf_counter() - t0
         if self.topk > 1:
