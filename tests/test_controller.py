@@ -178,6 +178,19 @@ def true_goodput(B: int, k: int) -> float:
     return tokens / (1e-3 * (true_ms(B * (1 + k)) + k * true_draft_ms(B) + HOST_MS))
 
 
+def drafter_decision(ctl: SpecController, reqs: list, prefill: int = 0) -> np.ndarray:
+    """Depths for a batch as the drafter asks for them: a bucket's quick arm (plain decoding skips
+    the decision), else a full decision (caps of 3)."""
+    B = len(reqs)
+    arm = ctl.quick_arm(B)
+    if arm == 0:
+        ctl.count_off(B)
+        return np.zeros(B, dtype=np.int64)
+    if arm is not None:
+        return np.array(ctl.uniform(reqs, arm, [3] * B))
+    return np.array(ctl.decide(reqs, [3] * B, B, prefill))
+
+
 def simulate(B: int, profile: dict[int, float], steps: int = 600, seed: int = 0) -> tuple[float, float, SpecController]:
     """Mean true goodput of the controller's last 200 decisions, and the best uniform depth's."""
     rng = np.random.default_rng(seed)
@@ -186,15 +199,7 @@ def simulate(B: int, profile: dict[int, float], steps: int = 600, seed: int = 0)
     reqs = [R(str(i)) for i in range(B)]
     got = []
     for step in range(steps):
-        # the drafter's protocol: a bucket that stays off skips the decision
-        arm = ctl.quick_arm(B)
-        if arm == 0:
-            ctl.count_off(B)
-            ks = np.zeros(B, dtype=np.int64)
-        elif arm is not None:
-            ks = np.array(ctl.uniform(reqs, arm, [3] * B))
-        else:
-            ks = np.array(ctl.decide(reqs, [3] * B, B, 0))
+        ks = drafter_decision(ctl, reqs)
         n = B + int(ks.sum())
         target = true_ms(n) * 1e-3 * rng.lognormal(0, 0.1)
         ctl.observe_step(n, B, target)
@@ -257,15 +262,7 @@ def simulate_closed_loop(B: int, forced: int | None = None, steps: int = 3000, s
     prefill = 0
     seconds = tokens = 0.0
     for step in range(steps):
-        objs = [r for r, _ in reqs]
-        arm = ctl.quick_arm(B)
-        if arm == 0:
-            ctl.count_off(B)
-            ks = np.zeros(B, dtype=np.int64)
-        elif arm is not None:
-            ks = np.array(ctl.uniform(objs, arm, [3] * B))
-        else:
-            ks = np.array(ctl.decide(objs, [3] * B, B, prefill))
+        ks = drafter_decision(ctl, [r for r, _ in reqs], prefill)
         draft = sum(true_draft_ms(int((ks >= j).sum())) for j in range(1, ks.max() + 1)) * 1e-3
         if ks.any():
             ctl.observe_draft(int((ks > 0).sum()), int(ks.max()), draft)
