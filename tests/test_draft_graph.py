@@ -33,8 +33,8 @@ def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
     log: list[list[tuple[str, list[int]]]] = []
     orig = dr._draft
 
-    def wrapped(todo):
-        catch_up_s = orig(todo)
+    def wrapped(todo, **kw):
+        catch_up_s = orig(todo, **kw)
         log.append([(r.request_id, list(r.draft_token_ids)) for r, _ in todo])
         return catch_up_s
 

@@ -143,10 +143,15 @@ class GoodputBandit:
         excess = sum(st.seconds - st.predicted for st in arms.values())
         # this bucket's excess seconds per cycle, starting from every bucket's per request
         bucket = (excess + self.borrow * self.excess_per_request() * batch) / (n + self.borrow) if n + self.borrow else 0.0
-        out = {}
-        tprs: dict[int, float] = {}
-        cvs: dict[int, float] = {}
-        for arm, (tokens, psec) in priors.items():
+        out: dict[int, tuple[float, float]] = {}
+        # a drafting cycle does all a plain one does and more, so its goodput is at most plain
+        # decoding's times its tokens per request: a head that is never right (1.0) cannot look
+        # better than plain decoding however its few cycles happened to be timed (once plain
+        # decoding's own goodput is measured: a guessed one would cap every depth alike; plain
+        # decoding, arm 0, comes first)
+        cap_on = arms.get(0, ArmStats()).n >= self.cap_cycles
+        for arm in sorted(priors):
+            tokens, psec = priors[arm]
             st = arms.get(arm) or ArmStats()
             pool = self.pooled.get(arm) or ArmStats()
             # tokens per request: measured in every bucket, the acceptance model's worth
@@ -162,18 +167,11 @@ class GoodputBandit:
             denom = st.seconds + w * max(psec + own, 0.1 * psec)
             rate = (st.requests + w * batch) / denom if denom > 0 else 0.0
             g = rate * tpr
-            tprs[arm], cvs[arm] = tpr, cv_tok / math.sqrt(pool.n + 1)
-            se = g * math.sqrt(cv**2 / (st.n + w) + cv_tok**2 / (pool.n + 1))
-            out[arm] = (g, se)
-        # a drafting cycle does all a plain one does and more, so its goodput is at most plain
-        # decoding's times its tokens per request: a head that is never right (1.0) cannot look
-        # better than plain decoding however its few cycles happened to be timed (once plain
-        # decoding's own goodput is measured: a guessed one would cap every depth alike)
-        if 0 in out and arms.get(0, ArmStats()).n >= self.cap_cycles:
-            g0 = out[0][0]
-            for arm in out:
-                if arm and out[arm][0] > g0 * tprs[arm]:
-                    out[arm] = (g0 * tprs[arm], g0 * tprs[arm] * cvs[arm])
+            if arm and cap_on and 0 in out and g > out[0][0] * tpr:
+                bound = out[0][0] * tpr
+                out[arm] = (bound, bound * cv_tok / math.sqrt(pool.n + 1))
+                continue
+            out[arm] = (g, g * math.sqrt(cv**2 / (st.n + w) + cv_tok**2 / (pool.n + 1)))
         return out
 
     def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:

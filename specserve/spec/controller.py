@@ -6,7 +6,8 @@ tokens per second:
 
     goodput = sum_r E_r(k_r) / (T(n + P + sum_r k_r) - (T(n + P) - T(n)) + D(k))
 
-with n decoding requests and P prompt tokens sharing the step, E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (alpha: conditional acceptance at draft
+with n decoding requests and P prompt tokens sharing the step,
+E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (alpha: conditional acceptance at draft
 position i, per request, shrunk towards the overall rate), T the target step time vs. tokens in
 the step and D the draft time (one head forward per draft step over the requests still drafting).
 The prompt tokens' own share, T(n + P) - T(n), is left out: it is the same whatever the depth (a
@@ -60,7 +61,8 @@ def prefill_share(cost: CostModel, decode_tokens: int, prefill_tokens: int, num_
     """Seconds the prompt tokens add to a step of ``decode_tokens`` other tokens, by ``cost``."""
     if prefill_tokens <= 0:
         return 0.0
-    return max(cost.step_time(decode_tokens + prefill_tokens, num_seqs) - cost.step_time(max(decode_tokens, 1), num_seqs), 0.0)
+    with_prompts = cost.step_time(decode_tokens + prefill_tokens, num_seqs)
+    return max(with_prompts - cost.step_time(max(decode_tokens, 1), num_seqs), 0.0)
 
 
 def arm_priors(arms: np.ndarray, ks: np.ndarray, cumacc: np.ndarray, n_base: int, cost: CostModel,
@@ -270,17 +272,17 @@ class SpecController:
         self.per_request.pop(request_id, None)
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0,
-                     decode_rows: int | None = None) -> None:
+                     decode_rows: int = 0) -> None:
         """A target step of ``num_tokens`` for ``num_seqs`` requests took ``seconds``; of its tokens,
         ``prefill_tokens`` were prompt tokens before each prompt's last and ``decode_rows`` one per
         request that samples (the rest: drafts to verify)."""
         c = self._cycle
         if c is not None:
-            rows = num_tokens - prefill_tokens if decode_rows is None else decode_rows
             if c.target_predicted is None:
                 ref = self._reference()
-                c.target_predicted = ref.step_time(num_tokens, num_seqs) - prefill_share(ref, rows, prefill_tokens, num_seqs)
-            c.prefill_seconds += prefill_share(self.cost, rows, prefill_tokens, num_seqs)
+                c.target_predicted = (ref.step_time(num_tokens, num_seqs)
+                                      - prefill_share(ref, decode_rows, prefill_tokens, num_seqs))
+            c.prefill_seconds += prefill_share(self.cost, decode_rows, prefill_tokens, num_seqs)
         pred = self.cost.observe_step(num_tokens, seconds, num_seqs)
         if pred is not None:
             self.last_prediction = (pred, seconds)

@@ -110,6 +110,7 @@ class EagleSpeculator:
         self.controller = SpecController(cfg)
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
         self._drafted_last = False  # whether the last decision drafted for anyone
+        # the adaptive controller times catch-ups to their end on the GPU (a device sync)
         self._time_catch_up = cfg.policy == "adaptive" and self.device.type == "cuda"
         self._head_path = path
         if cfg.policy == "adaptive" and self.runner.graphs is None:
@@ -551,7 +552,7 @@ class EagleSpeculator:
             # one after a stretch of plain decoding is a one-off switch, kept out of the measurement
             caught_up = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r, _ in todo)
             t0 = time.perf_counter()
-            catch_up_s = self._draft(todo)
+            catch_up_s = self._draft(todo, time_catch_up=self._time_catch_up and self._drafted_last)
             if caught_up <= len(todo) * (self.max_k + 2):
                 self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
             elif not self._drafted_last:  # nor is it what this depth costs per cycle once on
@@ -616,13 +617,13 @@ class EagleSpeculator:
         toks = sampler.draw(q, sb, self.runner.generator).tolist()
         return toks, [None if r.params.greedy else q[i] for i, r in enumerate(reqs)]
 
-    def _draft(self, todo: list[tuple[Request, int]]) -> float:
-        """Draft for ``todo``; returns the seconds its catch-up took (timed to its end on the GPU
-        only where the adaptive controller needs it)."""
+    def _draft(self, todo: list[tuple[Request, int]], time_catch_up: bool = False) -> float:
+        """Draft for ``todo``; returns the seconds its catch-up took (with ``time_catch_up``, to the
+        end of its device work: draft_step moves that time to the last cycle)."""
         reqs = [r for r, _ in todo]
         t0 = time.perf_counter()
         h = self._catch_up(reqs)
-        if self._time_catch_up and self._drafted_last:  # draft_step moves it to the last cycle
+        if time_catch_up:
             torch.cuda.synchronize(self.device)
         catch_up_s = time.perf_counter() - t0
         if self.topk > 1:
