@@ -15,7 +15,7 @@ from specserve.config import ModelConfig
 from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from specserve.train import data as D
 from specserve.train.attention import TTTBackend
-from specserve.train.eagle3 import TrainConfig, simulate_accept_length, train
+from specserve.train.eagle3 import TrainConfig, load_init_head, simulate_accept_length, train
 from specserve.train.target import Target
 from specserve.train.vocab import build_vocab_map, count_tokens
 
@@ -224,6 +224,26 @@ def test_tiny_training_run_loss_falls_and_head_reloads(tmp_path) -> None:
     assert s2["steps"] == 23
     assert os.path.isfile(out / "checkpoint.pt")
 
+    # --init-from: a new run continues the saved head (its vocab map kept), so its first loss is
+    # that of a trained head, far below a fresh head's first loss
+    def first_loss(d) -> float:
+        return json.loads(open(d / "train_log.jsonl").readline())["loss"]
+
+    out3 = tmp_path / "continued"
+    cfg3 = TrainConfig(**{**cfg.__dict__, "output_dir": str(out3), "max_steps": 2, "eval_conversations": 0,
+                          "init_from": str(out), "draft_vocab_size": 32})
+    s3 = train(cfg3, target)
+    assert s3["draft_vocab_size"] == 48 and s3["init_from"] == str(out)
+    cont = Eagle3DraftModel.from_pretrained(str(out3))
+    assert torch.equal(cont.d2t, head.d2t) and torch.equal(cont.t2d, head.t2d)
+    assert first_loss(out3) < 0.7 * first_loss(out)
+    import dataclasses
+
+    wide = Eagle3DraftModel(Eagle3Config.from_target(dataclasses.replace(target.config, intermediate_size=96), 48))
+    wide.save_pretrained(str(tmp_path / "wide"))
+    with pytest.raises(ValueError, match="intermediate_size 96 does not fit"):
+        load_init_head(str(tmp_path / "wide"), target)
+
 
 def _six_conversations(tmp_path):
     """A tiny random target and a JSONL of six conversations for it."""
@@ -272,3 +292,37 @@ def test_resumed_prepare_distills_what_the_budget_missed(tmp_path) -> None:
     assert recs[train_idx[0]]["messages"] == convs[train_idx[0]]
     for i in train_idx[1:]:
         assert recs[i]["messages"][-1]["content"] != convs[i][1]["content"]
+
+
+def test_resumed_prepare_extends_distilled_conversations_to_more_turns(tmp_path) -> None:
+    target = tiny_target(tiny_tokenizer())
+    two_turns = [c + [{"role": "user", "content": "again"}, {"role": "assistant", "content": "stone cloud."}]
+                 for c in _conversations(6)]
+    data = tmp_path / "convs.jsonl"
+    with open(data, "w") as f:
+        for c in two_turns:
+            f.write(json.dumps({"messages": c}) + "\n")
+    out = tmp_path / "o"
+    out.mkdir()
+    train_idx, _ = D.heldout_split(6, 1, 0)
+    # an earlier prepare distilled the first turn of every training conversation (here: a marked reply)
+    first = {i: [two_turns[i][0], {"role": "assistant", "content": f"earlier reply {i}"}] for i in train_idx}
+    D.save_conversations(str(out / "train_conversations.jsonl"), list(first.items()), distilled=set(train_idx))
+    cfg = TrainConfig(output_dir=str(out), data=str(data), heldout=1, self_distill=True, resume=True,
+                      distill_turns=2, distill_backend="simple", distill_max_tokens=6, max_len=256, batch_tokens=512)
+    from specserve.train.eagle3 import build_examples
+
+    examples, _, facts = build_examples(cfg, target)
+    assert facts["distill_extended_turns"] == len(train_idx)
+    recs = {o["index"]: o["messages"] for o in map(json.loads, open(out / "train_conversations.jsonl"))}
+    for i in train_idx:
+        m = recs[i]
+        assert [x["role"] for x in m] == ["user", "assistant", "user", "assistant"]
+        assert m[:3] == first[i] + [two_turns[i][2]]  # the earlier reply is kept, the second turn asked
+        assert m[3]["content"] != two_turns[i][3]["content"]  # ... and answered by the target
+    # both replies are trained on: more loss tokens than the first replies alone
+    assert sum(e.num_loss_tokens for e in examples) > sum(
+        len(target.tokenizer.encode(first[i][1]["content"])) for i in train_idx)
+    # a second resume has nothing left to extend
+    _, _, facts2 = build_examples(cfg, target)
+    assert "distill_extended_turns" not in facts2

@@ -57,6 +57,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     a("--save-dtype", choices=["float32", "bfloat16", "float16"], default=d.save_dtype)
     a("--init-from-target", action=argparse.BooleanOptionalAction, default=d.init_from_target,
       help="start lm_head/norm from the target's rows for the draft vocab")
+    a("--init-from", default=None, help="continue training this EAGLE-3 head (its draft vocab is kept; "
+      "--draft-vocab-size is then ignored)")
     a("--log-every", type=int, default=d.log_every)
     a("--progress", action=argparse.BooleanOptionalAction, default=True)
 

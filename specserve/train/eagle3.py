@@ -77,6 +77,7 @@ class TrainConfig:
     eval_time_budget_s: float | None = None  # cap on generating the held-out replies
     save_dtype: str = "bfloat16"
     init_from_target: bool = True
+    init_from: str | None = None  # an EAGLE-3 head to continue training (its draft vocab is kept)
     log_every: int = 10
     progress: bool = True
 
@@ -338,6 +339,20 @@ def init_head(head: Eagle3DraftModel, target: Target, from_target: bool, seed: i
                 head.norm.weight.copy_(norm.weight.float())
 
 
+def load_init_head(path: str, target: Target) -> Eagle3DraftModel:
+    """An EAGLE-3 head to continue training from (fp32); it must fit the target's shapes."""
+    head = Eagle3DraftModel.from_pretrained(path)
+    want = Eagle3Config.from_target(target.config, head.config.draft_vocab_size)
+    got = head.config
+    for f in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "feature_size"):
+        if getattr(got, f) != getattr(want, f):
+            raise ValueError(f"--init-from {path}: {f} {getattr(got, f)} does not fit the target ({getattr(want, f)})")
+    if not head.is_eagle3:
+        raise ValueError(f"--init-from {path} is not an EAGLE-3 head")
+    return head
+
+
 def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], list[tuple[int, D.Conversation]],
                                                                    dict[str, Any]]:
     """Training examples (cached in the output dir), held-out conversations, and data facts."""
@@ -361,14 +376,24 @@ def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], l
                 train.append((o["index"], o["messages"]))
                 if o.get("distilled"):
                     distilled.add(o["index"])
-        rest = [i for i in train_idx if i not in distilled]
+        cached = dict(train)
+
+        def user_turns(c: D.Conversation) -> int:
+            return sum(m["role"] == "user" for m in c)
+
+        # conversations an earlier run's budget did not reach, and distilled ones with fewer turns
+        # than --distill-turns asks for now (those continue from their cached replies)
+        rest = [i for i in train_idx if i not in distilled
+                or user_turns(cached[i]) < user_turns(D.first_exchange(convs[i], cfg.distill_turns))]
         if cfg.self_distill and rest and cfg.distill_time_budget_s != 0:
-            # an earlier run's budget ran out: regenerate the conversations it did not reach
             t0 = time.monotonic()
             n0 = len(distilled)
-            more = dict(distill(cfg, target, [(i, convs[i]) for i in rest], distilled))
+            started = {i: cached[i] for i in rest if i in distilled}
+            turns0 = sum(user_turns(c) for c in started.values())
+            more = dict(distill(cfg, target, [(i, convs[i]) for i in rest], distilled, started))
             facts["distill_resumed_s"] = round(time.monotonic() - t0, 1)
             facts["distill_resumed_conversations"] = len(distilled) - n0
+            facts["distill_extended_turns"] = sum(user_turns(more[i]) for i in started if i in more) - turns0
             train = [(i, more[i]) if i in more and i in distilled else (i, c) for i, c in train]
             known = {i for i, _ in train}
             train += [(i, c) for i, c in more.items() if i not in known]
@@ -399,12 +424,16 @@ def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], l
 
 
 def distill(cfg: TrainConfig, target: Target, convs: list[tuple[int, D.Conversation]],
-            distilled: set[int] | None = None) -> list[tuple[int, D.Conversation]]:
+            distilled: set[int] | None = None,
+            started: dict[int, D.Conversation] | None = None) -> list[tuple[int, D.Conversation]]:
     """Replace assistant turns with the target's own greedy replies, one turn depth at a time.
 
     Indices of conversations that got the target's replies are added to ``distilled``.
+    ``started`` maps indices to conversations distilled earlier over fewer turns: those continue
+    from there (their later user turns get the target's replies, the earlier replies are kept).
     """
     distilled = set() if distilled is None else distilled
+    started = started or {}
     from specserve.train.generate import generate_replies
 
     work: list[tuple[int, D.Conversation, D.Conversation]] = []  # (index, source, rebuilt so far)
@@ -415,14 +444,15 @@ def distill(cfg: TrainConfig, target: Target, convs: list[tuple[int, D.Conversat
             if m["role"] == "user":
                 break
             head.append(m)
-        work.append((i, c, head))
+        work.append((i, c, list(started.get(i, head))))
     budget = cfg.distill_time_budget_s
     t0 = time.monotonic()
     for turn in range(cfg.distill_turns):
         todo = []
         for w, (i, src, built) in enumerate(work):
             users = [m for m in src if m["role"] == "user"]
-            if turn >= len(users) or (turn > 0 and (not built or built[-1]["role"] != "assistant")):
+            done = sum(m["role"] == "user" for m in built)  # turns replied to already
+            if turn >= len(users) or turn < done or (turn > 0 and (not built or built[-1]["role"] != "assistant")):
                 continue
             prompt = built + [users[turn]]
             if len(D.render_ids(target.tokenizer, prompt, add_generation_prompt=True)) > cfg.max_prompt_len:
@@ -472,13 +502,17 @@ def train(cfg: TrainConfig, target: Target, argv: Sequence[str] | None = None) -
 
     t0 = time.monotonic()
     counts = count_tokens(((e.ids[1:], e.mask[1:]) for e in examples), target.config.vocab_size)
-    dvs = min(cfg.draft_vocab_size, target.config.vocab_size)
-    d2t, t2d = build_vocab_map(counts, dvs)
+    if cfg.init_from:
+        head = load_init_head(cfg.init_from, target)
+        dvs, t2d = head.config.draft_vocab_size, head.t2d.bool()
+        facts["init_from"] = cfg.init_from
+    else:
+        dvs = min(cfg.draft_vocab_size, target.config.vocab_size)
+        d2t, t2d = build_vocab_map(counts, dvs)
+        head = Eagle3DraftModel(Eagle3Config.from_target(target.config, dvs))
+        head.set_vocab_map(d2t, t2d)
+        init_head(head, target, cfg.init_from_target, cfg.seed)
     facts["draft_vocab_coverage"] = round(float(counts[t2d].sum()) / max(1, int(counts.sum())), 5)
-    hcfg = Eagle3Config.from_target(target.config, dvs)
-    head = Eagle3DraftModel(hcfg)
-    head.set_vocab_map(d2t, t2d)
-    init_head(head, target, cfg.init_from_target, cfg.seed)
     head.to(dev)
     head.train()
     log.info("vocab map and head ready in %.1f s (draft vocab covers %.2f%% of loss tokens)",
@@ -612,8 +646,10 @@ def write_model_card(cfg: TrainConfig, s: dict[str, Any], argv: Sequence[str] | 
            else "the dataset's own assistant turns."),
         f"- Held-out split: the first {cfg.heldout} indices of `random.Random({cfg.seed}).shuffle(range(n))` "
         f"over the {s['source_conversations']} conversations (`heldout.json`); none was trained on.",
-        f"- Draft vocab: {s['draft_vocab_size']} most frequent assistant tokens "
-        f"(coverage {s['draft_vocab_coverage']:.2%} of loss tokens).",
+        (f"- Continued from the head at {cfg.init_from} (its draft vocab of {s['draft_vocab_size']} tokens kept; "
+         f"coverage {s['draft_vocab_coverage']:.2%} of these loss tokens)." if cfg.init_from else
+         f"- Draft vocab: {s['draft_vocab_size']} most frequent assistant tokens "
+         f"(coverage {s['draft_vocab_coverage']:.2%} of loss tokens)."),
         f"- Training-time test: {cfg.ttt_steps} unrolled steps, weights {cfg.ttt_decay}^i, soft cross-entropy "
         "against the target's distribution over the draft vocab.",
         f"- AdamW lr {cfg.lr}, warmup {cfg.warmup_ratio:.0%} + cosine to {cfg.min_lr_ratio}x, grad clip "
