@@ -6,6 +6,7 @@ One engine per configuration, all in this process, all on the same target weight
     chain2..chain7   speculative_num_steps 2, 3, 5, 7, topk 1 (a chain)
     tree             steps 5, topk 4, 16 draft tokens (EAGLE-2 dynamic tree)
     tree8, tree12    the same tree with 8 or 12 draft tokens (a cheaper verify)
+    tree6x10, tree4x8  6 steps x top-4 x 10 tokens, 4 steps x top-4 x 8 tokens
 
 Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration in turn, the
 order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens (or up to it and
@@ -50,6 +51,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16},
     "tree8": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
     "tree12": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
+    "tree6x10": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 10},
+    "tree4x8": {"speculative_num_steps": 4, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
 }
 _ids = itertools.count()
 

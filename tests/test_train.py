@@ -231,8 +231,10 @@ def test_tiny_training_run_loss_falls_and_head_reloads(tmp_path) -> None:
 
     out3 = tmp_path / "continued"
     cfg3 = TrainConfig(**{**cfg.__dict__, "output_dir": str(out3), "max_steps": 2, "eval_conversations": 0,
-                          "init_from": str(out), "draft_vocab_size": 32})
+                          "init_from": str(out), "draft_vocab_size": 32, "seed": 1})
     s3 = train(cfg3, target)
+    # another batch-order seed keeps the held-out split (--split-seed sets it)
+    assert json.load(open(out3 / "heldout.json"))["indices"] == json.load(open(out / "heldout.json"))["indices"]
     assert s3["draft_vocab_size"] == 48 and s3["init_from"] == str(out)
     cont = Eagle3DraftModel.from_pretrained(str(out3))
     assert torch.equal(cont.d2t, head.d2t) and torch.equal(cont.t2d, head.t2d)

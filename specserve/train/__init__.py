@@ -21,7 +21,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     a("--draft-vocab-size", type=int, default=d.draft_vocab_size)
     a("--max-conversations", type=int, default=None, help="cap on training conversations")
     a("--heldout", type=int, default=d.heldout, help="conversations held out (never trained on)")
-    a("--seed", type=int, default=d.seed)
+    a("--split-seed", type=int, default=d.split_seed, help="seed of the held-out split")
+    a("--seed", type=int, default=d.seed, help="seed of the initialisation and the batch order")
     a("--max-len", type=int, default=d.max_len, help="tokens per training sequence (longer are cut)")
     a("--max-prompt-len", type=int, default=d.max_prompt_len)
     a("--self-distill", action=argparse.BooleanOptionalAction, default=d.self_distill,

@@ -47,7 +47,8 @@ class TrainConfig:
     draft_vocab_size: int = 16384
     max_conversations: int | None = None  # cap on training conversations (after the split)
     heldout: int = 1000
-    seed: int = 0
+    split_seed: int = 0  # the held-out split; kept apart from ``seed`` so a new batch order keeps it
+    seed: int = 0  # initialisation and batch order
     max_len: int = 2048
     max_prompt_len: int = 1024  # self-distillation: prompts longer than this are skipped
     self_distill: bool = False
@@ -357,9 +358,9 @@ def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], l
                                                                    dict[str, Any]]:
     """Training examples (cached in the output dir), held-out conversations, and data facts."""
     convs = D.load_conversations(cfg.data)
-    train_idx, held_idx = D.heldout_split(len(convs), cfg.heldout, cfg.seed)
+    train_idx, held_idx = D.heldout_split(len(convs), cfg.heldout, cfg.split_seed)
     with open(os.path.join(cfg.output_dir, "heldout.json"), "w") as f:
-        json.dump({"data": cfg.data, "seed": cfg.seed, "num_conversations": len(convs),
+        json.dump({"data": cfg.data, "seed": cfg.split_seed, "num_conversations": len(convs),
                    "rule": "first `heldout` indices of random.Random(seed).shuffle(range(n))",
                    "indices": held_idx}, f)
     if cfg.max_conversations is not None:
@@ -644,7 +645,7 @@ def write_model_card(cfg: TrainConfig, s: dict[str, Any], argv: Sequence[str] | 
            f"target (self-distillation, {cfg.distill_turns} turn(s), up to {cfg.distill_max_tokens} tokens"
            f"{', the rest keep the dataset replies' if cfg.distill_keep_original else ''})." if cfg.self_distill
            else "the dataset's own assistant turns."),
-        f"- Held-out split: the first {cfg.heldout} indices of `random.Random({cfg.seed}).shuffle(range(n))` "
+        f"- Held-out split: the first {cfg.heldout} indices of `random.Random({cfg.split_seed}).shuffle(range(n))` "
         f"over the {s['source_conversations']} conversations (`heldout.json`); none was trained on.",
         (f"- Continued from the head at {cfg.init_from} (its draft vocab of {s['draft_vocab_size']} tokens kept; "
          f"coverage {s['draft_vocab_coverage']:.2%} of these loss tokens)." if cfg.init_from else
