@@ -273,11 +273,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"unsupported rope_scaling type {kind!r} for the draft head")
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, D/2] for ``apply_rope`` (computed once for q and k)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
+    return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, heads, D] rotated by position (half-split / NeoX-style, as Llama in HF layout)."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]  # [T, D/2]
-    cos = freqs.cos()[:, None, :]
-    sin = freqs.sin()[:, None, :]
+    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(positions, inv_freq)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -301,8 +306,9 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        cs = rope_cos_sin(positions, self.inv_freq)
+        q = apply_rope(q, positions, self.inv_freq, cs)
+        k = apply_rope(k, positions, self.inv_freq, cs)
         out = get_forward_context().attn.forward(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 

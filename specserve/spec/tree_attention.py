@@ -28,8 +28,10 @@ class TreeDraftBackend(AttentionBackend):
         self._prefix_slots = torch.where(valid, slots, torch.zeros_like(slots)).to(dev)
         self._prefix_valid = valid.to(dev)  # [B, P]
         self._B, self._K = B, topk
-        self._node_k: dict[int, torch.Tensor] = {}
-        self._node_v: dict[int, torch.Tensor] = {}
+        # per layer: K/V buffers [B, P + tree nodes so far (+ room), kvh, d], the prefix gathered
+        # once per draft step (it does not change while the tree grows), and how many nodes are in
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._nodes: dict[int, int] = {}
         self._anc: torch.Tensor | None = None
 
     def set_ancestors(self, anc: torch.Tensor) -> None:
@@ -39,22 +41,38 @@ class TreeDraftBackend(AttentionBackend):
     def plan(self, meta) -> None:  # the tree steps are planned through begin/set_ancestors
         raise NotImplementedError("TreeDraftBackend is driven by begin() and set_ancestors()")
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B, K = self._B, self._K
+    def _buffers(self, layer: int, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K/V buffers with room for ``need`` entries (prefix + nodes)."""
+        buf = self._kv.get(layer)
+        if buf is not None and buf[0].shape[1] >= need:
+            return buf
         k_cache, v_cache = self.kv_caches[layer]
         kvh, d = k_cache.shape[-2:]
+        P = self._prefix_slots.shape[1]
+        cap = max(need, P + 8 * self._K)
+        kb = k_cache.new_empty(self._B, cap, kvh, d)
+        vb = v_cache.new_empty(self._B, cap, kvh, d)
+        if buf is None:
+            kb[:, :P] = k_cache.view(-1, kvh, d)[self._prefix_slots]
+            vb[:, :P] = v_cache.view(-1, kvh, d)[self._prefix_slots]
+        else:
+            have = P + self._nodes[layer]
+            kb[:, :have] = buf[0][:, :have]
+            vb[:, :have] = buf[1][:, :have]
+        self._kv[layer] = (kb, vb)
+        return kb, vb
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, K = self._B, self._K
+        P = self._prefix_slots.shape[1]
+        n_prev = self._nodes.get(layer, 0)
+        S = P + n_prev + K
+        kb, vb = self._buffers(layer, S)
+        kvh, d = kb.shape[-2:]
         h = q.shape[1]
-        pk = k_cache.view(-1, kvh, d)[self._prefix_slots]  # [B, P, kvh, d]
-        pv = v_cache.view(-1, kvh, d)[self._prefix_slots]
-        k = k.view(B, K, kvh, d).to(pk.dtype)
-        v = v.view(B, K, kvh, d).to(pv.dtype)
-        prev_k = self._node_k.get(layer)
-        prev_v = self._node_v.get(layer)
-        n_prev = 0 if prev_k is None else prev_k.shape[1]
-        keys = [pk] + ([prev_k] if n_prev else []) + [k]
-        vals = [pv] + ([prev_v] if n_prev else []) + [v]
-        self._node_k[layer] = k if prev_k is None else torch.cat([prev_k, k], 1)
-        self._node_v[layer] = v if prev_v is None else torch.cat([prev_v, v], 1)
+        kb[:, P + n_prev : S] = k.view(B, K, kvh, d)
+        vb[:, P + n_prev : S] = v.view(B, K, kvh, d)
+        self._nodes[layer] = n_prev + K
         eye = torch.eye(K, dtype=torch.bool, device=q.device)[None].expand(B, -1, -1)
         parts = [self._prefix_valid[:, None, :].expand(-1, K, -1)]
         if n_prev:
@@ -62,7 +80,7 @@ class TreeDraftBackend(AttentionBackend):
         parts.append(eye)
         mask = torch.cat(parts, dim=2)[:, None]  # [B, 1, K, P + n_prev + K]
         qq = q.view(B, K, h, d).transpose(1, 2)
-        kk = torch.cat(keys, 1).transpose(1, 2).to(qq.dtype)
-        vv = torch.cat(vals, 1).transpose(1, 2).to(qq.dtype)
+        kk = kb[:, :S].transpose(1, 2).to(qq.dtype)
+        vv = vb[:, :S].transpose(1, 2).to(qq.dtype)
         out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=h != kvh)
         return out.transpose(1, 2).reshape(B * K, h, d)
