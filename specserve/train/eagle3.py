@@ -343,14 +343,14 @@ def init_head(head: Eagle3DraftModel, target: Target, from_target: bool, seed: i
 def load_init_head(path: str, target: Target) -> Eagle3DraftModel:
     """An EAGLE-3 head to continue training from (fp32); it must fit the target's shapes."""
     head = Eagle3DraftModel.from_pretrained(path)
+    if not head.is_eagle3:
+        raise ValueError(f"--init-from {path} is not an EAGLE-3 head")
     want = Eagle3Config.from_target(target.config, head.config.draft_vocab_size)
     got = head.config
     for f in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "feature_size"):
         if getattr(got, f) != getattr(want, f):
             raise ValueError(f"--init-from {path}: {f} {getattr(got, f)} does not fit the target ({getattr(want, f)})")
-    if not head.is_eagle3:
-        raise ValueError(f"--init-from {path} is not an EAGLE-3 head")
     return head
 
 
