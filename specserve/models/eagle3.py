@@ -279,10 +279,10 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x [T, heads, D] rotated by position (half-split / NeoX-style, as Llama in HF layout)."""
-    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(positions, inv_freq)
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, heads, D] rotated by position (half-split / NeoX-style, as Llama in HF layout);
+    ``cos_sin`` from ``rope_cos_sin``."""
+    cos, sin = cos_sin
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -307,8 +307,8 @@ class DraftAttention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         cs = rope_cos_sin(positions, self.inv_freq)
-        q = apply_rope(q, positions, self.inv_freq, cs)
-        k = apply_rope(k, positions, self.inv_freq, cs)
+        q = apply_rope(q, cs)
+        k = apply_rope(k, cs)
         out = get_forward_context().attn.forward(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -523,5 +523,5 @@ def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "rope_inv_freq", "apply_rope"]
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "rope_inv_freq", "rope_cos_sin", "apply_rope"]
 

@@ -29,14 +29,18 @@ class TreeDraftBackend(AttentionBackend):
         self._prefix_valid = valid.to(dev)  # [B, P]
         self._B, self._K = B, topk
         # per layer: K/V buffers [B, P + tree nodes so far (+ room), kvh, d], the prefix gathered
-        # once per draft step (it does not change while the tree grows), and how many nodes are in
+        # once per draft step (it does not change while the tree grows)
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._nodes: dict[int, int] = {}
-        self._anc: torch.Tensor | None = None
+        self.set_ancestors(None)
 
-    def set_ancestors(self, anc: torch.Tensor) -> None:
-        """anc bool [B, K, n_prev]: which earlier tree queries each current query descends from."""
-        self._anc = anc
+    def set_ancestors(self, anc: torch.Tensor | None) -> None:
+        """anc bool [B, K, n_prev]: which earlier tree queries each current query descends from
+        (None at the first depth). Builds this depth's mask, the same for every layer."""
+        B, K = self._B, self._K
+        self._n_prev = 0 if anc is None else anc.shape[2]
+        eye = torch.eye(K, dtype=torch.bool, device=self._prefix_valid.device)[None].expand(B, -1, -1)
+        parts = [self._prefix_valid[:, None, :].expand(-1, K, -1)] + ([anc] if anc is not None else []) + [eye]
+        self._mask = torch.cat(parts, dim=2)[:, None]  # [B, 1, K, P + n_prev + K]
 
     def plan(self, meta) -> None:  # the tree steps are planned through begin/set_ancestors
         raise NotImplementedError("TreeDraftBackend is driven by begin() and set_ancestors()")
@@ -55,8 +59,8 @@ class TreeDraftBackend(AttentionBackend):
         if buf is None:
             kb[:, :P] = k_cache.view(-1, kvh, d)[self._prefix_slots]
             vb[:, :P] = v_cache.view(-1, kvh, d)[self._prefix_slots]
-        else:
-            have = P + self._nodes[layer]
+        else:  # everything before this depth is written
+            have = P + self._n_prev
             kb[:, :have] = buf[0][:, :have]
             vb[:, :have] = buf[1][:, :have]
         self._kv[layer] = (kb, vb)
@@ -64,23 +68,16 @@ class TreeDraftBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, K = self._B, self._K
-        P = self._prefix_slots.shape[1]
-        n_prev = self._nodes.get(layer, 0)
-        S = P + n_prev + K
+        start = self._prefix_slots.shape[1] + self._n_prev  # this depth's nodes go here
+        S = start + K
         kb, vb = self._buffers(layer, S)
         kvh, d = kb.shape[-2:]
         h = q.shape[1]
-        kb[:, P + n_prev : S] = k.view(B, K, kvh, d)
-        vb[:, P + n_prev : S] = v.view(B, K, kvh, d)
-        self._nodes[layer] = n_prev + K
-        eye = torch.eye(K, dtype=torch.bool, device=q.device)[None].expand(B, -1, -1)
-        parts = [self._prefix_valid[:, None, :].expand(-1, K, -1)]
-        if n_prev:
-            parts.append(self._anc)
-        parts.append(eye)
-        mask = torch.cat(parts, dim=2)[:, None]  # [B, 1, K, P + n_prev + K]
+        kb[:, start:S] = k.view(B, K, kvh, d)
+        vb[:, start:S] = v.view(B, K, kvh, d)
         qq = q.view(B, K, h, d).transpose(1, 2)
         kk = kb[:, :S].transpose(1, 2).to(qq.dtype)
         vv = vb[:, :S].transpose(1, 2).to(qq.dtype)
-        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=self.scale, enable_gqa=h != kvh)
+        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=self._mask, scale=self.scale,
+                                             enable_gqa=h != kvh)
         return out.transpose(1, 2).reshape(B * K, h, d)

@@ -90,6 +90,11 @@ def heldout_split(num_conversations: int, num_heldout: int, seed: int) -> tuple[
     return [i for i in range(num_conversations) if i not in held_set], held
 
 
+def user_turns(conv: Conversation) -> int:
+    """How many user messages the conversation has."""
+    return sum(m["role"] == "user" for m in conv)
+
+
 def first_exchange(conv: Conversation, turns: int = 1) -> Conversation:
     """The conversation cut after its ``turns``-th user message (leading system message kept)."""
     out: Conversation = []

@@ -378,23 +378,19 @@ def build_examples(cfg: TrainConfig, target: Target) -> tuple[list[D.Example], l
                 if o.get("distilled"):
                     distilled.add(o["index"])
         cached = dict(train)
-
-        def user_turns(c: D.Conversation) -> int:
-            return sum(m["role"] == "user" for m in c)
-
         # conversations an earlier run's budget did not reach, and distilled ones with fewer turns
         # than --distill-turns asks for now (those continue from their cached replies)
         rest = [i for i in train_idx if i not in distilled
-                or user_turns(cached[i]) < user_turns(D.first_exchange(convs[i], cfg.distill_turns))]
+                or D.user_turns(cached[i]) < D.user_turns(D.first_exchange(convs[i], cfg.distill_turns))]
         if cfg.self_distill and rest and cfg.distill_time_budget_s != 0:
             t0 = time.monotonic()
             n0 = len(distilled)
             started = {i: cached[i] for i in rest if i in distilled}
-            turns0 = sum(user_turns(c) for c in started.values())
+            turns0 = sum(D.user_turns(c) for c in started.values())
             more = dict(distill(cfg, target, [(i, convs[i]) for i in rest], distilled, started))
             facts["distill_resumed_s"] = round(time.monotonic() - t0, 1)
             facts["distill_resumed_conversations"] = len(distilled) - n0
-            facts["distill_extended_turns"] = sum(user_turns(more[i]) for i in started if i in more) - turns0
+            facts["distill_extended_turns"] = sum(D.user_turns(more[i]) for i in started if i in more) - turns0
             train = [(i, more[i]) if i in more and i in distilled else (i, c) for i, c in train]
             known = {i for i, _ in train}
             train += [(i, c) for i, c in more.items() if i not in known]
@@ -452,7 +448,7 @@ def distill(cfg: TrainConfig, target: Target, convs: list[tuple[int, D.Conversat
         todo = []
         for w, (i, src, built) in enumerate(work):
             users = [m for m in src if m["role"] == "user"]
-            done = sum(m["role"] == "user" for m in built)  # turns replied to already
+            done = D.user_turns(built)  # turns replied to already
             if turn >= len(users) or turn < done or (turn > 0 and (not built or built[-1]["role"] != "assistant")):
                 continue
             prompt = built + [users[turn]]
