@@ -162,8 +162,12 @@ class GoodputBandit:
             # the time prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
             w = (cv / self.prior_cv) ** 2
             # the prediction's seconds plus this arm's own excess once it has cycles (one
-            # pseudo-cycle of the bucket's), else the bucket's
-            own = (st.seconds - st.predicted + bucket) / (st.n + 1)
+            # pseudo-cycle of the bucket's), else the bucket's. Plain decoding borrows no time the
+            # profile over-predicted: that is measured on drafting cycles (a profile taken on a busy
+            # machine puts multi-token verifies and draft steps high), and taken whole it made plain
+            # decoding, never run in the bucket, look faster than anything it was measured at
+            borrowed = max(bucket, 0.0) if arm == 0 else bucket
+            own = (st.seconds - st.predicted + borrowed) / (st.n + 1)
             denom = st.seconds + w * max(psec + own, 0.1 * psec)
             rate = (st.requests + w * batch) / denom if denom > 0 else 0.0
             g = rate * tpr
