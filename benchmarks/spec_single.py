@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "same_tokens_as_nospec": f"{sum(r['same_tokens_as_nospec'] for r in mine_all)}/{len(mine_all)}",
             "engine_stats": stats_delta(engines[name].engine.get_stats(), before[name]),
         }
+        drafter = engines[name].engine.drafter
+        if drafter is not None:  # draft paths taken (tree depths skipped as final, graph or eager, ...)
+            row["draft_path_counts"] = dict(drafter.path_counts)
         vs = sum(r["spec_verify_steps"] for r in mine_all)
         if vs:
             row["accept_length"] = (sum(r["spec_accepted_tokens"] for r in mine_all) + vs) / vs

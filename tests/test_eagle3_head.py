@@ -165,6 +165,28 @@ def test_forward_matches_reference_math() -> None:
         head.combine(torch.randn(T, 32))
 
 
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_fused_projections_compute_the_same_head(tmp_path, attention_bias: bool) -> None:
+    cfg = small_config(attention_bias=attention_bias)
+    head = random_head(cfg).eval()
+    fused = random_head(cfg).eval().fuse_projections()
+    assert fused.midlayer.self_attn.qkv_proj.weight.shape == (4 * 8 + 2 * 2 * 8, 64)
+    assert not hasattr(fused.midlayer.mlp, "gate_proj")
+    T = 6
+    torch.manual_seed(3)
+    e, aux = torch.randn(T, 32), torch.randn(T, 96)
+    with torch.no_grad():
+        with forward_context(DenseCausalBackend(1, T, 8 ** -0.5)):
+            ref = head(e, head.combine(aux), torch.arange(3, 3 + T))
+        with forward_context(DenseCausalBackend(1, T, 8 ** -0.5)):
+            out = fused(e, fused.combine(aux), torch.arange(3, 3 + T))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert fused.fuse_projections() is fused  # a second call changes nothing
+    with pytest.raises(RuntimeError, match="fused for inference"):
+        fused.save_pretrained(tmp_path)
+    assert not os.path.exists(tmp_path / "config.json")
+
+
 def _write_eagle1(path, with_bias: bool) -> dict[str, torch.Tensor]:
     H, I = 32, 48
     torch.manual_seed(2)

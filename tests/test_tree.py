@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from specserve.spec.tree import Candidate, DraftTree, select_tree, verify_tree_greedy, verify_tree_sampled
+from specserve.spec.tree import (Candidate, DraftTree, select_tree, tree_is_final, verify_tree_greedy,
+                                 verify_tree_sampled)
 
 
 def lg(p):
@@ -66,3 +67,43 @@ def test_sampled_verify_matches_target_distribution():
     for _ in range(n):
         first[verify_tree_sampled(t, probs, g).tokens[0]] += 1
     assert torch.allclose(first / n, probs[0], atol=0.015)
+
+
+def _expand(rng: torch.Generator, K: int, depths: int, vocab: int = 6) -> list[list[Candidate]]:
+    """EAGLE-2 expansion with random draft distributions: the candidates after each depth."""
+    def children(parent_score: float) -> tuple[torch.Tensor, torch.Tensor]:
+        temp = 0.3 + 3 * float(torch.rand((), generator=rng))  # confident and unsure steps alike
+        lp = torch.log_softmax(torch.randn(vocab, generator=rng) * temp, -1)
+        sc, tok = lp.topk(K)
+        return parent_score + sc, tok
+
+    sc, tok = children(0.0)
+    cands = [Candidate(int(t), float(s), -1, 1) for s, t in zip(sc, tok)]
+    front, out = list(range(K)), [list(cands)]
+    for depth in range(2, depths + 1):
+        first = len(cands)
+        for f in front:
+            sc, tok = children(cands[f].score)
+            cands += [Candidate(int(t), float(s), f, depth) for s, t in zip(sc, tok)]
+        new = sorted(range(first, len(cands)), key=lambda i: -cands[i].score)[:K]
+        front = new
+        out.append(list(cands))
+    return out
+
+
+def test_a_final_tree_does_not_change_with_more_depths():
+    rng = torch.Generator().manual_seed(0)
+    fired = 0
+    for trial in range(300):
+        K, n = (4, 7) if trial % 2 else (3, 4)
+        stages = _expand(rng, K, depths=5)
+        full = select_tree(0, stages[-1], n)
+        for d, cands in enumerate(stages[:-1], start=1):
+            frontier_best = max(c.score for c in cands if c.depth == d)
+            if tree_is_final(cands, n, frontier_best):
+                fired += 1
+                assert select_tree(0, cands, n) == full, (trial, d)
+    assert fired > 100  # the exit is not vacuous on such trees
+    # fewer candidates than nodes wanted: never final
+    assert not tree_is_final(_cands()[:2], 4, -10.0)
+    assert tree_is_final(_cands(), 4, math.log(0.27)) and not tree_is_final(_cands(), 4, math.log(0.28))

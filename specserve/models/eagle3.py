@@ -245,10 +245,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # normalised in fp32 by one fused op, cast back, then times the weight: bit for bit what
+        # transformers computes (with the weight inside the op, bf16 would round once, not twice)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -289,6 +288,18 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> t
     return out.to(x.dtype)
 
 
+def stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One frozen linear whose output is the outputs of ``parts`` (same input) side by side."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    out = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        out.weight.copy_(w)
+        if has_bias:
+            out.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    return out.requires_grad_(False)
+
+
 class DraftAttention(nn.Module):
     def __init__(self, cfg: Eagle3Config, in_dim: int, layer_index: int) -> None:
         super().__init__()
@@ -299,16 +310,25 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(in_dim, kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(in_dim, kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # q, k, v stacked, after fuse_projections()
         self.register_buffer("inv_freq", rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
+    def fuse_projections(self) -> None:
+        self.qkv_proj = stacked_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        T, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         cs = rope_cos_sin(positions, self.inv_freq)
-        q = apply_rope(q, cs)
-        k = apply_rope(k, cs)
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+            # q and k heads side by side: one rotation for both
+            q, k = apply_rope(qkv[:, : (h + kv) * d].view(T, h + kv, d), cs).split((h, kv), dim=1)
+            v = qkv[:, (h + kv) * d :].view(T, kv, d)
+        else:
+            q = apply_rope(self.q_proj(x).view(T, h, d), cs)
+            k = apply_rope(self.k_proj(x).view(T, kv, d), cs)
+            v = self.v_proj(x).view(T, kv, d)
         out = get_forward_context().attn.forward(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -319,8 +339,16 @@ class DraftMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # gate and up stacked, after fuse_projections()
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = stacked_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -371,6 +399,7 @@ class Eagle3DraftModel(nn.Module):
         H = cfg.hidden_size
         self.is_eagle3 = cfg.algorithm == "EAGLE3"
         self._target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.fused = False  # fuse_projections() was called (inference only)
         if self.is_eagle3:
             self.fc = nn.Linear(cfg.feature_size, H, bias=False)
             self.midlayer = Eagle3MidLayer(cfg)
@@ -383,6 +412,17 @@ class Eagle3DraftModel(nn.Module):
         else:
             self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
             self.layers = nn.ModuleList([Eagle1Layer(cfg, i) for i in range(cfg.num_hidden_layers)])
+
+    def fuse_projections(self) -> "Eagle3DraftModel":
+        """For inference: q/k/v and gate/up each become one matmul (one weight read and one call
+        instead of three and two: on a CPU a draft step is mostly per-call overhead). The public
+        layout is gone after this (the head can no longer be saved or loaded into)."""
+        if not self.fused:
+            for m in list(self.modules()):
+                if isinstance(m, (DraftAttention, DraftMLP)):
+                    m.fuse_projections()
+            self.fused = True
+        return self
 
     @property
     def num_kv_layers(self) -> int:
@@ -438,6 +478,10 @@ class Eagle3DraftModel(nn.Module):
 
     # ---- public checkpoint layout ----
 
+    def _check_public_layout(self) -> None:
+        if self.fused:
+            raise RuntimeError("this head's projections are fused for inference; save or load an unfused copy")
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in self.state_dict().items()}
 
@@ -445,6 +489,7 @@ class Eagle3DraftModel(nn.Module):
         """config.json + model.safetensors in the public layout (float tensors cast to ``dtype``)."""
         from safetensors.torch import save_file
 
+        self._check_public_layout()
         os.makedirs(path, exist_ok=True)
         tensors = {}
         for k, v in self.state_dict().items():
@@ -465,6 +510,7 @@ class Eagle3DraftModel(nn.Module):
 
     def load_state(self, tensors: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Load a public-layout state dict; missing tensors or wrong shapes raise naming the tensor."""
+        self._check_public_layout()
         expected = self.expected_shapes()
         tensors = {k: v for k, v in tensors.items() if k not in IGNORED_KEYS}
         if self.is_eagle3 and "d2t" not in tensors and "t2d" not in tensors \
@@ -523,5 +569,6 @@ def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "rope_inv_freq", "rope_cos_sin", "apply_rope"]
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "rope_inv_freq", "rope_cos_sin", "apply_rope",
+           "stacked_linear"]
 

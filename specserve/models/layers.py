@@ -47,11 +47,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_() * self.weight
-        xf = x.float()
-        xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return self.weight * xf.to(x.dtype)
+        # normalised in fp32 by one fused op, cast back, then times the weight: bit for bit what
+        # transformers computes (with the weight inside the op, bf16 would round once, not twice)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 class GatedMLP(nn.Module):

@@ -39,7 +39,7 @@ from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
 from specserve.spec.draft_graph import (CatchUpRunner, ChainDraftRunner, TorchDecodeAttention,
                                          host_to_device)
-from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, verify_tree_greedy,
+from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, tree_is_final, verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
 from specserve.spec.verify import verify_chains_sampled, verify_greedy
@@ -85,6 +85,7 @@ class EagleSpeculator:
         self.device = engine.device
         path = cfg.draft_model_path or default_draft_path()
         self.head = Eagle3DraftModel.from_pretrained(path, device=self.device, dtype=engine.dtype).eval()
+        self.head.fuse_projections()
         pack_for_cpu(self.head, engine.config.cpu_weight_packing, self.device, engine.dtype)
         hc = self.head.config
         want = "EAGLE3" if cfg.algorithm == "EAGLE3" else "EAGLE"
@@ -762,11 +763,15 @@ class EagleSpeculator:
         for b in range(B):
             cands[b] = [Candidate(tok_l[b][i], sc_l[b][i], -1, 1) for i in range(K)]
         front_cand = [[i for i in range(K)] for _ in range(B)]
+        front_best = [sc_l[b][0] for b in range(B)]  # the frontier's best score (topk sorts)
         front_h = h[:, None, :].expand(B, K, h.shape[-1]).reshape(B * K, -1)
         front_tok, front_score = tok, score
         self.tree_attn.begin([r.kv.block_table for r in reqs], [r.num_computed_tokens for r in reqs], K)
         anc = None
         for depth in range(2, self.cfg.num_steps + 1):
+            if all(tree_is_final(cands[b], k, front_best[b]) for b, (_, k) in enumerate(todo)):
+                self.path_counts["tree:depths_skipped"] += self.cfg.num_steps + 1 - depth
+                break
             pos = torch.tensor([r.num_tokens + depth - 3 for r in reqs], device=dev).repeat_interleave(K)
             self.tree_attn.set_ancestors(anc)
             with forward_context(self.tree_attn):
@@ -784,6 +789,7 @@ class EagleSpeculator:
                     cands[b].append(Candidate(ct_l[b][c], cs_l[b][c], front_cand[b][c // K], depth))
                 new_front.append([first + c for c in best_l[b]])
             front_cand = new_front
+            front_best = [cs_l[b][best_l[b][0]] for b in range(B)]
             parent = best // K  # which current query each new frontier node hangs under [B, K]
             onehot = torch.nn.functional.one_hot(parent, K).bool()
             anc = onehot if anc is None else torch.cat([anc.gather(1, parent[:, :, None].expand(-1, -1, anc.shape[2])),

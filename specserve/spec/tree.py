@@ -12,6 +12,7 @@ c from p (renormalised) before trying the next: lossless for deterministic (top-
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,18 @@ def select_tree(root_token: int, cands: list[Candidate], num_nodes: int) -> Draf
         parents=[-1] + [0 if cands[c].parent == -1 else index[cands[c].parent] for c in nodes],
         depths=[0] + [cands[c].depth for c in nodes],
     )
+
+
+def tree_is_final(cands: list[Candidate], num_nodes: int, frontier_best: float) -> bool:
+    """Whether expanding the frontier further can change ``select_tree(cands, num_nodes)``.
+
+    Every later node descends from a frontier node and scores at most its score (log-probabilities
+    only add non-positive terms), so once ``num_nodes`` candidates score at least the best frontier
+    node, no later node enters the selection (a tie goes to the shallower node): the remaining
+    depths would be drafted for nothing. Exact, not a heuristic."""
+    if len(cands) < num_nodes:
+        return False
+    return heapq.nlargest(num_nodes, (c.score for c in cands))[-1] >= frontier_best
 
 
 @dataclass
