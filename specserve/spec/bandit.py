@@ -19,8 +19,7 @@ The time a prediction misses is mostly additive: host time per cycle (scheduling
 commit), attention over contexts the profile did not have, the same for every depth. So an arm's
 predicted seconds are corrected by adding the measured excess (measured - predicted seconds per
 cycle): the arm's own once it has cycles, else its bucket's, and a bucket with few cycles borrows
-the excess per request measured in all buckets, times its batch size. Plain decoding borrows the
-excess per request of plain cycles (in any bucket): drafting cycles also miss their own parts. A constant added to every
+the excess per request measured in all buckets, times its batch size. A constant added to every
 arm cannot make drafting a head that is never right look better than plain decoding (it drafts
 the same tokens for more seconds), while a ratio borrowed from elsewhere could. And once plain
 decoding has a few cycles in a bucket, a depth's goodput is bounded by plain decoding's times the
@@ -125,16 +124,14 @@ class GoodputBandit:
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
 
-    def excess_per_request(self, arm: int | None = None) -> float | None:
-        """Measured minus predicted seconds per cycle and request, over every bucket (over one
-        arm's cycles only, when given); None before any such cycle."""
+    def excess_per_request(self) -> float:
+        """Measured minus predicted seconds per cycle and request, over every bucket."""
         num = den = 0.0
         for arms in self.stats.values():
-            for a, st in arms.items():
-                if arm is None or a == arm:
-                    num += st.seconds - st.predicted
-                    den += st.requests
-        return num / den if den > 0 else None
+            for st in arms.values():
+                num += st.seconds - st.predicted
+                den += st.requests
+        return num / den if den > 0 else 0.0
 
     def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
         """(goodput, standard error) per arm, for a cycle of ``batch`` requests in bucket ``key``.
@@ -145,14 +142,7 @@ class GoodputBandit:
         n = sum(st.n for st in arms.values())
         excess = sum(st.seconds - st.predicted for st in arms.values())
         # this bucket's excess seconds per cycle, starting from every bucket's per request
-        everywhere = self.excess_per_request() or 0.0
-        bucket = (excess + self.borrow * everywhere * batch) / (n + self.borrow) if n + self.borrow else 0.0
-        # plain decoding borrows what plain cycles missed, per request in any bucket: its prediction
-        # is the profile's own shape (a decode step), while drafting cycles also miss their own parts
-        # (verifies and draft steps a busy profile put high: a negative excess; per-request draft and
-        # verify bookkeeping on a GPU: a positive one). Before any plain cycle: the bucket's, if positive
-        plain_per_request = self.excess_per_request(0)
-        plain = max(bucket, 0.0) if plain_per_request is None else plain_per_request * batch
+        bucket = (excess + self.borrow * self.excess_per_request() * batch) / (n + self.borrow) if n + self.borrow else 0.0
         out: dict[int, tuple[float, float]] = {}
         # a drafting cycle does all a plain one does and more, so its goodput is at most plain
         # decoding's times its tokens per request: a head that is never right (1.0) cannot look
@@ -172,8 +162,12 @@ class GoodputBandit:
             # the time prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
             w = (cv / self.prior_cv) ** 2
             # the prediction's seconds plus this arm's own excess once it has cycles (one
-            # pseudo-cycle of the borrowed excess), else the borrowed one
-            own = (st.seconds - st.predicted + (plain if arm == 0 else bucket)) / (st.n + 1)
+            # pseudo-cycle of the bucket's), else the bucket's. Plain decoding borrows no time the
+            # profile over-predicted: that is measured on drafting cycles (a profile taken on a busy
+            # machine puts multi-token verifies and draft steps high), and taken whole it made plain
+            # decoding, never run in the bucket, look faster than anything it was measured at
+            borrowed = max(bucket, 0.0) if arm == 0 else bucket
+            own = (st.seconds - st.predicted + borrowed) / (st.n + 1)
             denom = st.seconds + w * max(psec + own, 0.1 * psec)
             rate = (st.requests + w * batch) / denom if denom > 0 else 0.0
             g = rate * tpr
