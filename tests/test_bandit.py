@@ -96,6 +96,20 @@ def test_plain_decoding_never_run_borrows_no_time_the_profile_over_predicted():
     assert np.isclose(b.estimates(0, priors)[0][0], 1.0 / 0.055, rtol=0.03)
 
 
+def test_plain_decoding_is_measured_first_in_a_new_bucket_where_drafting_is_the_pick():
+    # the profile puts plain decoding last (its host time unseen), deeper depths near the pick; in
+    # truth plain decoding is the best by 18 % and depths 3 and 4 take 3x their prediction (their
+    # explorations would spend the budget before plain decoding's turn): it is measured, then chosen
+    priors = {0: (256.0, 0.012), 2: (512.0, 0.017), 3: (600.0, 0.020), 4: (650.0, 0.022)}
+    truth = {0: 0.6, 2: 1.0, 3: 3.0, 4: 3.0}
+    for seed in range(3):
+        b = GoodputBandit()
+        choices = run(b, priors, truth, 500, seed=seed)
+        assert (0, True) in choices[:8]  # the first warm-up exploration
+        late = [a for a, _ in choices[250:]]
+        assert late.count(0) >= 0.9 * len(late), seed
+
+
 def test_a_new_bucket_borrows_the_excess_per_request_of_the_others():
     # 8 requests (bucket 6) ran at 1 ms per request above the profile; at 32 requests (bucket 10,
     # never run) the profile alone prefers plain decoding (107 vs 104 tok/s), with 32 ms of host

@@ -212,6 +212,12 @@ class GoodputBandit:
             # can rank depths wrongly; every arm whose upper bound beats the pick gets a cycle
             unmeasured = [a for a in others if (arms[a].n if a in arms else 0.0) < self.min_cycles
                           and est[a][0] + self.z * est[a][1] > est[best][0]]
+            if best != min(est) and min(est) not in arms:
+                # plain decoding first, whatever its bound: it is what drafting must never fall below,
+                # and later explorations of other depths can spend the budget before its turn comes
+                # (at 256 requests on the H200 it was never measured, and drafting stayed on at
+                # 0.7-0.8 of its throughput)
+                unmeasured = [min(est)]
             if unmeasured:
                 alt = max(unmeasured, key=lambda a: est[a][0] + self.z * est[a][1])
                 self._explore_again[key] = alt
