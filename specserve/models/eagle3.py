@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention.base import get_forward_context
+from specserve.models.layers import rms_norm
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3Draft")
 EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM", "EAGLEModel")
@@ -245,9 +246,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalised in fp32 by one fused op, cast back, then times the weight: bit for bit what
-        # transformers computes (with the weight inside the op, bf16 would round once, not twice)
-        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

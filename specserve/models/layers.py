@@ -47,9 +47,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalised in fp32 by one fused op, cast back, then times the weight: bit for bit what
-        # transformers computes (with the weight inside the op, bf16 would round once, not twice)
-        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: normalised in fp32 by one fused op, cast back, then times the
+    weight, bit for bit what transformers computes (with the weight inside the op, bf16 would round
+    once, not twice)."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 class GatedMLP(nn.Module):
