@@ -18,6 +18,13 @@ def run(bandit: GoodputBandit, priors: dict, true_ratio: dict, cycles: int, seed
     return out
 
 
+def fill(bandit: GoodputBandit, key: int, arm: int, predicted: float, tokens: float, seconds: float,
+         requests: int = 1, cycles: int = 50) -> None:
+    """``cycles`` identical cycles of ``arm`` in bucket ``key``."""
+    for _ in range(cycles):
+        bandit.observe(key, arm, predicted, tokens, seconds, requests=requests)
+
+
 def test_batch_buckets_are_half_octaves_around_powers_of_two():
     assert batch_key(31) == batch_key(32) == batch_key(36)
     assert batch_key(8) != batch_key(16) and batch_key(1) == 0
@@ -70,8 +77,7 @@ def test_an_unmeasured_arm_borrows_the_bucket_excess_time():
     # never run is judged with those 10 ms added too, so its prediction compares fairly
     priors = {0: (1.0, 0.010), 1: (1.5, 0.012)}
     b = GoodputBandit(explore_every=0)
-    for _ in range(50):
-        b.observe(6, 0, 0.010, 1.0, 0.020)
+    fill(b, 6, 0, 0.010, 1.0, 0.020)
     est = b.estimates(6, priors)
     assert np.isclose(est[0][0], 1.0 / 0.020, rtol=1e-3) and np.isclose(est[1][0], 1.5 / 0.022, rtol=1e-3)
     summary = b.summary()
@@ -84,15 +90,13 @@ def test_plain_decoding_never_run_borrows_no_time_the_profile_over_predicted():
     # it would look 1.8x faster than its prediction, faster than it ever runs, and win the bucket
     priors = {0: (1.0, 0.045), 3: (3.0, 0.070)}
     b = GoodputBandit(explore_every=0)
-    for _ in range(50):
-        b.observe(0, 3, 0.070, 3.0, 0.050)
+    fill(b, 0, 3, 0.070, 3.0, 0.050)
     est = b.estimates(0, priors)
     assert np.isclose(est[0][0], 1.0 / 0.045, rtol=1e-3)
     assert np.isclose(est[3][0], 3.0 / 0.050, rtol=0.05)
     # a positive excess (host time every cycle pays) is still borrowed by plain decoding
     b = GoodputBandit(explore_every=0)
-    for _ in range(50):
-        b.observe(0, 3, 0.070, 3.0, 0.080)
+    fill(b, 0, 3, 0.070, 3.0, 0.080)
     assert np.isclose(b.estimates(0, priors)[0][0], 1.0 / 0.055, rtol=0.03)
 
 
@@ -115,8 +119,7 @@ def test_a_new_bucket_borrows_the_excess_per_request_of_the_others():
     # never run) the profile alone prefers plain decoding (107 vs 104 tok/s), with 32 ms of host
     # time added to both arms drafting is better (96 vs 98): the first decision there drafts
     b = GoodputBandit(explore_every=0)
-    for _ in range(50):
-        b.observe(6, 0, 0.100, 8.0, 0.108, requests=8)
+    fill(b, 6, 0, 0.100, 8.0, 0.108, requests=8)
     priors = {0: (32.0, 0.300), 1: (48.0, 0.460)}
     est = b.estimates(10, priors, batch=32)
     assert np.isclose(est[0][0], 32 / 0.332, rtol=1e-3) and np.isclose(est[1][0], 48 / 0.492, rtol=1e-3)

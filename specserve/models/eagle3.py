@@ -329,7 +329,7 @@ class DraftAttention(nn.Module):
             k = apply_rope(self.k_proj(x).view(T, kv, d), cs)
             v = self.v_proj(x).view(T, kv, d)
         out = get_forward_context().attn.forward(self.layer_index, q, k, v)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(T, h * d))
 
 
 class DraftMLP(nn.Module):

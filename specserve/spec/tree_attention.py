@@ -28,6 +28,7 @@ class TreeDraftBackend(AttentionBackend):
         self._prefix_slots = torch.where(valid, slots, torch.zeros_like(slots)).to(dev)
         self._prefix_valid = valid.to(dev)  # [B, P]
         self._B, self._K = B, topk
+        self._eye = torch.eye(topk, dtype=torch.bool, device=dev)[None].expand(B, -1, -1)  # each query sees itself
         # per layer: K/V buffers [B, P + tree nodes so far (+ room), kvh, d], the prefix gathered
         # once per draft step (it does not change while the tree grows)
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -36,10 +37,9 @@ class TreeDraftBackend(AttentionBackend):
     def set_ancestors(self, anc: torch.Tensor | None) -> None:
         """anc bool [B, K, n_prev]: which earlier tree queries each current query descends from
         (None at the first depth). Builds this depth's mask, the same for every layer."""
-        B, K = self._B, self._K
+        K = self._K
         self._n_prev = 0 if anc is None else anc.shape[2]
-        eye = torch.eye(K, dtype=torch.bool, device=self._prefix_valid.device)[None].expand(B, -1, -1)
-        parts = [self._prefix_valid[:, None, :].expand(-1, K, -1)] + ([anc] if anc is not None else []) + [eye]
+        parts = [self._prefix_valid[:, None, :].expand(-1, K, -1)] + ([anc] if anc is not None else []) + [self._eye]
         self._mask = torch.cat(parts, dim=2)[:, None]  # [B, 1, K, P + n_prev + K]
 
     def plan(self, meta) -> None:  # the tree steps are planned through begin/set_ancestors
