@@ -17,8 +17,10 @@ requests completed in it), the controller's k histogram (mean k, k = 0 share), a
 
 Then: "off costs nothing" (C = --off-concurrency, none vs adaptive only, more requests; once more
 with the adaptive engine on a random head, where the controller has to stay off), and the
-ramp (C 1 -> 32 -> 1 on each engine's own clock, --ramp-level-s per level, windows of
---ramp-window-s, none vs adaptive interleaved the same way; k switches counted by the controller).
+ramp (C 1 -> 32 -> 1 on each engine's own clock, --ramp-level-s per level, none vs adaptive
+interleaved the same way; k switches counted by the controller). A window is one level by default
+(--ramp-window-s): at C = 1-2 a 10-s window holds a handful of requests, and where their prefills
+fall moved one engine's rate by a third (session 8: a 0.67 window at C = 2 between 1.07 and 1.39).
 When the ramp's level falls, each client cancels its newest requests above it (users leaving), so
 both engines run exactly C requests at every level: left to drain, the faster engine would empty
 its C = 32 backlog sooner and be compared at a lower concurrency than the slower one.
@@ -349,6 +351,16 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
 
     names = result["configs"]
     s = result["summary"]
+    paths: list[str] = []
+    if s:
+        paths.append(_sweep_plot(plt, names, s, out_dir))
+    ramp = result.get("ramp")
+    if ramp:
+        paths.append(_ramp_plot(plt, ramp, out_dir))
+    return paths
+
+
+def _sweep_plot(plt, names: list[str], s: list[dict[str, Any]], out_dir: str) -> str:
     cs = [r["concurrency"] for r in s]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for n in names:
@@ -364,35 +376,37 @@ def plots(result: dict[str, Any], out_dir: str) -> list[str]:
     axes[0].legend(fontsize=8)
     fig.suptitle("SmolLM2-135M + EAGLE-3 head, CPU: adaptive vs. fixed speculation", fontsize=10)
     fig.tight_layout()
-    paths = [os.path.join(out_dir, "adaptive_sweep.png")]
-    fig.savefig(paths[0], dpi=110)
+    path = os.path.join(out_dir, "adaptive_sweep.png")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    ramp = result.get("ramp")
-    if ramp:
-        fig, ax = plt.subplots(figsize=(11, 3.8))
-        w = ramp["window_s"]
-        for n, cfg in ramp["configs"].items():
-            wins = cfg["windows_tok_s"]
-            ax.plot([(i + 0.5) * w for i in range(len(wins))], wins, marker=".", label=n)
-        ax2 = ax.twinx()
-        lv = ramp["levels"]
-        ax2.step([i * ramp["level_s"] for i in range(len(lv) + 1)], lv + lv[-1:], where="post", color="gray", alpha=0.5)
-        ax2.set_ylabel("concurrency", color="gray")
-        ax.set_xlabel("engine seconds")
-        ax.set_ylabel("output tok/s")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "adaptive_ramp.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
+    return path
+
+
+def _ramp_plot(plt, ramp: dict[str, Any], out_dir: str) -> str:
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    w = ramp["window_s"]
+    for n, cfg in ramp["configs"].items():
+        wins = cfg["windows_tok_s"]
+        ax.plot([(i + 0.5) * w for i in range(len(wins))], wins, marker=".", label=n)
+    ax2 = ax.twinx()
+    lv = ramp["levels"]
+    ax2.step([i * ramp["level_s"] for i in range(len(lv) + 1)], lv + lv[-1:], where="post", color="gray", alpha=0.5)
+    ax2.set_ylabel("concurrency", color="gray")
+    ax.set_xlabel("engine seconds")
+    ax.set_ylabel("output tok/s")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "adaptive_ramp.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--concurrency", default="1,2,4,8,16,32")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="empty: skip the sweep")
     ap.add_argument("--output-len", type=int, default=64, help="mean output tokens (spread over [0.5, 1.5] x)")
     ap.add_argument("--max-input-len", type=int, default=256)
     ap.add_argument("--point-s", type=float, default=25.0,
@@ -407,8 +421,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="also measure off cost with an adaptive engine on a random (never accepted) head, "
                          "where the controller must choose k = 0; 0: skip")
     ap.add_argument("--ramp", default="1,2,4,8,16,32,16,8,4,2,1", help="empty: skip the ramp")
-    ap.add_argument("--ramp-level-s", type=float, default=20.0)
-    ap.add_argument("--ramp-window-s", type=float, default=10.0)
+    ap.add_argument("--ramp-level-s", type=float, default=30.0)
+    ap.add_argument("--ramp-window-s", type=float, default=0.0,
+                    help="0: one window per level (a level's C requests, on each engine's own clock)")
     ap.add_argument("--quiet-threshold", type=float, default=0.3, help="other processes' CPU use (cores) for 'quiet'")
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine per point")
     ap.add_argument("--retry-noisy", type=int, default=1, help="re-runs of a point whose run was not quiet")
@@ -423,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.off_concurrency, args.off_s = 4, 3.0
         args.ramp, args.ramp_level_s, args.ramp_window_s, args.max_wait = "1,4,1", 3.0, 3.0, 5.0
     args.static_steps = [int(x) for x in args.static_steps.split(",") if x]
-    cs = [int(x) for x in args.concurrency.split(",")]
+    cs = [int(x) for x in args.concurrency.split(",") if x]
     levels = [int(x) for x in args.ramp.split(",") if x]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -512,7 +527,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if levels:
         pair = [c for c in clients if c.name in ("none", "adaptive")]
         wait_for_quiet(args.quiet_threshold, args.max_wait)
-        result["ramp"] = run_ramp(pair, levels, args.ramp_level_s, args.ramp_window_s, source(offset))
+        result["ramp"] = run_ramp(pair, levels, args.ramp_level_s, args.ramp_window_s or args.ramp_level_s,
+                                  source(offset))
         rv = result["ramp"].get("adaptive_vs_none", {})
         print(f"ramp: adaptive/none x{rv.get('overall_ratio', 0):.3f}, worst window x{rv.get('min_ratio') or 0:.3f}, "
               f"switches {result['ramp']['configs']['adaptive'].get('switches')}", flush=True)

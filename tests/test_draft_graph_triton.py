@@ -73,3 +73,39 @@ def test_triton_static_draft_path_same_drafts(tmp_path):
     out, log, paths = run(model, head, "triton", PROMPTS[:3], params, catch_up_tokens=12, **eng)
     assert out == ref_out and log == ref_log
     assert paths["catch_up:eager"] > len(log) and "catch_up:torch" not in paths
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; the GPU runs it in every adaptive start-up")
+def test_cost_profile_times_the_static_draft_path(tmp_path):
+    """Where greedy chains draft through the static runners, the start-up profile times that path
+    (catch-up + loop, per draft step), and leaves the engine's drafts as they were."""
+    from test_draft_graph import PROMPTS, record_drafts
+    from tiny_model import make_random_head, make_tiny_model
+
+    from specserve import LLM, SamplingParams
+
+    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
+    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = []
+    for profile in (False, True):
+        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_policy="static", speculative_num_steps=3, max_num_seqs=4)
+        d = llm.engine.drafter
+        d.enable_static_draft(attention="triton")
+        if profile:
+            calls = {"chain": 0, "catch_up": 0}
+            for name, runner in (("chain", d.chain_runner), ("catch_up", d.catch_up_runner)):
+                def counted(*a, _run=runner.run, _n=name, **kw):
+                    calls[_n] += 1
+                    return _run(*a, **kw)
+                runner.run = counted
+            cost = d._profile_costs()
+            assert cost.meta["draft_path"].startswith("static")
+            assert sorted(cost.draft.profile) == [1, 2, 3, 4]
+            assert all(s > 0 for s in cost.draft.profile.values())
+            assert calls["chain"] >= 4 * 3 and calls["catch_up"] == calls["chain"]  # every point, every round
+            del d.chain_runner.run, d.catch_up_runner.run
+        log = record_drafts(llm)
+        outs.append(([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)], log))
+    assert outs[0] == outs[1]

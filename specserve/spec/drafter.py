@@ -226,9 +226,29 @@ class EagleSpeculator:
             with forward_context(self.attn):
                 self.head.compute_logits(self.head(emb, feats, pos))
 
+        # where greedy chains draft through the static runners (CUDA graphs on the GPU), time that
+        # path as a step measures it (drafter.draft_step: catch-up + loop, per draft step): one
+        # eager head forward on the GPU costs several times a graphed draft step, and a profile of
+        # it made every drafting depth look worse than plain decoding before any was measured
+        # (the CPU profiles before the static runners exist: its greedy chains draft eagerly)
+        cu, chain = getattr(self, "catch_up_runner", None), getattr(self, "chain_runner", None)
+        K = self.cfg.resolved_num_draft_tokens - 1
+        static = chain is not None and cu is not None and self.topk == 1 and K > 0 and ctx > K + 2
+        if static:
+            rows = list(range(nblk))
+            feat = torch.zeros(2 * max_batch, hc.feature_size, device=self.device, dtype=e.dtype)
+
+            def draft_static(n: int) -> None:
+                q = 2 if 2 * n <= cu.max_tokens else 1  # tokens a verify commits, about
+                p = [ctx - K - 1 - q + j for _ in range(n) for j in range(1, q + 1)]
+                cu.run([0] * (q * n), p, p, [q] * n, [ctx - K] * n, [rows] * n, feat[: q * n])
+                chain.run([ctx - K] * n, [K] * n, [rows] * n)
+
         t0 = time.perf_counter()
         mt = measure(profile_points(max_tokens), target, sync=sync, budget_s=60.0)
-        md = measure(profile_points(max_batch), draft, sync=sync, budget_s=20.0)
+        md = measure(profile_points(max_batch), draft_static if static else draft, sync=sync, budget_s=20.0)
+        if static:  # seconds per draft step
+            md.seconds = {n: s / K for n, s in md.seconds.items()}
         # verify-shaped steps, b requests (a power of two) x t = 2..8 tokens: they do not cost what b*t
         # single-token requests cost (t = 1 is the profile above; trees verify more than 8, not profiled)
         pairs = [(b, b * t) for b in (1 << i for i in range(max_batch.bit_length())) if b in mt.seconds
@@ -244,6 +264,7 @@ class EagleSpeculator:
                      "seconds": round(time.perf_counter() - t0, 1), "context": ctx,
                      "rounds": {"target": mt.rounds, "draft": md.rounds, "by_batch": mb.rounds},
                      "rechecked": {"target": mt.rechecked, "draft": md.rechecked},
+                     "draft_path": "static (catch-up + chain loop, per step)" if static else "eager head forward",
                      "noisy": mt.noisy or md.noisy or mb.noisy,
                      "over_budget": mt.over_budget or md.over_budget or mb.over_budget,
                      "max_spread": {"target": round(max(mt.spread.values()), 3),
