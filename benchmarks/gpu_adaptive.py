@@ -41,6 +41,8 @@ SPEC: dict[str, dict[str, Any]] = {
     "static_chain3": {"speculative_num_steps": 3, "speculative_policy": "static"},
     "static_chain5": {"speculative_num_steps": 5, "speculative_policy": "static"},
     "adaptive": {"speculative_num_steps": 5, "speculative_policy": "adaptive"},
+    # the same without the start-up calibration (spec/calibrate.py): the bandit starts from the profile alone
+    "adaptive_nocal": {"speculative_num_steps": 5, "speculative_policy": "adaptive", "speculative_calibrate": False},
     # the head loaded, speculation never on (threshold 0): what plain decoding costs in a spec engine
     "spec_off": {"speculative_num_steps": 5, "speculative_policy": "threshold", "speculative_disable_batch_threshold": 0},
 }
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         engines[n] = LLM(**kw)
         result["engines"][n] = {"args": kw, "load_s": time.perf_counter() - t0}
+        d = engines[n].engine.drafter
+        if d is not None and d.cfg.policy == "adaptive":
+            result["engines"][n].update(calibration=d.calibration, cost_profile=dict(d.controller.cost.meta))
         print(f"{n}: ready in {time.perf_counter() - t0:.1f}s", flush=True)
     need = max(max(args.min_requests, args.requests_per_c * c) for c in cs)
     distinct = min(need, MAX_DISTINCT_PROMPTS)
@@ -170,18 +175,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         got = {n: run_batch(engines[n], prompts[:n_req], c, lens) for n in order}
         # judged on the steady stretch (C in flight) where there is one, as benchmarks/adaptive.py does
         metric = "steady_tok_s" if all(got[n]["steady_tok_s"] for n in names) else "tok_s"
-        best_other = max(got[n][metric] for n in names if n != "adaptive")
-        best_name = max((n for n in names if n != "adaptive"), key=lambda n: got[n][metric])
+        fixed = [n for n in names if not n.startswith("adaptive")]
+        best_other = max(got[n][metric] for n in fixed)
+        best_name = max(fixed, key=lambda n: got[n][metric])
         row = {"concurrency": c, "order": order, "metric": metric, **{n: got[n] for n in names}}
         if "adaptive" in got:
             row["adaptive_vs_best"] = got["adaptive"][metric] / best_other
-            row["adaptive_vs_best_whole_batch"] = got["adaptive"]["tok_s"] / max(
-                got[n]["tok_s"] for n in names if n != "adaptive")
+            row["adaptive_vs_best_whole_batch"] = got["adaptive"]["tok_s"] / max(got[n]["tok_s"] for n in fixed)
             row["best_other"] = best_name
+        if "adaptive_nocal" in got:
+            row["adaptive_nocal_vs_best"] = got["adaptive_nocal"][metric] / best_other
         rows.append(row)
         print(f"C={c} ({metric}): " + " | ".join(
             f"{n} {got[n][metric]:.0f}" + (f" (al {got[n]['accept_length']:.2f})" if got[n]["accept_length"] else "")
             + (f" [{got[n]['preemptions']} preempted]" if got[n]["preemptions"] else "") for n in names)
+              + (f" | nocal/best {row['adaptive_nocal_vs_best']:.3f}" if "adaptive_nocal" in got else "")
               + (f" | adaptive/best {row.get('adaptive_vs_best', 0):.3f} ({best_name}), whole batch "
                  f"{row.get('adaptive_vs_best_whole_batch', 0):.3f}, k {got['adaptive']['k_histogram']}"
                  if "adaptive" in got else ""),
@@ -192,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                "met": all(r["adaptive_vs_best"] >= 0.97 for r in rows)}
         d = engines["adaptive"].engine.drafter
         result["adaptive_controller"] = d.controller.snapshot()
+        if "adaptive_nocal" in engines:
+            result["adaptive_nocal_controller"] = engines["adaptive_nocal"].engine.drafter.controller.snapshot()
         cost = getattr(getattr(d, "controller", None), "cost", None)
         if cost is not None and hasattr(cost, "to_json"):
             result["adaptive_cost_model"] = cost.to_json()

@@ -83,6 +83,9 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None  # None: steps + 1 for a chain
     policy: SpecPolicy = "adaptive"
     disable_batch_threshold: int | None = None
+    # adaptive: time engine steps of every depth on scratch requests at start-up, per batch size
+    # (None: where steps replay CUDA graphs, whose host time the forward profile cannot see)
+    calibrate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("EAGLE", "EAGLE3"):
@@ -167,6 +170,7 @@ class EngineConfig:
             "speculative_num_draft_tokens": "num_draft_tokens",
             "speculative_policy": "policy",
             "speculative_disable_batch_threshold": "disable_batch_threshold",
+            "speculative_calibrate": "calibrate",
         }
         spec_kwargs = {spec_map[k]: kwargs.pop(k) for k in list(kwargs) if k in spec_map and kwargs[k] is not None}
         names = {f.name for f in dataclasses.fields(cls)}

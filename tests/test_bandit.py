@@ -283,3 +283,22 @@ def test_a_depth_that_commits_one_token_per_request_never_beats_plain_decoding()
     est = b.estimates(10, priors, 32)
     assert est[1][0] <= est[0][0]
     assert b.choose(10, priors, 32)[0] == 0
+
+
+def test_calibration_seeds_rank_the_arms_from_the_first_decision_without_warm_up_explorations():
+    # the profile says depth 3 is best; steps timed at start-up say plain decoding is (host time
+    # per request the profile cannot see): seeded, the bucket picks plain decoding at once and its
+    # warm-up visits explore nothing, where an unseeded bucket drafts and explores
+    priors = {0: (256.0, 0.010), 1: (400.0, 0.012), 3: (600.0, 0.014)}
+    truth = {0: 1.0, 1: 2.5, 3: 2.8}
+    seeded = GoodputBandit()
+    for arm, (_, sec) in priors.items():
+        seeded.seed(10, arm, sec, sec * truth[arm], requests=1)
+    assert seeded.summary()[32][0]["tok_per_s"] is None  # seeds carry time, no tokens
+    choices = run(seeded, priors, truth, 32, key=10)
+    assert all(a == 0 and not e for a, e in choices)
+    fresh = run(GoodputBandit(), priors, truth, 32, key=10)
+    assert fresh[0] == (3, False) and any(e for _, e in fresh)
+    # seeds fade like cycles: an arm measured later takes over (the machine changed)
+    late = run(seeded, priors, {0: 1.0, 1: 0.7, 3: 0.6}, 400, key=10)
+    assert [a for a, _ in late[-50:]].count(3) >= 40

@@ -38,6 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     s.add_argument("--speculative-policy", default=None, choices=["static", "threshold", "adaptive"])
     s.add_argument("--speculative-disable-batch-threshold", type=int, default=None)
+    s.add_argument("--speculative-calibrate", default=None, action=argparse.BooleanOptionalAction,
+                   help="adaptive policy: time engine steps of every draft depth per batch size at start-up "
+                        "(default: on where steps replay CUDA graphs)")
 
 
 ENGINE_FIELDS = (
@@ -48,6 +51,7 @@ ENGINE_FIELDS = (
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
     "speculative_num_draft_tokens", "speculative_policy", "speculative_disable_batch_threshold",
+    "speculative_calibrate",
 )
 
 

@@ -64,6 +64,7 @@ class ArmStats:
     requests: float = 0.0  # request-cycles
     x: float = 0.0  # per-cycle value whose spread matters (see add), and its square
     x2: float = 0.0
+    seed_seconds: float = 0.0  # of the above seconds, those of calibration pseudo-cycles (no tokens)
 
     def fade(self, f: float) -> None:
         self.n *= f
@@ -73,6 +74,7 @@ class ArmStats:
         self.requests *= f
         self.x *= f
         self.x2 *= f
+        self.seed_seconds *= f
 
     def add(self, tokens: float, seconds: float, predicted: float, requests: float, x: float) -> None:
         self.n += 1
@@ -268,6 +270,22 @@ class GoodputBandit:
         self.pooled.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, tokens / requests)
         self._account(key, arm, tokens, seconds)
 
+    def seed(self, key: int, arm: int, predicted: float, seconds: float, requests: int, cycles: float = 2.0) -> None:
+        """``cycles`` pseudo-cycles of ``arm`` in bucket ``key`` timed before serving (a start-up
+        calibration on scratch requests): their time per cycle, as measured cycles would give it,
+        and nothing of their tokens (scratch text says nothing of acceptance). They fade like any
+        cycle and count as measured, so the bucket's first decisions need no warm-up explorations."""
+        if seconds <= 0 or predicted <= 0 or requests <= 0 or cycles <= 0:
+            return
+        st = self.stats.setdefault(key, {}).setdefault(arm, ArmStats())
+        st.n += cycles
+        st.seconds += cycles * seconds
+        st.predicted += cycles * predicted
+        st.requests += cycles * requests
+        st.seed_seconds += cycles * seconds
+        st.x += cycles * requests / seconds
+        st.x2 += cycles * (requests / seconds) ** 2
+
     def charge(self, key: int, arm: int, tokens: float, seconds: float) -> None:
         """A cycle left out of ``arm``'s measurement (it paid a one-off switch): what it lost, if it
         was an exploration, still counts against the exploration budget."""
@@ -290,7 +308,8 @@ class GoodputBandit:
         for key, arms in sorted(self.stats.items()):
             for arm, st in sorted(arms.items()):
                 if st.n >= 1e-3:
+                    run = st.seconds - st.seed_seconds  # tokens were counted in served cycles only
                     out.setdefault(round(2 ** (key / 2)), {})[arm] = {
-                        "cycles": round(st.n, 1), "tok_per_s": round(st.tokens / st.seconds, 2),
+                        "cycles": round(st.n, 1), "tok_per_s": round(st.tokens / run, 2) if run > 1e-9 else None,
                         "time_ratio": round(st.seconds / st.predicted, 3)}
         return out

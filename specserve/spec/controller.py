@@ -181,6 +181,7 @@ class SpecController:
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
     _was_on: bool | None = None
+    forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
 
     def __post_init__(self) -> None:
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
@@ -294,6 +295,21 @@ class SpecController:
         if self.reference is None:
             self.reference = CostModel.from_json(self.cost.to_json()) if self.cost.target.profile else self.cost
         return self.reference
+
+    # -- start-up calibration ----------------------------------------------------------------
+    def arms(self) -> list[int]:
+        """The uniform depths the adaptive policy chooses among (a tree: off or all of it)."""
+        return list(range(self.cfg.num_steps + 1)) if self.cfg.is_chain else [0, self.cfg.num_steps]
+
+    def seed(self, batch: int, arm: int, seconds: float, cycles: float = 2.0) -> None:
+        """Engine steps of ``batch`` requests all drafting ``arm`` took ``seconds`` each (timed on
+        scratch requests before serving): the bandit's time for that arm in that bucket, as
+        ``cycles`` measured cycles, against what the reference cost model predicts for them."""
+        K = self.cfg.num_steps
+        tree = None if self.cfg.is_chain else (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk)
+        ks = np.full((1, batch), arm, dtype=np.int64)
+        (_, predicted), = arm_priors(np.array([arm]), ks, np.zeros((batch, K)), batch, self._reference(), tree)[0]
+        self.bandit.seed(batch_key(batch), arm, predicted, seconds, batch, cycles)
 
     # -- decision ----------------------------------------------------------------------------
     def decide(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int) -> list[int]:

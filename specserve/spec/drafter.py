@@ -114,6 +114,7 @@ class EagleSpeculator:
         # the adaptive controller times catch-ups to their end on the GPU (a device sync)
         self._time_catch_up = cfg.policy == "adaptive" and self.device.type == "cuda"
         self._head_path = path
+        self.calibration: dict[str, Any] | None = None  # what the start-up calibration measured (calibrate.py)
         if cfg.policy == "adaptive" and self.runner.graphs is None:
             self.controller.cost = self._load_or_profile_costs(path)  # else after_capture()
         # most tokens one request verifies: the chain's steps or the tree's nodes
@@ -125,9 +126,17 @@ class EagleSpeculator:
     # -- start-up cost profile ------------------------------------------------------------------
     def after_capture(self) -> None:
         """Where target steps replay CUDA graphs, the profile measures them once they are captured
-        (eager forwards on a GPU cost several times a replay, and not in the same shape)."""
-        if self.cfg.policy == "adaptive" and self.runner.graphs is not None:
+        (eager forwards on a GPU cost several times a replay, and not in the same shape); then the
+        calibration times whole steps per batch and depth (spec/calibrate.py)."""
+        if self.cfg.policy != "adaptive":
+            return
+        if self.runner.graphs is not None:
             self.controller.cost = self._load_or_profile_costs(self._head_path)
+        on = self.cfg.calibrate if self.cfg.calibrate is not None else self.runner.graphs is not None
+        if on:
+            from specserve.spec.calibrate import calibrate
+
+            self.calibration = calibrate(self)
 
     def _load_or_profile_costs(self, head_path: str) -> CostModel:
         """Target step time vs. tokens and draft time vs. batch, measured here; cached per model+device.
@@ -543,7 +552,9 @@ class EagleSpeculator:
         if not candidates:
             self.controller.finish_cycle(prev, prev_s)
             return
-        arm = self.controller.quick_arm(len(candidates))
+        arm = self.controller.forced_arm
+        if arm is None:
+            arm = self.controller.quick_arm(len(candidates))
         if arm == 0:  # plain decoding again: nothing per request
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)

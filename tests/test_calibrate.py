@@ -1,0 +1,59 @@
+"""Start-up calibration of the adaptive controller (spec/calibrate.py) on the tiny model, CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.spec.bandit import batch_key
+from specserve.spec.calibrate import bucket_batches
+
+
+def test_bucket_batches_cover_every_bucket_once():
+    bs = bucket_batches(256)
+    assert bs[0] == 256 and bs[-1] == 1 and bs == sorted(set(bs), reverse=True)
+    assert sorted({batch_key(b) for b in bs}) == sorted({batch_key(b) for b in range(1, 257)})
+    assert bucket_batches(5)[0] == 5 and bucket_batches(1) == [1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_model import make_random_head, make_tiny_model
+
+    d = tmp_path_factory.mktemp("calib")
+    model = make_tiny_model(str(d / "model"), vocab=64, logit_scale=3.0)
+    return model, make_random_head(model, str(d / "head"), std=0.3)
+
+
+def engine(tiny, calibrate: bool) -> LLM:
+    model, head = tiny
+    return LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+               speculative_policy="adaptive", speculative_num_steps=2, max_num_seqs=4,
+               speculative_calibrate=calibrate)
+
+
+def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny):
+    llm = engine(tiny, True)
+    e = llm.engine
+    d = e.drafter
+    cal = d.calibration
+    assert sorted(cal["ms"]) == [1, 2, 3, 4]
+    assert all(sorted(per) == [0, 1, 2] and min(per.values()) > 0 for per in cal["ms"].values())
+    ctl = d.controller
+    for b in (1, 2, 3, 4):  # seeded: every arm of every bucket holds its pseudo-cycles, time only
+        arms = ctl.bandit.stats[batch_key(b)]
+        assert sorted(arms) == [0, 1, 2] and all(st.n == 2 and st.tokens == 0 for st in arms.values())
+    # the scratch requests and what they did are gone
+    assert not e.requests and not e.has_unfinished_requests() and not d.states
+    assert e.blocks.num_free_blocks == e.blocks.num_blocks
+    assert e.get_stats().steps == 0 and e.get_stats().k_histogram == {}
+    assert ctl.decisions == 0 and not ctl.k_histogram and not ctl.per_request and ctl.forced_arm is None
+    assert sum(ctl.overall.drafted) == 0  # scratch text taught the acceptance model nothing
+    assert ctl.cost.target.samples  # the live cost model keeps the step times it saw
+    # and the engine serves as one never calibrated does (greedy is lossless either way)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 3, 5, 7, 9, 2]]
+    ref = engine(tiny, False)
+    assert ref.engine.drafter.calibration is None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == \
+        [o.outputs[0].token_ids for o in ref.generate(prompts, sp)]
