@@ -61,7 +61,7 @@ def configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                                            "speculative_disable_batch_threshold": args.threshold_n,
                                            "speculative_num_steps": args.threshold_steps}
     out["adaptive"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "adaptive",
-                       "speculative_num_steps": args.adaptive_steps}
+                       "speculative_num_steps": args.adaptive_steps, "speculative_calibrate": args.adaptive_calibrate}
     return out
 
 
@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threshold-n", type=int, default=4)
     ap.add_argument("--threshold-steps", type=int, default=3)
     ap.add_argument("--adaptive-steps", type=int, default=3)
+    ap.add_argument("--adaptive-calibrate", default=None, action=argparse.BooleanOptionalAction,
+                    help="the adaptive engine's start-up calibration (spec/calibrate.py; default: the engine's)")
     ap.add_argument("--off-concurrency", type=int, default=32)
     ap.add_argument("--off-s", type=float, default=40.0, help="seconds measured per engine at --off-concurrency; 0: skip")
     ap.add_argument("--off-random-head", type=int, default=1,
@@ -457,6 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"engine {n}: {time.perf_counter() - t0:.1f}s", flush=True)
     ctl = controller(llms["adaptive"])
     result["cost_profile"] = dict(ctl.cost.meta)
+    result["calibration"] = llms["adaptive"].engine.drafter.calibration
     print(f"adaptive cost profile: {ctl.cost.meta.get('source')}", flush=True)
     clients = [Client(n, llm) for n, llm in llms.items()]
 
