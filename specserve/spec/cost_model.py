@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 import time
 from collections import deque
@@ -48,6 +49,23 @@ def batch_bucket(num_seqs: int) -> int:
     return 1 << max(int(num_seqs) - 1, 0).bit_length()
 
 
+def _interp1(xs: list[float], ys: list[float], x: float) -> float:
+    """``_interp`` at one point, in plain Python: a step's host time counts (numpy costs ~30 us a call)."""
+    n = len(xs)
+    if n == 0:
+        return 0.0
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        if n == 1:
+            return ys[0] * x / xs[0]
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(slope, 0.0) * (x - xs[-1])
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 def _interp(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Piecewise-linear through (xs, ys); flat below the first point, the last segment's slope past the last."""
     out = np.interp(x, xs, ys)
@@ -71,6 +89,19 @@ class Curve:
     measured: bool = False  # some bucket has min_samples observations (its median is in the table)
     _table: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     _pxy: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    # (median, count) per bucket with samples: an observation changes one bucket's, so a table
+    # rebuild (after every observed step, when predicted) does not take every bucket's median anew
+    _med: dict[int, tuple[float, int]] | None = field(default=None, repr=False)
+    # the table and the profile as lists, for one-point predictions (_interp1)
+    _tlist: list[float] = field(default_factory=list, repr=False)
+    _tlist_y: list[float] = field(default_factory=list, repr=False)
+    _plist: list[float] = field(default_factory=list, repr=False)
+    _plist_y: list[float] = field(default_factory=list, repr=False)
+
+    def _medians(self) -> dict[int, tuple[float, int]]:
+        if self._med is None:
+            self._med = {g: (median(s), len(s)) for g, s in self.samples.items() if s}
+        return self._med
 
     def observed(self, g: int) -> float | None:
         s = self.samples.get(g)
@@ -80,6 +111,7 @@ class Curve:
         if self._pxy is None or len(self._pxy[0]) != len(self.profile):
             xs = np.array(sorted(self.profile), dtype=float)
             self._pxy = (xs, np.array([self.profile[int(k)] for k in xs]))
+            self._plist, self._plist_y = self._pxy[0].tolist(), self._pxy[1].tolist()
         return self._pxy
 
     def profile_at(self, x: float) -> float:
@@ -87,7 +119,7 @@ class Curve:
         if not self.profile:
             return 0.0
         xs, ys = self._profile_xy()
-        return float(_interp(xs, ys, np.array([float(x)]))[0])
+        return _interp1(self._plist, self._plist_y, float(x))
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         """(counts, seconds) the predictions interpolate, non-decreasing in the count.
@@ -100,7 +132,7 @@ class Curve:
         """
         if self._table is not None:
             return self._table
-        med = {g: (median(s), len(s)) for g, s in self.samples.items() if s}
+        med = self._medians()
         prior: dict[int, float] = dict(self.profile)
         if self.profile:
             px, py = self._profile_xy()
@@ -111,22 +143,24 @@ class Curve:
                 # about constant per batch, not proportional: an offset, not a ratio, so the profile's
                 # increments between token counts are kept as measured
                 off = np.interp(px, rx, np.array([med[g][0] for g in rx]) - at)
-                prior = {int(x): float(max(y + o, 0.1 * y)) for x, y, o in zip(px, py, off)}
+                prior = dict(zip(self._plist, np.maximum(py + off, 0.1 * py).tolist()))
         pts = dict(prior)
         if prior:
-            qx = np.array(sorted(prior), dtype=float)
-            qy = np.array([prior[int(x)] for x in qx])
+            qx = sorted(prior)
+            qy = [prior[x] for x in qx]
         for g, (m, n) in med.items():
             if n >= self.min_samples or not prior:
                 pts[g] = m
             else:
-                p = prior[g] if g in prior else float(_interp(qx, qy, np.array([float(g)]))[0])
-                pts[g] = float(np.exp((n * np.log(m) + np.log(p)) / (n + 1))) if p > 0 else m
-        xs = np.array(sorted(pts), dtype=float)
-        ys = np.array([pts[int(x)] for x in xs])
+                p = prior[g] if g in prior else _interp1(qx, qy, float(g))
+                pts[g] = math.exp((n * math.log(m) + math.log(p)) / (n + 1)) if p > 0 and m > 0 else m
+        keys = sorted(pts)
+        xs = np.array(keys, dtype=float)
+        ys = np.array([pts[x] for x in keys])
         # a forward over more tokens (or requests) never takes less time: a noisy low bucket must not
         # make one more draft token look like it shortens the step
         self._table = (xs, np.maximum.accumulate(ys) if len(ys) else ys)
+        self._tlist, self._tlist_y = self._table[0].tolist(), self._table[1].tolist()
         return self._table
 
     def predict_many(self, x: np.ndarray) -> np.ndarray:
@@ -136,17 +170,20 @@ class Curve:
         return _interp(xs, ys, np.asarray(x, dtype=float))
 
     def predict(self, x: float) -> float:
-        return float(self.predict_many(np.array([float(x)]))[0])
+        self.table()
+        return _interp1(self._tlist, self._tlist_y, float(x))
 
     def observe(self, x: float, seconds: float) -> None:
         g = bucket(x)
-        if g != x:  # credit to the grid point, scaled by the curve's current shape
-            px, pg = self.predict(x), self.predict(g)
+        if g != x:  # credit to the grid point, scaled by the curve's shape (the profile's, when there is one)
+            px, pg = (self.profile_at(x), self.profile_at(g)) if self.profile else (self.predict(x), self.predict(g))
             if px > 0 and pg > 0:
                 seconds *= pg / px
         s = self.samples.setdefault(g, deque(maxlen=self.window))
         s.append(seconds)
         self.measured = self.measured or len(s) >= self.min_samples
+        if self._med is not None:
+            self._med[g] = (median(s), len(s))
         self._table = None
 
 
@@ -162,6 +199,10 @@ class CostModel:
     stale_ratio: float = 1.5  # profile flagged stale once the median measured/profile ratio leaves [1/x, x]
     stale_after: int = 64  # ... over at least this many steps
     meta: dict = field(default_factory=dict)  # how the profile was taken (date, spread, rounds)
+    # the prediction error is sampled every this many steps: a prediction after an observation
+    # rebuilds the curve's table, a real share of a GPU step's host time if done at every step
+    error_every: int = 4
+    _observed_steps: int = 0
 
     def curve(self, num_seqs: int | None = None) -> Curve:
         """The target curve for steps of this many requests: its batch bucket's when that has a
@@ -200,8 +241,12 @@ class CostModel:
         return float(self.draft.predict_many(b).sum()) if len(b) else 0.0
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> float | None:
-        """Record a measured target step; returns what was predicted for it (None without a curve)."""
-        pred = self.step_time(num_tokens, num_seqs) if (self.target.profile or self.target.samples) else None
+        """Record a measured target step; returns what was predicted for it (None without a curve,
+        or on a step whose error is not sampled)."""
+        self._observed_steps += 1
+        pred = None
+        if (self.target.profile or self.target.samples) and self._observed_steps % self.error_every == 1 % self.error_every:
+            pred = self.step_time(num_tokens, num_seqs)
         if pred:
             self.errors.append((seconds - pred) / pred)
         if self.target.profile and num_tokens <= max(self.target.profile):
