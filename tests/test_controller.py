@@ -1,6 +1,7 @@
 """The speculation controller, with numbers alone."""
 
 import numpy as np
+import pytest
 
 from specserve.config import SpeculativeConfig
 from specserve.spec.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
@@ -301,3 +302,19 @@ def test_prefills_landing_in_later_cycles_do_not_bias_the_depth():
         got, ctl = simulate_closed_loop(B, seed=100 + B)
         ratios.append(got / best)
     assert np.mean(ratios) >= 0.98 and min(ratios) >= 0.97, ratios
+
+
+def test_observe_many_is_observe_per_request():
+    cfg = SpeculativeConfig(num_steps=3)
+    one, many = SpecController(cfg), SpecController(cfg)
+    steps = [(["a", "b", "c"], [3, 0, 2], [1, 0, 2]), (["a", "c"], [3, 2], [3, 0]), (["b"], [1], [1])]
+    for ids, ks, acc in steps:
+        for rid, k, a in zip(ids, ks, acc):
+            one.observe(rid, k, a)
+        many.observe_many(ids, ks, acc)
+    assert one.per_request.keys() == many.per_request.keys() == {"a", "b", "c"}
+    for rid in one.per_request:
+        assert one.per_request[rid] == many.per_request[rid]
+    # the overall rates decay once per step instead of once per request: equal to a part in 1e3
+    assert np.allclose(one.overall.rates(), many.overall.rates(), rtol=1e-3)
+    assert many.overall.drafted[0] == pytest.approx(5, rel=1e-2)

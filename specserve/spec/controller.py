@@ -197,6 +197,33 @@ class SpecController:
         st = self.per_request.setdefault(request_id, AcceptanceStats.zeros(self.cfg.num_steps))
         st.observe(k, accepted)
 
+    def observe_many(self, request_ids: list[str], ks: list[int], accepted: list[int]) -> None:
+        """``observe`` for every request of a step at once: the overall rates decay once per step
+        (as per request, 0.999 each) instead of once per request, a per-request cost at 256 requests."""
+        c = self._cycle
+        if c is not None and c.request_ids is not None:
+            c.tokens += sum(a + 1 for rid, a in zip(request_ids, accepted) if rid in c.request_ids)
+        ov = self.overall
+        K = len(ov.drafted)
+        dr, ac = [0.0] * K, [0.0] * K
+        n = 0
+        for rid, k, a in zip(request_ids, ks, accepted):
+            if k == 0:
+                continue
+            n += 1
+            for j in range(min(k, a + 1)):
+                dr[j] += 1
+            for j in range(a):
+                ac[j] += 1
+            st = self.per_request.get(rid)
+            if st is None:
+                st = self.per_request[rid] = AcceptanceStats.zeros(self.cfg.num_steps)
+            st.observe(k, a)
+        if n:
+            f = 0.999**n
+            ov.drafted = [x * f + d for x, d in zip(ov.drafted, dr)]
+            ov.accepted = [x * f + d for x, d in zip(ov.accepted, ac)]
+
     @property
     def cycle_open(self) -> bool:
         """A cycle whose requests' accepted counts are still to be observed."""

@@ -515,8 +515,8 @@ class EagleSpeculator:
                 if pos < a:
                     stats.spec_accepted_per_position[pos] += 1
         if verified or self.controller.cycle_open:  # else nothing per request to learn
-            for s, a in zip(sampling, accepted):
-                self.controller.observe(s.req.request_id, self._depth(s), a)
+            self.controller.observe_many([s.req.request_id for s in sampling], [self._depth(s) for s in sampling],
+                                         accepted)
         prefill = sum(s.num_new_tokens - s.samples for s in plan.scheduled)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling))
         cost = self.controller.cost
