@@ -172,7 +172,7 @@ class EngineConfig:
             "speculative_disable_batch_threshold": "disable_batch_threshold",
             "speculative_calibrate": "calibrate",
         }
-        spec_kwargs = {spec_map[k]: kwargs.pop(k) for k in list(kwargs) if k in spec_map and kwargs[k] is not None}
+        spec_kwargs = {spec_map[k]: v for k in list(kwargs) if k in spec_map and (v := kwargs.pop(k)) is not None}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
