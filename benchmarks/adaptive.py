@@ -447,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine per point")
     ap.add_argument("--retry-noisy", type=int, default=1, help="re-runs of a point whose run was not quiet")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="GGUF or HF directory (default: the packaged SmolLM2)")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.75)
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="KV blocks per engine (GPU: every engine shares one device; default sizes each to 85%% of it)")
@@ -475,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llms = {}
     for n, kw in cfgs.items():
         t0 = time.perf_counter()
-        llms[n] = LLM(kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(max_c, 8), seed=args.seed,
+        llms[n] = LLM(args.model, kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(max_c, 8), seed=args.seed,
                       num_kv_blocks=args.num_kv_blocks, **kw)
         print(f"engine {n}: {time.perf_counter() - t0:.1f}s", flush=True)
     ctl = controller(llms["adaptive"])
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             with tempfile.TemporaryDirectory(prefix="random-eagle3-") as tmp:
                 kw = {**cfgs["adaptive"], "speculative_draft_model_path": make_random_head(os.path.join(tmp, "head"))}
-                useless = Client("adaptive", LLM(kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
+                useless = Client("adaptive", LLM(args.model, kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
                                                  max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
                 warm_up(useless)
                 off_cost("off_cost_random_head", useless, engine_args=kw)
