@@ -58,6 +58,10 @@ def instrument(llm: LLM, sync: bool) -> dict[str, list[float]]:
         wrap(d, "_draft", "draft loop (in draft_step)", acc, sync)
         wrap(d, "_catch_up", "catch-up (in draft loop)", acc, sync)
         wrap(d.controller, "decide", "decide (in draft_step)", acc, sync)
+        wrap(d, "_record", "record (in forward + verify)", acc, sync)
+        wrap(d, "_draft_chain_static", "chain loop (in draft loop)", acc, sync)
+        for name in ("quick_arm", "uniform", "count_off", "finish_cycle", "observe_many", "observe_step"):
+            wrap(d.controller, name, f"controller.{name}", acc, sync)
     else:
         wrap(eng.runner, "execute", "forward + sample", acc, sync)
     return acc
@@ -107,7 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     delattr(engines[n].engine, k)
             for obj in (engines[n].engine.scheduler, engines[n].engine.runner, engines[n].engine.drafter,
                         getattr(engines[n].engine.drafter, "controller", None)):
-                for k in ("schedule", "commit", "execute", "verify_step", "draft_step", "_draft", "_catch_up", "decide"):
+                for k in ("schedule", "commit", "execute", "verify_step", "draft_step", "_draft", "_catch_up", "decide",
+                          "_record", "_draft_chain_static", "quick_arm", "uniform", "count_off", "finish_cycle",
+                          "observe_many", "observe_step"):
                     if obj is not None and k in vars(obj):
                         delattr(obj, k)
             point["configs"][n] = {"tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
