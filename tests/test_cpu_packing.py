@@ -15,6 +15,8 @@ pytestmark = pytest.mark.skipif(not cpu_packing_available(torch.device("cpu"), t
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear_at_every_row_count(dtype, tol, bias):
+    if not cpu_packing_available(torch.device("cpu"), dtype):
+        pytest.skip(f"this CPU's oneDNN does not pack {dtype} (bf16 needs AVX-512 or AVX-NE-CONVERT)")
     torch.manual_seed(0)
     w = (torch.randn(96, 64) * 0.1).to(dtype)
     b = torch.randn(96).to(dtype) if bias else None
@@ -64,3 +66,12 @@ def test_gradients_flow_through_the_dense_path():
     x = torch.randn(5, 4, requires_grad=True)
     lin(x).sum().backward()
     torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(5, 4))
+
+
+def test_packing_is_skipped_where_the_cpu_cannot_pack_the_dtype(monkeypatch):
+    from specserve.models import cpu_packing
+
+    monkeypatch.setitem(cpu_packing._CAN_PACK, torch.bfloat16, False)
+    m = Tied().to(torch.bfloat16)
+    assert cpu_packing.pack_for_cpu(m, True, torch.device("cpu"), torch.bfloat16) == 0
+    assert isinstance(m.proj, Linear) and m.lm_head is None

@@ -30,7 +30,24 @@ PACKED_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and _cpu_can_pack(dtype))
+
+
+_CAN_PACK: dict[torch.dtype, bool] = {}
+
+
+def _cpu_can_pack(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs ``dtype`` (bf16 needs AVX-512 or AVX-NE-CONVERT: an AVX2-only
+    machine refuses it, and the engine then keeps F.linear)."""
+    if dtype not in _CAN_PACK:
+        try:
+            w = torch.zeros(8, 8, dtype=dtype)
+            torch.ops.mkldnn._linear_pointwise(torch.zeros(4, 8, dtype=dtype), torch.ops.mkldnn._reorder_linear_weight(w),
+                                               None, "none", [], "")
+            _CAN_PACK[dtype] = True
+        except RuntimeError:
+            _CAN_PACK[dtype] = False
+    return _CAN_PACK[dtype]
 
 
 class PackedLinear(nn.Module):
