@@ -192,3 +192,28 @@ def test_64_token_tree(backend):
     """The largest tree the int64 bitmask holds (bit 63 is the sign bit)."""
     ref, out, _ = _case([64, 2], [7, 5], trees={0: _random_tree_mask(64, 3)}, num_blocks=48, backend=backend)
     _assert_close(ref, out, torch.float32)
+
+
+@pytest.mark.parametrize("opts", [NO_SPLIT, SPLIT, {}, {"target_programs": 64, "min_split_keys": 48}])
+def test_small_step_plan_in_python_equals_the_numpy_plan(opts):
+    """Steps of <= SMALL_PLAN_TOKENS tokens are planned in plain Python: the same work list as numpy's."""
+    import random
+
+    import numpy as np
+
+    caches = [(torch.zeros(64, 4, 2, 32), torch.zeros(64, 4, 2, 32))]
+    be = TritonBackend(caches, 4, 0.1, num_heads=8, max_num_tokens=256, max_num_seqs=32, max_blocks_per_seq=64,
+                       block_n=16, **opts)
+    rng = random.Random(0)
+    for _ in range(200):
+        B = rng.randint(1, 12)
+        q = [rng.choice([1, 1, 2, 4, 6, 9, 17]) for _ in range(B)]
+        s = [qi + rng.randint(0, 200) for qi in q]
+        T = sum(q)
+        if T > triton_backend.SMALL_PLAN_TOKENS:
+            continue
+        bm = be.block_m_for(T)
+        small, parts_small = be._work_small(q, s, T, bm)
+        ref, parts_ref = be._work(np.array(q), np.array(s), {}, T, bm)
+        assert parts_small == parts_ref
+        assert [list(map(int, c)) for c in small] == [list(map(int, c)) for c in ref], (q, s)

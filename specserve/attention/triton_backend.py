@@ -43,6 +43,7 @@ MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
 GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens (all captured sizes)
 LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; never split
 LARGE_STEP_TOKENS = 512
+SMALL_PLAN_TOKENS = 64  # steps of at most this many tokens (and no trees) are planned in plain Python
 _LOG2E = 1.4426950408889634
 
 # packed int32 metadata sections: per work item, per split tile (merge), per token
@@ -242,6 +243,7 @@ class TritonBackend(AttentionBackend):
         self._sections = [self.max_items] * len(_ITEM_FIELDS) + [self.split_tiles] * len(_MERGE_FIELDS) \
             + [max_num_tokens] * 2
         self._meta = torch.zeros(sum(self._sections), dtype=torch.int32, device=dev)
+        self._offsets = np.cumsum([0] + self._sections).tolist()
         views = self._meta.split(self._sections)
         self._item = dict(zip(_ITEM_FIELDS, views[: len(_ITEM_FIELDS)]))
         self._merge = dict(zip(_MERGE_FIELDS, views[len(_ITEM_FIELDS) : len(_ITEM_FIELDS) + len(_MERGE_FIELDS)]))
@@ -273,14 +275,13 @@ class TritonBackend(AttentionBackend):
                 and self.block_m_for(num_tokens) == self._part_o.shape[2])
 
     def plan(self, meta: AttentionMetadata) -> None:
-        q_lens = np.asarray(meta.query_lens, dtype=np.int64)
-        seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
-        B = len(q_lens)
-        if B == 0 or len(seq_lens) != B:
-            raise ValueError(f"need one seq_len per request: {B} query_lens, {len(seq_lens)} seq_lens")
-        if (q_lens < 1).any() or (seq_lens < q_lens).any():
+        q_list, s_list = list(meta.query_lens), list(meta.seq_lens)
+        B = len(q_list)
+        if B == 0 or len(s_list) != B:
+            raise ValueError(f"need one seq_len per request: {B} query_lens, {len(s_list)} seq_lens")
+        if min(q_list) < 1 or any(s < q for s, q in zip(s_list, q_list)):
             raise ValueError("every request needs query_len >= 1 and seq_len >= query_len")
-        T = int(q_lens.sum())
+        T = sum(q_list)
         if T > self.max_num_tokens:
             raise ValueError(f"step has {T} tokens; this backend was sized for {self.max_num_tokens}")
         if B > self.max_num_seqs:
@@ -288,19 +289,76 @@ class TritonBackend(AttentionBackend):
         bt = meta.block_tables
         if bt.shape[0] != B or bt.shape[1] > self.max_blocks_per_seq:
             raise ValueError(f"block table {tuple(bt.shape)} does not fit {B} requests x {self.max_blocks_per_seq} blocks")
-        if int(seq_lens.max()) > bt.shape[1] * self.block_size:
+        if max(s_list) > bt.shape[1] * self.block_size:
             raise ValueError("a seq_len exceeds its block table")
         if meta.slot_mapping.shape[0] != T:
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {T} tokens")
-
+        trees = meta.tree_masks or {}
         block_m = self.block_m_for(T)
+        # the same work list either way; numpy costs ~0.3 ms of fixed overhead a step, which is most
+        # of a small step's planning (a GPU decode step at batch 1 is ~2 ms in all)
+        if T <= SMALL_PLAN_TOKENS and not trees:
+            cols, n_parts = self._work_small(q_list, s_list, T, block_m)
+        else:
+            cols, n_parts = self._work(np.asarray(q_list, dtype=np.int64), np.asarray(s_list, dtype=np.int64),
+                                       trees, T, block_m)
+        ni, nm = len(cols[0]), len(cols[6])
+        if ni > self.max_items or nm > self.split_tiles or n_parts > self.max_parts:
+            raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
+        self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
+
+    def _work_small(self, q_lens: list[int], seq_lens: list[int], T: int, block_m: int) -> tuple[list[list[int]], int]:
+        """``_work`` for a small step without trees, in plain Python."""
+        bq = block_m // self.group
+        kv_limit: list[int] = []
+        tiles = []  # (request, first token, tokens, keys of its last token)
+        start = 0
+        for b, (q, sl) in enumerate(zip(q_lens, seq_lens)):
+            base = sl - q + 1
+            kv_limit.extend(range(base, base + q))
+            for i in range(0, q, bq):
+                n = min(bq, q - i)
+                tiles.append((b, start + i, n, base + i + n - 1))
+            start += q
+        nt = len(tiles)
+        split = self.can_split(T)
+        per_tile = -(-self.split_tiles // nt)
+        bn, msk = self.block_n, self.min_split_keys
+        cols: list[list[int]] = [[] for _ in range(12)]
+        req, tok, ln, lo, hi, part, m_tok, m_len, m_first, m_count = cols[:10]
+        n_parts = 0
+        for b, t0, n, end in tiles:
+            ns = max(min(per_tile, -(-end // msk)), 1) if split else 1
+            chunk = -(-(-(-end // ns)) // bn) * bn
+            ns = -(-end // chunk)
+            if ns > 1:
+                m_tok.append(t0)
+                m_len.append(n)
+                m_first.append(n_parts)
+                m_count.append(ns)
+            for j in range(ns):
+                req.append(b)
+                tok.append(t0)
+                ln.append(n)
+                lo.append(j * chunk)
+                hi.append(min(j * chunk + chunk, end))
+                part.append(n_parts if ns > 1 else -1)
+                n_parts += ns > 1
+        cols[10] = kv_limit
+        cols[11] = list(kv_limit)
+        return cols, n_parts
+
+    def _work(self, q_lens: np.ndarray, seq_lens: np.ndarray, trees: dict, T: int,
+              block_m: int) -> tuple[list[np.ndarray], int]:
+        """The step's work items (tiles of query tokens x key ranges), merges of split tiles, and
+        per-token key limits, as the twelve columns of the metadata buffer; and the split parts."""
+        B = len(q_lens)
         bq = block_m // self.group
         starts = np.cumsum(q_lens) - q_lens
         req_of_tok = np.repeat(np.arange(B), q_lens)
         idx_in_req = np.arange(T) - starts[req_of_tok]
         kv_limit = seq_lens[req_of_tok] - q_lens[req_of_tok] + idx_in_req + 1
         tree_start = kv_limit.copy()
-        trees = meta.tree_masks or {}
         for b, tm in trees.items():
             ql, sl = int(q_lens[b]), int(seq_lens[b])
             if tuple(tm.shape) != (ql, ql):
@@ -337,20 +395,31 @@ class TritonBackend(AttentionBackend):
         merged = np.nonzero(n_split > 1)[0]
         merge_count = n_split[merged]
         merge_first = np.cumsum(merge_count) - merge_count
-        ni, nm = len(item_tile), len(merged)
-        if ni > self.max_items or nm > self.split_tiles or int(split.sum()) > self.max_parts:
-            raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
-
-        host = torch.zeros(sum(self._sections), dtype=torch.int32, pin_memory=self._pin)
-        h = host.numpy()
-        offs = np.cumsum([0] + self._sections)
         cols = [tile_req[item_tile], tile_tok[item_tile], tile_len[item_tile], item_lo, item_hi, item_part,
                 tile_tok[merged], tile_len[merged], merge_first, merge_count, kv_limit, tree_start]
-        for i, col in enumerate(cols):
-            h[offs[i] : offs[i] + len(col)] = col
+        return cols, int(split.sum())
+
+    def _write(self, cols: list, trees: dict, q_lens: list[int], bt: torch.Tensor, slot_mapping: torch.Tensor,
+               T: int, ni: int, nm: int, block_m: int) -> None:
+        """The planned step into the persistent device buffers (asynchronous copies)."""
+        B = len(q_lens)
+        host = torch.zeros(sum(self._sections), dtype=torch.int32, pin_memory=self._pin)
+        h = host.numpy()
+        offs = self._offsets
+        if isinstance(cols[0], list):  # the small path's lists: one assignment (each list->array costs)
+            idx: list[int] = []
+            vals: list[int] = []
+            for o, col in zip(offs, cols):
+                idx.extend(range(o, o + len(col)))
+                vals.extend(col)
+            h[idx] = vals
+        else:
+            for i, col in enumerate(cols):
+                h[offs[i] : offs[i] + len(col)] = col
         self._meta.copy_(host, non_blocking=True)
 
         # tree bits: only tokens of tree requests read theirs, so stale entries elsewhere are harmless
+        starts = np.cumsum([0] + q_lens[:-1]) if trees else None
         for b, tm in trees.items():
             ql, s = int(q_lens[b]), int(starts[b])
             if tm.device.type == "cpu":
@@ -364,7 +433,7 @@ class TritonBackend(AttentionBackend):
             self._tree_bits[s : s + ql].copy_(bits, non_blocking=True)
 
         self._block_table[:B, : bt.shape[1]].copy_(bt, non_blocking=True)
-        self._slots[:T].copy_(meta.slot_mapping, non_blocking=True)
+        self._slots[:T].copy_(slot_mapping, non_blocking=True)
         self._slots[T:].fill_(self.scratch_slot)
         self._num_items = ni
         self._num_merges = nm
