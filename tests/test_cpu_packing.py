@@ -75,3 +75,12 @@ def test_packing_is_skipped_where_the_cpu_cannot_pack_the_dtype(monkeypatch):
     m = Tied().to(torch.bfloat16)
     assert cpu_packing.pack_for_cpu(m, True, torch.device("cpu"), torch.bfloat16) == 0
     assert isinstance(m.proj, Linear) and m.lm_head is None
+
+
+def test_the_rows_from_which_the_packed_kernel_runs_are_measured_for_fp32():
+    from specserve.models.cpu_packing import packed_min_rows
+
+    assert 1 <= packed_min_rows(torch.float32) <= PACKED_MIN_ROWS[torch.float32]
+    assert packed_min_rows(torch.bfloat16) == 1
+    lin = PackedLinear(nn.Parameter(torch.randn(8, 4), requires_grad=False), None)
+    assert lin.min_numel == packed_min_rows(torch.float32) * 4

@@ -16,6 +16,8 @@ reads shapes or dtypes keeps working), so the packed copy costs one more copy of
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,8 +25,42 @@ from torch import nn
 from specserve.models.layers import Linear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# fewer rows than this take F.linear (see the module doc); bf16 has no fast unpacked path to keep
+# fewer rows than this take F.linear (see the module doc); bf16 has no fast unpacked path to keep.
+# fp32: the most it can be; the rows where F.linear is really faster are measured (packed_min_rows)
 PACKED_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+_MIN_ROWS: dict[torch.dtype, int] = {}
+
+
+def packed_min_rows(dtype: torch.dtype) -> int:
+    """Rows from which the packed kernel is used, measured once per process for fp32: on a 2-core
+    AVX-512 machine F.linear's matrix-vector kernel won below 4 rows, on a 2-core AVX2 one the
+    packed kernel is faster at every row count (1 row 0.33 vs 0.50 ms, 3 rows 0.43 vs 1.37 ms on
+    SmolLM2's gate/up weight), and keeping 1-3 rows on F.linear made plain decoding 1.5x slower."""
+    if dtype not in _MIN_ROWS:
+        rows = PACKED_MIN_ROWS[dtype]
+        if dtype == torch.float32:
+            w = torch.randn(1536, 576)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+
+            def best(fn) -> float:
+                for _ in range(3):
+                    fn()
+                ts = []
+                for _ in range(15):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+                return sorted(ts)[len(ts) // 2]
+
+            with torch.inference_mode():
+                for r in range(1, rows):
+                    x = torch.randn(r, 576)
+                    if best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")) < \
+                            best(lambda: F.linear(x, w)):
+                        rows = r
+                        break
+        _MIN_ROWS[dtype] = rows
+    return _MIN_ROWS[dtype]
 
 
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -58,7 +94,7 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.bias = bias
-        self.min_numel = PACKED_MIN_ROWS[weight.dtype] * self.in_features
+        self.min_numel = packed_min_rows(weight.dtype) * self.in_features
         with torch.no_grad():
             # not a buffer: an opaque oneDNN tensor has no storage to save or move
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
