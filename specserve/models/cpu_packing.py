@@ -34,8 +34,8 @@ _MIN_ROWS: dict[torch.dtype, int] = {}
 def packed_min_rows(dtype: torch.dtype) -> int:
     """Rows from which the packed kernel is used, measured once per process for fp32: on a 2-core
     AVX-512 machine F.linear's matrix-vector kernel won below 4 rows, on a 2-core AVX2 one the
-    packed kernel is faster at every row count (1 row 0.33 vs 0.50 ms, 3 rows 0.43 vs 1.37 ms on
-    SmolLM2's gate/up weight), and keeping 1-3 rows on F.linear made plain decoding 1.5x slower."""
+    packed kernel won from 2 rows (3 rows 0.43 vs 1.37 ms on SmolLM2's gate/up weight), so steps
+    of 2-3 rows were several times dearer than they needed to be."""
     if dtype not in _MIN_ROWS:
         rows = PACKED_MIN_ROWS[dtype]
         if dtype == torch.float32:

@@ -118,7 +118,7 @@ class Curve:
         """The profile alone (no observations), interpolated."""
         if not self.profile:
             return 0.0
-        xs, ys = self._profile_xy()
+        self._profile_xy()  # fills the list copies
         return _interp1(self._plist, self._plist_y, float(x))
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
