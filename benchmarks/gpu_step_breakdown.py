@@ -67,6 +67,34 @@ def instrument(llm: LLM, sync: bool) -> dict[str, list[float]]:
     return acc
 
 
+def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int) -> dict[str, Any]:
+    """The batch again under torch.profiler (device kernel time per engine step: what the GPU was
+    busy with; the rest of a step is host time the GPU waited for) and cProfile (host functions)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        got = run_batch(llm, batch, c, output_len)
+    steps = max(got["engine_steps"], 1)
+    kernels = [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA")]
+    kernel_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+    pr = cProfile.Profile()
+    pr.enable()
+    got2 = run_batch(llm, batch, c, output_len)
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+    return {"ms_per_step_profiled": got["ms_per_step"], "gpu_kernel_ms_per_step": round(kernel_us / 1e3 / steps, 3),
+            "kernels_by_device_time": [{"name": e.key[:80], "calls_per_step": round(e.count / steps, 2),
+                                        "ms_per_step": round(e.self_device_time_total / 1e3 / steps, 4)} for e in top],
+            "cprofile_steps": got2["engine_steps"], "cprofile_top": out.getvalue().splitlines()[:45]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="SmolLM2 GGUF ('default' for the packaged one)")
@@ -79,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sync", action="store_true", help="synchronize the device after every timed phase")
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--allow-cpu", action="store_true", help="dry run on the CPU")
+    ap.add_argument("--profile", action="store_true",
+                    help="run each point once more under torch.profiler and cProfile: GPU busy time per step "
+                         "(sum of kernel times) and the host functions with the most own time")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit("gpu_step_breakdown needs a CUDA device")
@@ -119,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             point["configs"][n] = {"tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
                                    "phases": phases}
+            if args.profile:
+                point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
             print(f"C={c} {n}: {got['tok_s']:.0f} tok/s, {got['ms_per_step']:.2f} ms/step | " + ", ".join(
                 f"{k} {v['ms_per_step']:.2f}" for k, v in phases.items()), flush=True)
         result["points"].append(point)
