@@ -38,12 +38,13 @@ import triton
 import triton.language as tl
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from specserve.engine.host_copy import host_buffer
 
 MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
 GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens (all captured sizes)
 LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; never split
 LARGE_STEP_TOKENS = 512
-SMALL_PLAN_TOKENS = 64  # steps of at most this many tokens (and no trees) are planned in plain Python
+SMALL_PLAN_TOKENS = 16  # steps of at most this many tokens (and no trees) are planned in plain Python
 _LOG2E = 1.4426950408889634
 
 # packed int32 metadata sections: per work item, per split tile (merge), per token
@@ -295,8 +296,9 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {T} tokens")
         trees = meta.tree_masks or {}
         block_m = self.block_m_for(T)
-        # the same work list either way; numpy costs ~0.3 ms of fixed overhead a step, which is most
-        # of a small step's planning (a GPU decode step at batch 1 is ~2 ms in all)
+        # the same work list either way. On the H200's host numpy costs ~0.15 ms a step whatever its
+        # size, plain Python ~0.02 ms plus ~1.5 us per work item (a request's keys split up to five
+        # ways at low batch): 0.02 ms at 1 request, 0.49 ms at 64 (gpu_step_breakdown --profile)
         if T <= SMALL_PLAN_TOKENS and not trees:
             cols, n_parts = self._work_small(q_list, s_list, T, block_m)
         else:
@@ -403,8 +405,7 @@ class TritonBackend(AttentionBackend):
                T: int, ni: int, nm: int, block_m: int) -> None:
         """The planned step into the persistent device buffers (asynchronous copies)."""
         B = len(q_lens)
-        host = torch.zeros(sum(self._sections), dtype=torch.int32, pin_memory=self._pin)
-        h = host.numpy()
+        h, host = host_buffer(sum(self._sections), torch.int32, self._meta.device)
         offs = self._offsets
         if isinstance(cols[0], list):  # the small path's lists: one assignment (each list->array costs)
             idx: list[int] = []

@@ -22,6 +22,7 @@ from specserve.attention.base import AttentionBackend, AttentionMetadata, forwar
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine import sampler
+from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.scheduler import CommitResult, StepPlan
 
 if TYPE_CHECKING:
@@ -37,15 +38,6 @@ class StepInputs:
     meta: AttentionMetadata
     # rows of the flat batch whose logits are needed, per sampling request: (start, count)
     sample_spans: list[tuple[int, int]]
-
-
-def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without a host sync: on CUDA through pinned memory and an
-    asynchronous copy (``torch.tensor(..., device=cuda)`` waits for the whole stream)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -193,8 +185,7 @@ class ModelRunner:
         T, B = len(ids), len(tables)
         # one host buffer (pinned on CUDA), one asynchronous copy: ids | positions | slots | block tables
         on_cuda = self.device.type == "cuda"
-        host = torch.zeros(3 * T + B * width, dtype=torch.long, pin_memory=on_cuda)
-        h = host.numpy()
+        h, host = host_buffer(3 * T + B * width, torch.long, self.device)
         h[:T] = ids
         h[T : 2 * T] = pos
         h[2 * T : 3 * T] = slots
@@ -238,7 +229,7 @@ class ModelRunner:
         sampling = [s for s in plan.scheduled if s.samples]
         if not sampling:
             return CommitResult(token_ids=[])
-        rows = to_device([a for a, _ in inputs.sample_spans], torch.long, self.device)
+        rows = host_to_device([a for a, _ in inputs.sample_spans], self.device)
         logits = self.model.compute_logits(hidden[rows])
         if all(s.req.params.greedy for s in sampling):
             tokens = logits.argmax(dim=-1)  # building a SamplingBatch would copy (and sync) 4 tensors

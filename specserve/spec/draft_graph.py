@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, write_kv
+from specserve.engine.host_copy import host_to_device
 from specserve.models.eagle3 import Eagle3DraftModel
 
 log = logging.getLogger(__name__)
@@ -44,14 +45,6 @@ def batch_buckets(max_batch: int) -> list[int]:
     if not sizes or sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
-
-
-def host_to_device(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """One host list as a device tensor with no host sync (pinned memory, asynchronous copy on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class TorchDecodeAttention(AttentionBackend):

@@ -37,8 +37,8 @@ from specserve.models.cpu_packing import pack_for_cpu
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
-from specserve.spec.draft_graph import (CatchUpRunner, ChainDraftRunner, TorchDecodeAttention,
-                                         host_to_device)
+from specserve.engine.host_copy import host_to_device
+from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, TorchDecodeAttention
 from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, tree_is_final, verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
@@ -111,7 +111,7 @@ class EagleSpeculator:
         self.controller = SpecController(cfg)
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
         self._drafted_last = False  # whether the last decision drafted for anyone
-        # the adaptive controller times catch-ups to their end on the GPU (a device sync)
+        # the adaptive controller times catch-ups to their end on the GPU (device events)
         self._time_catch_up = cfg.policy == "adaptive" and self.device.type == "cuda"
         self._head_path = path
         self.calibration: dict[str, Any] | None = None  # what the start-up calibration measured (calibrate.py)
@@ -365,11 +365,11 @@ class EagleSpeculator:
             # nobody drafted (speculation off, prefill): the plain-decode sampler, and the target
             # features of every computed token kept for the head's catch-up
             result = self.runner.sample(plan, inputs, hidden)
-            # a copy: with CUDA graphs `feats` is the graph's output buffer, rewritten next step
-            step_feats = feats[: sum(s.num_new_tokens for s in plan.scheduled)].clone()
+            # the runner's outputs are the step's own tensors (a graph replay returns copies of its
+            # output buffers), so every row (one per computed token: no drafts) is kept as it is
             off = 0
             for s in plan.scheduled:
-                self._state(s.req).pending.append((step_feats, off, s.num_new_tokens))
+                self._state(s.req).pending.append((feats, off, s.num_new_tokens))
                 off += s.num_new_tokens
             sampling = [s for s in plan.scheduled if s.samples]
             self._record(plan, sampling, [0] * len(sampling), time.perf_counter() - t0)
@@ -655,9 +655,16 @@ class EagleSpeculator:
         end of its device work: draft_step moves that time to the last cycle)."""
         reqs = [r for r, _ in todo]
         t0 = time.perf_counter()
-        h = self._catch_up(reqs)
+        marks = None
         if time_catch_up:
-            torch.cuda.synchronize(self.device)
+            # timed on the device with events, read once the drafts are back (that wait is needed
+            # anyway): a synchronize here would idle the GPU while the draft loop is launched. The
+            # device has just finished the verify, so the first event marks about t0
+            marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks[0].record()
+        h = self._catch_up(reqs)
+        if marks is not None:
+            marks[1].record()
         catch_up_s = time.perf_counter() - t0
         if self.topk > 1:
             self._draft_tree(todo, h)
@@ -665,6 +672,9 @@ class EagleSpeculator:
             self._draft_chain_static(todo)
         else:
             self._draft_chain(todo, h)
+        if marks is not None:
+            marks[1].synchronize()
+            catch_up_s = max(catch_up_s, marks[0].elapsed_time(marks[1]) / 1e3)
         return catch_up_s
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
