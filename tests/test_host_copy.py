@@ -12,6 +12,7 @@ def test_cpu_path_is_plain_tensors() -> None:
     cpu = torch.device("cpu")
     assert host_copy.stager(cpu) is None
     assert host_copy.host_to_device([3, 1, 2], cpu).tolist() == [3, 1, 2]
+    assert host_copy.host_to_device([[1, 2], [3, 4]], cpu).tolist() == [[1, 2], [3, 4]]
     h, t = host_copy.host_buffer(5, torch.int32, cpu)
     h[2] = 7
     assert t.dtype == torch.int32 and t.tolist() == [0, 0, 7, 0, 0]
@@ -41,6 +42,16 @@ def test_staged_copies_survive_the_buffer_going_round() -> None:
     torch.cuda.synchronize()
     assert st.rounds >= 3
     assert [o.tolist() for o in outs] == want
+
+
+@pytest.mark.gpu
+def test_host_to_device_on_cuda() -> None:
+    dev = torch.device("cuda")
+    assert host_copy.host_to_device([5, 6, 7], dev).tolist() == [5, 6, 7]
+    rows = host_copy.host_to_device([[1, 2, 3], [4, 5, 6]], dev)
+    assert rows.shape == (2, 3) and rows.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert host_copy.host_to_device([1, 2], dev, torch.int32).dtype == torch.int32
+    assert host_copy.host_to_device([], dev).numel() == 0
 
 
 @pytest.mark.gpu
