@@ -33,7 +33,7 @@ from specserve.engine import sampler
 from specserve.engine.request import Request
 from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
-from specserve.models.cpu_packing import pack_for_cpu
+from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
@@ -153,9 +153,13 @@ class EagleSpeculator:
         dev_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         # keyed by the head's shape, not its path: a retrained head of the same shape costs the same
         head_shape = dataclasses.replace(self.head.config, extra={})
+        # CPU weight packing changes what a step of 1-3 tokens costs (packed_min_rows is measured per
+        # process): a profile cached under one threshold put 2-3-token verifies at 1.5-2x a decode
+        # step where they now cost less than one
+        packing = f"packed>={packed_min_rows(e.dtype)}" if e.packed_linears else "unpacked"
         key = (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
                f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
-               f"{self.cfg.resolved_num_draft_tokens}|graphs={self.runner.graphs is not None}")
+               f"{self.cfg.resolved_num_draft_tokens}|graphs={self.runner.graphs is not None}|{packing}")
         path = os.path.join(cache_root(), "profiles", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
         self.cost_profile_path = path
         refresh = os.environ.get("SPECSERVE_COST_PROFILE", "") == "refresh"
