@@ -1,6 +1,7 @@
 """The cost model: exact small counts, online buckets, stale profiles, the start-up measurement."""
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,28 @@ def test_a_batch_profile_gives_verify_shaped_steps_their_own_curve(tmp_path):
     back = CostModel.load(str(tmp_path / "p.json"))
     assert back.batch_profiles == cm.batch_profiles
     assert back.step_time(24, num_seqs=5) == pytest.approx(0.058)
+
+
+def test_cost_profile_key_follows_cpu_packing(monkeypatch) -> None:
+    """A cached profile is reused only under the same CPU weight packing and packed-row threshold:
+    the threshold decides whether 2-3-token verifies cost more or less than a decode step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specserve.models import cpu_packing
+    from specserve.models.eagle3 import Eagle3Config
+    from specserve.spec import drafter
+
+    head = Eagle3Config.from_json(Path(drafter.DEFAULT_HEAD) / "config.json")
+    eng = SimpleNamespace(model_name="m", model_config="cfg", device=torch.device("cpu"), dtype=torch.float32,
+                          packed_linears=7, config=SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=32))
+    monkeypatch.setitem(cpu_packing._MIN_ROWS, torch.float32, 2)
+    two = drafter.cost_profile_key(eng, head, 4, False)
+    assert drafter.cost_profile_key(eng, head, 4, False) == two  # stable
+    monkeypatch.setitem(cpu_packing._MIN_ROWS, torch.float32, 4)
+    four = drafter.cost_profile_key(eng, head, 4, False)
+    eng.packed_linears = 0
+    unpacked = drafter.cost_profile_key(eng, head, 4, False)
+    assert len({two, four, unpacked}) == 3
+    assert drafter.cost_profile_key(eng, head, 4, True) != unpacked  # graphs change the kernels too

@@ -63,6 +63,24 @@ def default_draft_path() -> str:
     return str(path)
 
 
+def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bool) -> str:
+    """What a cached cost profile is valid for: the engine's model, shapes, device and step limits,
+    the head's shape (not its path: a retrained head of the same shape costs the same), and what
+    changes a step's kernels (CUDA graphs; on the CPU the weight packing and the row count from which
+    the packed kernel runs, measured per process: a profile cached under another threshold put
+    2-3-token verifies at 1.5-2x a decode step where they cost less than one)."""
+    import dataclasses
+
+    from specserve.spec.cost_model import FORMAT_VERSION
+
+    dev_name = torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else "cpu"
+    head_shape = dataclasses.replace(head_config, extra={})
+    packing = f"packed>={packed_min_rows(e.dtype)}" if e.packed_linears else "unpacked"
+    return (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
+            f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
+            f"{num_draft_tokens}|graphs={graphs}|{packing}")
+
+
 @dataclass
 class DraftState:
     """Per-request drafting state."""
@@ -143,23 +161,12 @@ class EagleSpeculator:
 
         SPECSERVE_COST_PROFILE=refresh re-measures even when a cached profile exists.
         """
-        import dataclasses
         import hashlib
 
         from specserve.loader.gguf import cache_root
-        from specserve.spec.cost_model import FORMAT_VERSION
 
-        e = self.engine
-        dev_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        # keyed by the head's shape, not its path: a retrained head of the same shape costs the same
-        head_shape = dataclasses.replace(self.head.config, extra={})
-        # CPU weight packing changes what a step of 1-3 tokens costs (packed_min_rows is measured per
-        # process): a profile cached under one threshold put 2-3-token verifies at 1.5-2x a decode
-        # step where they now cost less than one
-        packing = f"packed>={packed_min_rows(e.dtype)}" if e.packed_linears else "unpacked"
-        key = (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
-               f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
-               f"{self.cfg.resolved_num_draft_tokens}|graphs={self.runner.graphs is not None}|{packing}")
+        key = cost_profile_key(self.engine, self.head.config, self.cfg.resolved_num_draft_tokens,
+                               self.runner.graphs is not None)
         path = os.path.join(cache_root(), "profiles", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
         self.cost_profile_path = path
         refresh = os.environ.get("SPECSERVE_COST_PROFILE", "") == "refresh"
