@@ -201,7 +201,7 @@ class CostModel:
     meta: dict = field(default_factory=dict)  # how the profile was taken (date, spread, rounds)
     # the prediction error is sampled every this many steps: a prediction after an observation
     # rebuilds the curve's table, a real share of a GPU step's host time if done at every step
-    error_every: int = 4
+    error_every: int = 16
     _observed_steps: int = 0
 
     def curve(self, num_seqs: int | None = None) -> Curve:

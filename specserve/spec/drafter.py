@@ -531,7 +531,8 @@ class EagleSpeculator:
         prefill = sum(s.num_new_tokens - s.samples for s in plan.scheduled)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling))
         cost = self.controller.cost
-        if cost.stale and not cost.meta.get("stale_reported"):
+        # (the staleness check takes a median of the last 256 steps' ratios: not every step)
+        if self.engine.stats.steps % 32 == 0 and not cost.meta.get("stale_reported") and cost.stale:
             # the cached profile is far from what steps measure: the next start-up measures anew
             cost.meta["stale_reported"] = True
             path = getattr(self, "cost_profile_path", None)
