@@ -11,11 +11,13 @@ waiting for the device's queue to drain (an event), so no copy still in flight r
 that is being rewritten. With a 16 MiB buffer that wait comes every ~100 steps or more, and
 the engine waits on the device every step anyway.
 
-Off CUDA (or while a CUDA graph is being captured, which would record the buffer's address)
-the plain path runs: a fresh tensor, pinned on CUDA.
+Off CUDA (or while a CUDA graph is being captured, which would record the buffer's address, or
+with SPECSERVE_HOST_STAGING=0) the plain path runs: a fresh tensor, pinned on CUDA.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -53,11 +55,12 @@ class PinnedStager:
 
 
 _stagers: dict[int, PinnedStager] = {}
+_ENABLED = os.environ.get("SPECSERVE_HOST_STAGING", "1") != "0"
 
 
 def stager(device: torch.device) -> PinnedStager | None:
     """The device's stager, or None where the plain path must run (see the module docstring)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or not _ENABLED or torch.cuda.is_current_stream_capturing():
         return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
     st = _stagers.get(idx)
