@@ -131,6 +131,21 @@ def test_threshold_policy_with_hysteresis():
     assert ctl.switches == 2
 
 
+def test_threshold_off_steps_take_the_quick_path():
+    """Above N the threshold policy answers before any per-request work (as the adaptive policy's
+    quick plain decisions), with the same hysteresis as decide(); at or below N it defers to decide()."""
+    ctl = SpecController(SpeculativeConfig(policy="threshold", disable_batch_threshold=8, num_steps=3))
+    assert ctl.quick_arm(8, num_running=8) is None
+    assert ctl.decide([R(str(i)) for i in range(8)], [3] * 8, num_running=8, prefill_tokens=0) == [3] * 8
+    assert ctl.quick_arm(9, num_running=9) == 0
+    ctl.count_off(9)
+    assert ctl.quick_arm(7, num_running=7) == 0  # inside the hysteresis band: still off
+    ctl.count_off(7)
+    assert ctl.quick_arm(6, num_running=6) is None
+    assert ctl.decide([R(str(i)) for i in range(6)], [3] * 6, num_running=6, prefill_tokens=0) == [3] * 6
+    assert ctl.k_histogram[0] == 16 and ctl.switches == 2 and not ctl.cycle_open
+
+
 def test_a_useless_head_is_turned_off_and_rarely_tried():
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
     reqs = [R("a")]

@@ -218,6 +218,8 @@ class LLMEngine:
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
         self.stats.kv_usage = self.blocks.usage
+        if self.drafter is not None:  # the controller's counts (quick plain decisions do not copy them per step)
+            self.stats.k_histogram = dict(self.drafter.controller.k_histogram)
         return dataclasses.replace(self.stats, k_histogram=dict(self.stats.k_histogram),
                                    spec_accepted_per_position=list(self.stats.spec_accepted_per_position),
                                    spec_drafted_per_position=list(self.stats.spec_drafted_per_position))

@@ -229,11 +229,14 @@ class SpecController:
         """A cycle whose requests' accepted counts are still to be observed."""
         return self._cycle is not None and self._cycle.request_ids is not None
 
-    def quick_arm(self, batch: int) -> int | None:
+    def quick_arm(self, batch: int, num_running: int | None = None) -> int | None:
         """The depth this batch bucket exploits, to apply without weighing the arms again (None: weigh
         them, ``decide``): three decisions in four (``full_every``), explorations excluded. Per
         request, a decision is milliseconds of host time at 256 requests and a tenth of a millisecond
-        at one: a real share of a GPU step either way."""
+        at one: a real share of a GPU step either way. The threshold policy: 0 while speculation is
+        off (``num_running`` running requests, with its hysteresis), else None."""
+        if self.cfg.policy == "threshold" and num_running is not None:
+            return 0 if not self._threshold_on(num_running) else None
         if self.cfg.policy != "adaptive" or self.full_every <= 1:
             return None
         b = self.bandit
@@ -247,9 +250,10 @@ class SpecController:
         return arm
 
     def count_off(self, batch: int) -> None:
-        """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; still measured,
-        one token per request)."""
-        self._cycle = Cycle(self._quick_key, 0, 0.0, None, tokens=batch, requests=batch)
+        """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; under the
+        adaptive policy still measured, one token per request)."""
+        if self.cfg.policy == "adaptive":
+            self._cycle = Cycle(self._quick_key, 0, 0.0, None, tokens=batch, requests=batch)
         self.decisions += 1
         self.k_histogram[0] += batch
         if self._was_on:
@@ -346,18 +350,22 @@ class SpecController:
         if policy == "static":
             ks = caps_a
         elif policy == "threshold":
-            n = self.cfg.disable_batch_threshold or 0
-            hyst = max(1, n // 4)
-            if self.spec_on and num_running > n:
-                self.spec_on = False
-            elif not self.spec_on and num_running <= max(n - hyst, 0):
-                self.spec_on = True
-            ks = caps_a if self.spec_on else np.zeros_like(caps_a)
+            ks = caps_a if self._threshold_on(num_running) else np.zeros_like(caps_a)
         else:
             ks, exploring = self._decide_adaptive(requests, caps_a, num_running, prefill_tokens)
         out = [int(k) for k in ks]
         self._count(requests, out, exploring)
         return out
+
+    def _threshold_on(self, num_running: int) -> bool:
+        """The threshold policy's state: off above N running requests, on again at N - N/4 or fewer."""
+        n = self.cfg.disable_batch_threshold or 0
+        hyst = max(1, n // 4)
+        if self.spec_on and num_running > n:
+            self.spec_on = False
+        elif not self.spec_on and num_running <= max(n - hyst, 0):
+            self.spec_on = True
+        return self.spec_on
 
     def _decide_adaptive(self, requests: list, caps: np.ndarray, n_base: int, prefill: int) -> tuple[np.ndarray, bool]:
         self._cycle = None

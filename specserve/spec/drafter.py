@@ -566,7 +566,7 @@ class EagleSpeculator:
             return
         arm = self.controller.forced_arm
         if arm is None:
-            arm = self.controller.quick_arm(len(candidates))
+            arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
@@ -610,7 +610,6 @@ class EagleSpeculator:
                 shift = catch_up_s
         self.controller.finish_cycle(prev, prev_s + shift)
         self._drafted_last = bool(todo)
-        self.engine.stats.k_histogram = dict(self.controller.k_histogram)
         self._cycle_head = time.perf_counter() - now - shift
 
     def _prefill_tokens_next_step(self) -> int:
