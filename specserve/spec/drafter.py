@@ -30,6 +30,7 @@ import torch
 from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.engine import sampler
+from specserve.engine.host_copy import host_to_device
 from specserve.engine.request import Request
 from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
@@ -37,7 +38,6 @@ from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
-from specserve.engine.host_copy import host_to_device
 from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, TorchDecodeAttention
 from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, tree_is_final, verify_tree_greedy,
                                  verify_tree_sampled)
