@@ -8,8 +8,8 @@ slice of one preallocated pinned buffer and the copy is asynchronous.
 
 A slice is written again only after the buffer has gone round once, and each round starts by
 waiting for the device's queue to drain (an event), so no copy still in flight reads memory
-that is being rewritten. With a 16 MiB buffer that wait comes every ~100 steps or more, and
-the engine waits on the device every step anyway.
+that is being rewritten. With a 16 MiB buffer that wait comes every 40 steps or more (a chain-5
+step at 256 requests stages ~400 KB), and the engine waits on the device every step anyway.
 
 Off CUDA (or while a CUDA graph is being captured, which would record the buffer's address, or
 with SPECSERVE_HOST_STAGING=0) the plain path runs: a fresh tensor, pinned on CUDA.
