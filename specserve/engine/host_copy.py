@@ -38,8 +38,7 @@ class PinnedStager:
     def array(self, n: int, dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
         """A pinned host tensor of n elements (contents undefined) and a numpy view of it; copy it
         to the device with ``non_blocking=True`` before the buffer goes round again."""
-        size = torch.empty((), dtype=dtype).element_size()
-        nb = n * size
+        nb = n * dtype.itemsize
         if nb > self.nbytes:
             raise ValueError(f"{nb} bytes of step metadata exceed the {self.nbytes}-byte staging buffer")
         start = -(-self.offset // 8) * 8  # aligned for any element type
