@@ -151,39 +151,6 @@ def spread(T: int, B: int) -> list[int]:
     return [T // B + (1 if i < T % B else 0) for i in range(B)]
 
 
-def fused_elementwise_patch() -> Callable[[], None]:
-    """Experiment, not product code: swap the model's RMSNorm, rotary and SiLU*mul for
-    torch.compile'd versions (one fused kernel each) to show what fusing them would save.
-    Returns a function that restores the originals."""
-    from specserve.models import layers, llama
-
-    try:  # compiled functions are shared by all 65 norms: never fall back for too many recompiles
-        torch._dynamo.config.cache_size_limit = 64
-    except AttributeError:
-        pass
-
-    @torch.compile(dynamic=True)
-    def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return w * xf.to(x.dtype)
-
-    @torch.compile(dynamic=True)
-    def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-        gate, up = gu.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    saved = (layers.RMSNorm.forward, layers.GatedMLP.forward, llama.apply_rotary)
-    layers.RMSNorm.forward = lambda self, x: rms(x, self.weight, self.eps)  # type: ignore[method-assign]
-    layers.GatedMLP.forward = lambda self, x: self.down_proj(silu_mul(self.gate_up_proj(x)))  # type: ignore[method-assign]
-    llama.apply_rotary = torch.compile(saved[2], dynamic=True)
-
-    def restore() -> None:
-        layers.RMSNorm.forward, layers.GatedMLP.forward, llama.apply_rotary = saved
-
-    return restore
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write results JSON here")
@@ -192,8 +159,8 @@ def main() -> None:
     ap.add_argument("--verify-tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--tiny", action="store_true", help="small model (dry run)")
-    ap.add_argument("--no-fused-experiment", dest="fused_experiment", action="store_false",
-                    help="skip the torch.compile'd elementwise experiment")
+    ap.add_argument("--no-unfused", dest="unfused", action="store_false",
+                    help="skip the decode A/B with the torch elementwise ops instead of the fused Triton kernels")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -335,12 +302,14 @@ def main() -> None:
         attn = runner.attn
         H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
         variants: list[tuple[str, dict]] = [("default", {})]
-        knobs = ("split_kv", "block_n", "num_warps", "num_stages")
+        knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys")
         if runner.backend_name == "triton":
             variants += [("no_split", {"split_kv": False}), ("block_n=32", {"block_n": 32}),
                          ("block_n=128", {"block_n": 128}), ("warps=8", {"num_warps": 8}),
-                         ("stages=2", {"num_stages": 2}), ("no_split,block_n=128,warps=8",
-                                                           {"split_kv": False, "block_n": 128, "num_warps": 8})]
+                         ("stages=3", {"num_stages": 3}), ("no_split,block_n=128,warps=8",
+                                                           {"split_kv": False, "block_n": 128, "num_warps": 8}),
+                         ("split>=64 keys", {"min_split_keys": 64}),
+                         ("split>=64 keys,block_n=32", {"min_split_keys": 64, "block_n": 32})]
             saved = {k: getattr(attn, k) for k in knobs}
         results["attention_layer"] = []
         for B in batches:
@@ -414,22 +383,25 @@ def main() -> None:
         results["kernel_profile"] = {"batch": B, "eager_forward_kernel_us": round(sum(r["total_us"] for r in rows), 1),
                                      "num_kernels": sum(r["count"] for r in rows), "top": rows[:25]}
 
-    def fused_experiment() -> None:
-        restore = fused_elementwise_patch()
+    def unfused() -> None:
+        """Decode again with the torch ops for norm, SiLU*mul, rotary and the cache write (re-captured
+        graphs), in this run: what the fused Triton kernels (models/triton_ops.py) save."""
+        from specserve.models import layers
+
+        layers.FUSED_OPS = False
         try:
-            t0 = time.perf_counter()
-            runner.capture_graphs()  # compiles at each size's warm-up, then captures
-            exp = {"what": "RMSNorm, rotary and SiLU*mul torch.compile'd (dynamic shapes) inside the same graphs",
-                   "compile_and_capture_s": round(time.perf_counter() - t0, 1), "decode": []}
-            results["fused_elementwise_experiment"] = exp
+            runner.capture_graphs()
+            rows = []
             for B in batches:
                 fwd = gpu_time_ms(forward_fn(decode_inputs(B)), it)
                 fl = gpu_time_ms(floor.get(B), it)
-                exp["decode"].append({"batch": B, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3),
-                                      "forward_over_floor": round(fwd / fl, 3)})
-                print(json.dumps(exp["decode"][-1]), flush=True)
+                rows.append({"batch": B, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3),
+                             "forward_over_floor": round(fwd / fl, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+            results["decode_unfused"] = rows
         finally:
-            restore()
+            layers.FUSED_OPS = True
+            runner.capture_graphs()
 
     section("decode", decode)
     section("verify_curve", verify_curve)
@@ -438,8 +410,8 @@ def main() -> None:
         section("decode_without_split", decode_without_split)
     if cuda:
         section("kernel_profile", kernel_profile)
-        if args.fused_experiment:
-            section("fused_experiment", fused_experiment)
+        if args.unfused:
+            section("unfused", unfused)
 
     print(f"\n{results['device']}, {results['dtype']}, context {args.context}, graphs: {capture}")
     print(f"{'batch':>6} {'forward':>9} {'step':>9} {'floor':>9} {'lm_head':>8} {'fwd/floor':>10} {'step/(floor+lm)':>16}")
@@ -464,8 +436,8 @@ def main() -> None:
               f"{kp['eager_forward_kernel_us']:.0f} us of kernel time")
         for r in kp["top"][:15]:
             print(f"  {r['total_us']:>9.1f} us {r['count']:>5}x  {r['kernel']}")
-    if "fused_elementwise_experiment" in results:
-        print(f"\nfused elementwise experiment: {json.dumps(results['fused_elementwise_experiment'])}")
+    if "decode_unfused" in results:
+        print(f"\ndecode with the torch elementwise ops (not fused): {json.dumps(results['decode_unfused'])}")
     if results["errors"]:
         print(f"\nERRORS: {json.dumps(results['errors'])}")
 

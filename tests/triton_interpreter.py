@@ -1,7 +1,7 @@
 """Run the Triton kernels on the CPU through Triton's interpreter (tests only).
 
 Call ``use_triton_interpreter()`` at the top of a test module, before anything imports
-``specserve.attention.triton_backend``: TRITON_INTERPRET is read when the kernels are decorated.
+``specserve.attention.triton_backend`` or ``specserve.models.triton_ops``: TRITON_INTERPRET is read when the kernels are decorated.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 
 def use_triton_interpreter() -> None:
-    if "specserve.attention.triton_backend" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend was imported before TRITON_INTERPRET=1 could be set",
+    kernels = ("specserve.attention.triton_backend", "specserve.models.triton_ops")
+    if any(m in sys.modules for m in kernels) and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels were imported before TRITON_INTERPRET=1 could be set",
                     allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"
     _interpreter_numpy2_compat()

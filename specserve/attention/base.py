@@ -52,6 +52,14 @@ class AttentionBackend(ABC):
         Writes k/v into the cache first, so a token attends to itself.
         """
 
+    # backends that take the fused qkv projection and do rotary + the cache write in one kernel
+    supports_fused_rope = False
+
+    def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int) -> torch.Tensor:
+        """``forward`` from qkv [T, (H + 2 KVH) * D] before rotary (cos/sin of RotaryEmbedding)."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse rotary into the cache write")
+
 
 @dataclass
 class ForwardContext:

@@ -441,11 +441,30 @@ class TritonBackend(AttentionBackend):
         self._block_m = block_m
 
     # -- per layer ---------------------------------------------------------------------------
+    @property
+    def supports_fused_rope(self) -> bool:  # type: ignore[override]
+        return self.device.type == "cuda"
+
+    def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int) -> torch.Tensor:
+        from specserve.models.triton_ops import rope_and_cache
+
+        kv = self.kv_caches[layer]
+        if qkv.dtype != kv[0].dtype:
+            raise ValueError(f"fused rotary needs q/k/v in the cache dtype {kv[0].dtype}, got {qkv.dtype}")
+        q = rope_and_cache(qkv, cos, sin, kv, self._slots[: qkv.shape[0]], num_heads, self.num_kv_heads,
+                           self.head_dim)
+        return self._attend(layer, q)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
         write_kv(self.kv_caches[layer], self._slots[:n], k, v)
+        return self._attend(layer, q)
 
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [T, H, D] over the cache, this step's K/V already written."""
+        k_cache, v_cache = self.kv_caches[layer]
+        n = q.shape[0]
         if q.dtype != k_cache.dtype:
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:

@@ -8,11 +8,40 @@ construction instant even for large models on a GPU.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# CUDA tensors go through the fused Triton kernels of ``triton_ops`` (SPECSERVE_FUSED_OPS=0, or
+# setting this to False, keeps the torch ops there too: the benchmarks' A/B).
+FUSED_OPS = os.environ.get("SPECSERVE_FUSED_OPS", "1") != "0"
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    if not (FUSED_OPS and x.is_cuda and x.stride(-1) == 1):
+        return False
+    if weight is not None and weight.dtype != x.dtype:
+        return False
+    return _triton_ops() is not None
+
+
+_TRITON_OPS: Any = None
+
+
+def _triton_ops() -> Any:
+    """specserve.models.triton_ops, imported on first use (None without triton)."""
+    global _TRITON_OPS
+    if _TRITON_OPS is None:
+        try:
+            from specserve.models import triton_ops
+        except ImportError:
+            triton_ops = False  # type: ignore[assignment]
+        _TRITON_OPS = triton_ops
+    return _TRITON_OPS or None
 
 
 class Linear(nn.Module):
@@ -49,12 +78,35 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: normalised in fp32 by one fused op, cast back, then times the
     weight, bit for bit what transformers computes (with the weight inside the op, bf16 would round
     once, not twice)."""
+    if _fused(x, weight):
+        return _triton_ops().add_rms_norm(x, None, weight, eps)[0]
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) with s = x + residual: one kernel on the GPU."""
+    if _fused(x, weight) and residual.stride(-1) == 1 and residual.dtype == x.dtype:
+        return _triton_ops().add_rms_norm(x, residual, weight, eps)
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [gate | up] on the last dim: one kernel on the GPU."""
+    if _fused(gate_up):
+        return _triton_ops().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class GatedMLP(nn.Module):
@@ -69,8 +121,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import nn
 
 from specserve.attention.base import get_forward_context
 from specserve.config import ModelConfig
+from specserve.models import layers
 from specserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -51,6 +52,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        attn = get_forward_context().attn
+        if self.q_norm is None and attn.supports_fused_rope and layers.FUSED_OPS and qkv.is_cuda:
+            # one kernel: rotary on q and k, k and v into the paged cache
+            o = attn.forward_rope(self.layer_idx, qkv, cos, sin, self.num_heads)
+            return self.o_proj(o.reshape(T, self.q_size))
         v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k heads side by side: one rotary pass for both
@@ -61,7 +67,7 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim))  # type: ignore[misc]
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-        o = get_forward_context().attn.forward(self.layer_idx, q, k, v)
+        o = attn.forward(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -73,9 +79,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is h + residual (just h when residual is None); returns the MLP's
+        output and the stream before it, so the next norm adds them in its own kernel."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.forward_add(h, residual)
+        x, residual = self.post_attention_layernorm.forward_add(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -140,18 +153,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
-        aux_ids = self._aux_layers
-        if aux_ids is None:
-            for layer in self.model.layers:
-                h = layer(h, cos, sin)
-            return self.model.norm(h)
+        aux_ids = self._aux_layers or ()
         captured: dict[int, torch.Tensor] = {}
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            if i in aux_ids:
+            if i in aux_ids:  # the residual stream entering layer i
+                if residual is not None:
+                    h, residual = h + residual, None
                 captured[i] = h
-            h = layer(h, cos, sin)
-        aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
-        return self.model.norm(h), aux
+            h, residual = layer(h, residual, cos, sin)
+        out = self.model.norm.forward_add(h, residual)[0]
+        if not aux_ids:
+            return out
+        return out, torch.cat([captured[i] for i in aux_ids], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, vocab]."""
