@@ -302,14 +302,31 @@ def main() -> None:
         attn = runner.attn
         H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
         variants: list[tuple[str, dict]] = [("default", {})]
-        knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys")
+        fresh: dict[str, object] = {}  # variants that size the backend differently get their own
+        knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys", "early_v")
         if runner.backend_name == "triton":
             variants += [("no_split", {"split_kv": False}), ("block_n=32", {"block_n": 32}),
                          ("block_n=128", {"block_n": 128}), ("warps=8", {"num_warps": 8}),
                          ("stages=3", {"num_stages": 3}), ("no_split,block_n=128,warps=8",
                                                            {"split_kv": False, "block_n": 128, "num_warps": 8}),
                          ("split>=64 keys", {"min_split_keys": 64}),
-                         ("split>=64 keys,block_n=32", {"min_split_keys": 64, "block_n": 32})]
+                         ("split>=64 keys,block_n=32", {"min_split_keys": 64, "block_n": 32}),
+                         ("early_v", {"early_v": True}), ("early_v,block_n=32", {"early_v": True, "block_n": 32}),
+                         ("early_v,no_split,block_n=128,warps=8",
+                          {"early_v": True, "split_kv": False, "block_n": 128, "num_warps": 8})]
+            from specserve.attention.triton_backend import TritonBackend
+
+            for mult in (4, 8):
+                name = f"{mult}x SMs programs"
+                fresh[name] = TritonBackend(
+                    attn.kv_caches, attn.block_size, attn.scale, num_heads=attn.num_heads,
+                    max_num_tokens=attn.max_num_tokens, max_num_seqs=attn.max_num_seqs,
+                    max_blocks_per_seq=attn.max_blocks_per_seq, scratch_slot=attn.scratch_slot,
+                    target_programs=mult * torch.cuda.get_device_properties(dev).multi_processor_count)
+                variants.append((name, {}))
+                fresh[name + ",early_v"] = fresh[name]
+                variants.append((name + ",early_v", {"early_v": True}))
+            saved_fresh = {n: {k: getattr(b, k) for k in knobs} for n, b in fresh.items()}
             saved = {k: getattr(attn, k) for k in knobs}
         results["attention_layer"] = []
         for B in batches:
@@ -318,20 +335,21 @@ def main() -> None:
             k = torch.randn(B, KVH, D, device=dev, dtype=dtype)
             kv_bytes = 2 * B * (args.context + 1) * KVH * D * torch.empty((), dtype=dtype).element_size()
             for name, over in variants:
+                a = fresh.get(name, attn)
                 try:
                     for key, val in over.items():
-                        setattr(attn, key, val)
-                    attn.plan(inputs.meta)
+                        setattr(a, key, val)
+                    a.plan(inputs.meta)
                     if cuda:
-                        attn.forward(0, q, k, k)  # compile outside the capture
+                        a.forward(0, q, k, k)  # compile outside the capture
                         torch.cuda.synchronize()
-                        attn.graph_min_tokens = B
+                        a.graph_min_tokens = B
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph):
-                            attn.forward(0, q, k, k)
+                            a.forward(0, q, k, k)
                         fn: Callable[[], object] = graph.replay
                     else:
-                        fn = lambda: attn.forward(0, q, k, k)  # noqa: E731
+                        fn = lambda: a.forward(0, q, k, k)  # noqa: E731
                     us = gpu_time_ms(fn, it * 5) * 1e3
                     row = {"batch": B, "variant": name, "us": round(us, 2), "kv_gb_per_s": round(kv_bytes / us / 1e3, 1),
                            "x_layers_ms": round(us * mc.num_hidden_layers / 1e3, 3)}
@@ -339,9 +357,9 @@ def main() -> None:
                     row = {"batch": B, "variant": name, "error": repr(e)[:200]}
                 finally:
                     if runner.backend_name == "triton":
-                        for key, val in saved.items():
-                            setattr(attn, key, val)
-                        attn.graph_min_tokens = 1
+                        for key, val in (saved_fresh[name] if name in fresh else saved).items():
+                            setattr(a, key, val)
+                        a.graph_min_tokens = 1
                 results["attention_layer"].append(row)
                 print(json.dumps(row), flush=True)
 
