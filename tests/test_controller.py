@@ -333,3 +333,38 @@ def test_observe_many_is_observe_per_request():
     # the overall rates decay once per step instead of once per request: equal to a part in 1e3
     assert np.allclose(one.overall.rates(), many.overall.rates(), rtol=1e-3)
     assert many.overall.drafted[0] == pytest.approx(5, rel=1e-2)
+
+
+def test_full_decisions_spread_out_when_they_cost_a_share_of_short_cycles():
+    """On a GPU a cycle at one request is ~2.5 ms and a full decision ~0.3 ms of host time: the
+    bucket's arms are weighed less often there (within decide_budget), on the CPU as before."""
+
+    def full_decisions(decide_s: float, cycle_s: float, n: int = 256) -> int:
+        ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
+        reqs = [R("a")]
+        full = 0
+        for _ in range(n):
+            arm = ctl.quick_arm(1)
+            if arm is None:
+                full += 1
+                ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
+                ctl.observe_decide(decide_s)
+            elif arm:
+                ks = ctl.uniform(reqs, arm, [3])
+            else:
+                ctl.count_off(1)
+                ks = [0]
+            ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
+            ctl.observe("a", ks[0], min(ks[0], 2))
+            ctl.end_cycle(cycle_s)
+        return full
+
+    gpu = full_decisions(0.3e-3, 2.5e-3)  # every 12th, and the explorations
+    cpu = full_decisions(1e-3, 100e-3)  # a decision is 1 % of a cycle: every 4th, as before
+    assert cpu >= 256 / 4
+    assert gpu <= cpu - 256 * (1 / 4 - 1 / 12) + 8, (gpu, cpu)
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
+    assert ctl.full_decision_every() == 4  # nothing measured yet
+    ctl.observe_decide(1.0)
+    ctl.finish_cycle(None, 0.001)  # no cycle: nothing learnt
+    assert ctl.full_decision_every() == 4

@@ -28,6 +28,7 @@ time (``end_cycle``) and each request's accepted count (``observe``).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -170,7 +171,10 @@ class SpecController:
     switches: int = 0  # decisions where speculation went on <-> off (explorations excluded)
     k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
     cycles: int = 0  # adaptive decisions whose outcome was measured
-    full_every: int = 4  # weigh a bucket's arms every this many decisions (quick_arm in between)
+    full_every: int = 4  # weigh a bucket's arms every this many decisions (quick_arm in between) ...
+    # ... or less often where weighing them would take more than this share of the cycles' time
+    # (a full decision is ~0.3 ms of host time: 1/8 of a 2.5-ms GPU cycle at one request)
+    decide_budget: float = 0.01
     # a cycle whose prompt tokens' predicted share is above this part of its time is left out of the
     # arm's measure (charged to exploration only): what remains after subtracting a share that large
     # is mostly the prediction's error (on two CPU cores, 150 prompt tokens cost ~1.5 decode steps)
@@ -181,6 +185,8 @@ class SpecController:
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
     _was_on: bool | None = None
+    _decide_s: float = 0.0  # moving averages: host seconds of a full decision, seconds of a cycle
+    _cycle_s: float = 0.0
     forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
 
     def __post_init__(self) -> None:
@@ -231,7 +237,8 @@ class SpecController:
 
     def quick_arm(self, batch: int, num_running: int | None = None) -> int | None:
         """The depth this batch bucket exploits, to apply without weighing the arms again (None: weigh
-        them, ``decide``): three decisions in four (``full_every``), explorations excluded. Per
+        them, ``decide``): three decisions in four (``full_every``; fewer full ones where they would cost
+        more than ``decide_budget`` of the time, ``full_decision_every``), explorations excluded. Per
         request, a decision is milliseconds of host time at 256 requests and a tenth of a millisecond
         at one: a real share of a GPU step either way. The threshold policy: 0 while speculation is
         off (``num_running`` running requests, with its hysteresis), else None."""
@@ -243,11 +250,24 @@ class SpecController:
         key = batch_key(batch)
         visit = b.visits.get(key, 0)
         arm = b.chosen.get(key)
-        if arm is None or key in b._explore_again or visit % self.full_every == 0 or b.explores_at(key, visit):
+        if arm is None or key in b._explore_again or visit % self.full_decision_every() == 0 \
+                or b.explores_at(key, visit):
             return None
         b.visits[key] = visit + 1
         self._quick_key = key
         return arm
+
+    def full_decision_every(self) -> int:
+        """``full_every``, or more decisions apart where a full one costs more than ``decide_budget``
+        of the time between them (at most 64)."""
+        if self._decide_s <= 0 or self._cycle_s <= 0:
+            return self.full_every
+        need = math.ceil(self._decide_s / (self.decide_budget * self._cycle_s))
+        return max(self.full_every, min(need, 64))
+
+    def observe_decide(self, seconds: float) -> None:
+        """Host seconds one full decision (``decide``) took: the caller's clock."""
+        self._decide_s = seconds if self._decide_s <= 0 else 0.9 * self._decide_s + 0.1 * seconds
 
     def count_off(self, batch: int) -> None:
         """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; under the
@@ -291,6 +311,7 @@ class SpecController:
         """The wall time of a detached cycle (None: nothing to measure)."""
         if c is None or c.tokens <= 0:
             return
+        self._cycle_s = seconds if self._cycle_s <= 0 else 0.9 * self._cycle_s + 0.1 * seconds
         measured = c.measured and c.prefill_seconds <= self.prefill_share_limit * seconds
         seconds = max(seconds - c.prefill_seconds, 0.2 * seconds)
         if not measured:

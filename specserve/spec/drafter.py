@@ -585,7 +585,9 @@ class EagleSpeculator:
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
         else:
+            t_decide = time.perf_counter()
             ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step())
+            self.controller.observe_decide(time.perf_counter() - t_decide)
         todo: list[tuple[Request, int]] = []
         for r, k in zip(candidates, ks):
             if k > 0 and sched._reserve(r, r.num_tokens + k):
