@@ -303,7 +303,7 @@ def main() -> None:
         H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
         variants: list[tuple[str, dict]] = [("default", {})]
         fresh: dict[str, object] = {}  # variants that size the backend differently get their own
-        knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys", "early_v", "prefetch_bt")
+        knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys", "early_v")
         if runner.backend_name == "triton":
             variants += [("no_split", {"split_kv": False}), ("block_n=32", {"block_n": 32}),
                          ("block_n=128", {"block_n": 128}), ("warps=8", {"num_warps": 8}),
@@ -313,11 +313,7 @@ def main() -> None:
                          ("split>=64 keys,block_n=32", {"min_split_keys": 64, "block_n": 32}),
                          ("early_v", {"early_v": True}), ("early_v,block_n=32", {"early_v": True, "block_n": 32}),
                          ("early_v,no_split,block_n=128,warps=8",
-                          {"early_v": True, "split_kv": False, "block_n": 128, "num_warps": 8}),
-                         ("prefetch_bt", {"prefetch_bt": True}),
-                         ("prefetch_bt,early_v", {"prefetch_bt": True, "early_v": True}),
-                         ("prefetch_bt,early_v,block_n=32", {"prefetch_bt": True, "early_v": True, "block_n": 32}),
-                         ("prefetch_bt,early_v,stages=1", {"prefetch_bt": True, "early_v": True, "num_stages": 1})]
+                          {"early_v": True, "split_kv": False, "block_n": 128, "num_warps": 8})]
             from specserve.attention.triton_backend import TritonBackend
 
             for mult in (4, 8):

@@ -33,7 +33,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 SPLIT = {"target_programs": 256, "min_split_keys": 16}  # split the keys of every tile of a small step
 NO_SPLIT = {"split_kv": False}
-EARLY_LOADS = {**SPLIT, "early_v": True, "prefetch_bt": True}  # the kernel's other load order
 
 
 def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
@@ -70,7 +69,7 @@ def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, d
     tri = TritonBackend(caches_tri, block_size, head_dim**-0.5, num_heads=heads, max_num_tokens=128,
                         max_num_seqs=8, max_blocks_per_seq=32, block_n=block_n, **backend)
     tri.plan(meta)
-    if backend in (SPLIT, EARLY_LOADS) and max(seq) > 2 * block_n:
+    if backend is SPLIT and max(seq) > 2 * block_n:
         assert tri._num_merges > 0, "the case was meant to split keys"
     out_tri = tri.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
     same_cache = all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(caches_ref, caches_tri))
@@ -104,7 +103,7 @@ TREE = torch.tensor([[1, 0, 0, 0, 0],
                  marks=pytest.mark.skipif(not CUDA, reason="Triton 3.6's interpreter multiplies bf16 dot "
                                                            "operands as raw bits (checked on the GPU)")),
 ])
-@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT, EARLY_LOADS], ids=["whole", "split_kv", "early_loads"])
+@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT], ids=["whole", "split_kv"])
 def test_matches_torch_native(name, q_lens, ctx_lens, kw, backend):
     ref, out, same_cache = _case(q_lens, ctx_lens, backend=backend, **kw)
     assert same_cache, "K/V written to different cache slots"

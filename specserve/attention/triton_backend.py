@@ -67,7 +67,6 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr = False,  # issue the V load with the K load (both in flight at once)
-    PREFETCH_BT: tl.constexpr = False,  # load the next key block's block-table entries a block ahead
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -95,21 +94,10 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = block_table + req * bt_stride
-    j_next = lo + tl.arange(0, BLOCK_N)
-    if PREFETCH_BT:
-        blk_next = tl.load(bt_row + j_next // PAGE, mask=j_next < hi, other=0)
-    else:
-        blk_next = tl.zeros([BLOCK_N], dtype=tl.int32)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
-        if PREFETCH_BT:  # the block's ids were loaded an iteration ago: its K/V loads issue at once
-            blk = blk_next.to(tl.int64)
-            j_next = j + BLOCK_N
-            blk_next = tl.load(bt_row + j_next // PAGE, mask=j_next < hi, other=0)
-        else:
-            blk = tl.load(bt_row + j // PAGE, mask=j_ok, other=0).to(tl.int64)
+        blk = tl.load(block_table + req * bt_stride + j // PAGE, mask=j_ok, other=0).to(tl.int64)
         kv_off = blk * stride_kb + (j % PAGE) * stride_ks + kvh * stride_kh
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -226,7 +214,7 @@ class TritonBackend(AttentionBackend):
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
                  num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
-                 min_split_keys: int = 128, early_v: bool = False, prefetch_bt: bool = False) -> None:
+                 min_split_keys: int = 128, early_v: bool = False) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -248,7 +236,6 @@ class TritonBackend(AttentionBackend):
         # 2 beat Triton's default (3) on the H200 at decode batch 1/16/64 (benchmarks/gpu_decode.py)
         self.num_stages = num_stages  # None: Triton's default
         self.early_v = early_v
-        self.prefetch_bt = prefetch_bt
         self.device = k0.device
         dev = self.device
         self.split_kv = split_kv
@@ -509,7 +496,6 @@ class TritonBackend(AttentionBackend):
             G=self.group, BLOCK_M=self._block_m, BLOCK_N=self.block_n,
             HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=self.early_v,
-            PREFETCH_BT=self.prefetch_bt,
             num_warps=self.num_warps, **extra,
         )
         if n_merges:
