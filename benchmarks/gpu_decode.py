@@ -303,17 +303,14 @@ def main() -> None:
         H, KVH, D = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
         variants: list[tuple[str, dict]] = [("default", {})]
         fresh: dict[str, object] = {}  # variants that size the backend differently get their own
-        knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys", "early_v")
+        knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys")
         if runner.backend_name == "triton":
             variants += [("no_split", {"split_kv": False}), ("block_n=32", {"block_n": 32}),
                          ("block_n=128", {"block_n": 128}), ("warps=8", {"num_warps": 8}),
                          ("stages=3", {"num_stages": 3}), ("no_split,block_n=128,warps=8",
                                                            {"split_kv": False, "block_n": 128, "num_warps": 8}),
                          ("split>=64 keys", {"min_split_keys": 64}),
-                         ("split>=64 keys,block_n=32", {"min_split_keys": 64, "block_n": 32}),
-                         ("early_v", {"early_v": True}), ("early_v,block_n=32", {"early_v": True, "block_n": 32}),
-                         ("early_v,no_split,block_n=128,warps=8",
-                          {"early_v": True, "split_kv": False, "block_n": 128, "num_warps": 8})]
+                         ("split>=64 keys,block_n=32", {"min_split_keys": 64, "block_n": 32})]
             from specserve.attention.triton_backend import TritonBackend
 
             for mult in (4, 8):
@@ -324,8 +321,6 @@ def main() -> None:
                     max_blocks_per_seq=attn.max_blocks_per_seq, scratch_slot=attn.scratch_slot,
                     target_programs=mult * torch.cuda.get_device_properties(dev).multi_processor_count)
                 variants.append((name, {}))
-                fresh[name + ",early_v"] = fresh[name]
-                variants.append((name + ",early_v", {"early_v": True}))
             saved_fresh = {n: {k: getattr(b, k) for k in knobs} for n, b in fresh.items()}
             saved = {k: getattr(attn, k) for k in knobs}
         results["attention_layer"] = []

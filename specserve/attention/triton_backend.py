@@ -66,7 +66,6 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    EARLY_V: tl.constexpr = False,  # issue the V load with the K load (both in flight at once)
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -101,8 +100,6 @@ def _paged_attention_kernel(
         kv_off = blk * stride_kb + (j % PAGE) * stride_ks + kvh * stride_kh
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if EARLY_V:
-            v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
 
         jj = j[None, :]
@@ -115,8 +112,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not EARLY_V:
-            v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -214,7 +210,7 @@ class TritonBackend(AttentionBackend):
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
                  num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
-                 min_split_keys: int = 128, early_v: bool = False) -> None:
+                 min_split_keys: int = 128) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -235,7 +231,6 @@ class TritonBackend(AttentionBackend):
         self.num_warps = num_warps
         # 2 beat Triton's default (3) on the H200 at decode batch 1/16/64 (benchmarks/gpu_decode.py)
         self.num_stages = num_stages  # None: Triton's default
-        self.early_v = early_v
         self.device = k0.device
         dev = self.device
         self.split_kv = split_kv
@@ -495,7 +490,7 @@ class TritonBackend(AttentionBackend):
             po.stride(0), po.stride(1),
             G=self.group, BLOCK_M=self._block_m, BLOCK_N=self.block_n,
             HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EARLY_V=self.early_v,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=self.num_warps, **extra,
         )
         if n_merges:
