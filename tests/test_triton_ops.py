@@ -87,3 +87,44 @@ def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, head_d
     untouched = torch.ones(blocks * bs, dtype=torch.bool)
     untouched[slots.cpu()] = False
     assert caches[0][0].view(-1, kv_heads, head_dim)[untouched.to(DEVICE)].abs().sum() == 0
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_backend_forward_rope_matches_rotary_then_forward(cache_dtype):
+    """TritonBackend.forward_rope (the fused kernel, or rotary + forward where qkv is not in the
+    cache dtype) against rotary by the torch ops and the backend's plain forward."""
+    from specserve.attention.base import AttentionMetadata
+    from specserve.attention.triton_backend import TritonBackend
+
+    H, KVH, D, bs, nb = 4, 2, 32, 4, 16
+    g = torch.Generator().manual_seed(3)
+    q_lens, ctx = [1, 3], [5, 2]
+    seq = [c + q for c, q in zip(ctx, q_lens)]
+    tables = [[3, 7], [1, 9]]
+    slots = [t[p // bs] * bs + p % bs for t, s, q in zip(tables, seq, q_lens) for p in range(s - q, s)]
+    meta = AttentionMetadata(query_lens=q_lens, seq_lens=seq, slot_mapping=torch.tensor(slots, device=DEVICE),
+                             block_tables=torch.tensor(tables, device=DEVICE))
+    base = torch.randn(nb, bs, KVH, D, generator=g)
+    positions = torch.tensor([5, 2, 3, 4], device=DEVICE)
+    rope = RotaryEmbedding(D, 64, 10000.0, None)
+    qkv = torch.randn(4, (H + 2 * KVH) * D, generator=g).to(DEVICE)
+
+    def backend():
+        caches = [(base.clone().to(DEVICE, cache_dtype), base.clone().to(DEVICE, cache_dtype))]
+        b = TritonBackend(caches, bs, D**-0.5, num_heads=H, max_num_tokens=8, max_num_seqs=4, max_blocks_per_seq=4)
+        b.plan(meta)
+        return b
+
+    fused = backend()
+    cos, sin = rope(positions, torch.float32)
+    out = fused.forward_rope(0, qkv, cos, sin, H)
+    ref = backend()
+    qk = apply_rotary(qkv[:, : (H + KVH) * D].view(4, H + KVH, D), cos, sin)
+    q, k = qk.split((H, KVH), dim=1)
+    out_ref = ref.forward(0, q, k, qkv[:, (H + KVH) * D :].view(4, KVH, D))
+    tol = 1e-5 if cache_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=tol, rtol=tol)
+    for a, b in zip(fused.kv_caches[0], ref.kv_caches[0]):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    assert not torch.equal(fused.kv_caches[0][0], base.to(DEVICE, cache_dtype))  # this step's K was written
