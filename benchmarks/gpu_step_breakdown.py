@@ -64,6 +64,10 @@ def instrument(llm: LLM, sync: bool) -> dict[str, list[float]]:
             wrap(d.controller, name, f"controller.{name}", acc, sync)
     else:
         wrap(eng.runner, "execute", "forward + sample", acc, sync)
+    # the runner's parts, in both kinds of engine (inside the phases above)
+    wrap(eng.runner, "prepare", "runner.prepare", acc, sync)
+    wrap(eng.runner, "forward", "runner.forward", acc, sync)
+    wrap(eng.runner, "sample", "runner.sample", acc, sync)
     return acc
 
 
