@@ -92,3 +92,24 @@ def test_per_request_cap_disables_speculation(random_head, chat_prompts):
     sp = SamplingParams(temperature=0, max_tokens=8, max_spec_tokens=0)
     m = llm.chat(chat_prompts[:1], sp)[0].metrics
     assert m.spec_verify_steps == 0 and m.spec_draft_tokens == 0
+
+
+def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prompts):
+    """Prompts served while speculation is off leave cached blocks without draft KV. The same
+    prompts again, still off, reuse them (and those requests never draft); an engine that drafts
+    gets its blocks' draft KV from the catch-up and reuses them while drafting."""
+    off = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
+              speculative_policy="threshold", speculative_disable_batch_threshold=0)
+    assert [o.outputs[0].token_ids for o in off.chat(chat_prompts, SP)] == reference
+    again = off.chat(chat_prompts, SP)
+    assert [o.outputs[0].token_ids for o in again] == reference
+    assert all(o.metrics.num_cached_tokens > 0 for o in again)  # before: 0, the blocks lacked draft KV
+    assert off.engine.get_stats().spec_draft_tokens == 0
+
+    on = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
+             speculative_policy="static")
+    on.chat(chat_prompts, SP)
+    again = on.chat(chat_prompts, SP)
+    assert [o.outputs[0].token_ids for o in again] == reference
+    assert all(o.metrics.num_cached_tokens > 0 for o in again)
+    assert all(o.metrics.spec_draft_tokens > 0 for o in again)  # reused blocks with draft KV: they draft

@@ -67,8 +67,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """Cached full blocks at the start of ``token_ids``, leaving at least one token to compute."""
+    def match_prefix(self, token_ids: Sequence[int], any_draft_kv: bool = False) -> tuple[list[int], list[bytes]]:
+        """Cached full blocks at the start of ``token_ids``, leaving at least one token to compute.
+        With ``require_draft_kv``, only blocks whose draft KV is there too, unless ``any_draft_kv``
+        (for a request that will not draft)."""
         if not self.enable_prefix_caching:
             return [], []
         max_blocks = (len(token_ids) - 1) // self.block_size
@@ -78,7 +80,7 @@ class BlockManager:
         for b in range(max_blocks):
             h = hash_block(parent, token_ids[b * self.block_size : (b + 1) * self.block_size])
             bid = self.cached.get(h)
-            if bid is None or (self.require_draft_kv and not self.draft_ready[bid]):
+            if bid is None or (self.require_draft_kv and not any_draft_kv and not self.draft_ready[bid]):
                 break
             ids.append(bid)
             hashes.append(h)

@@ -41,6 +41,9 @@ class Request:
     # speculation: tokens drafted for the next verify (target ids)
     draft_token_ids: list[int] = field(default_factory=list)
     draft_tree: object | None = None  # spec.tree.DraftTree when the drafts form a tree
+    # its prompt prefix came from cached blocks whose draft KV was never computed (admitted while
+    # speculation was off): the head cannot catch up over them, so this request never drafts
+    no_draft_kv: bool = False
     # tokens already handed to the caller (for deltas)
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache import BlockManager, KVSlots
@@ -70,6 +71,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # set by the drafter: whether a waiting request may take cached blocks without draft KV
+        self.reuse_without_draft_kv: Callable[[Request], bool] | None = None
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -150,7 +153,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
             if not req.kv.block_table:
-                cached_ids, hashes = self.blocks.match_prefix(req.all_token_ids)
+                # while speculation is off, a prompt may reuse cached blocks that lack draft KV (the
+                # request then never drafts); else only blocks the head can attend over
+                any_kv = self.reuse_without_draft_kv is not None and self.reuse_without_draft_kv(req)
+                cached_ids, hashes = self.blocks.match_prefix(req.all_token_ids, any_draft_kv=any_kv)
+                if any_kv and self.blocks.require_draft_kv and not all(self.blocks.draft_ready[b] for b in cached_ids):
+                    req.no_draft_kv = True
                 self.blocks.take_cached(cached_ids)
                 req.kv = KVSlots(list(cached_ids), list(hashes))
                 req.num_computed_tokens = len(cached_ids) * self.blocks.block_size

@@ -269,6 +269,15 @@ class SpecController:
         """Host seconds one full decision (``decide``) took: the caller's clock."""
         self._decide_s = seconds if self._decide_s <= 0 else 0.9 * self._decide_s + 0.1 * seconds
 
+    def speculation_off(self, batch: int) -> bool:
+        """Whether a batch of this size plain-decodes now: the threshold policy's state, or the
+        adaptive policy's chosen depth for its bucket (False until one is chosen)."""
+        if self.cfg.policy == "threshold":
+            return not self.spec_on
+        if self.cfg.policy == "adaptive":
+            return self.bandit.chosen.get(batch_key(batch)) == 0
+        return False
+
     def count_off(self, batch: int) -> None:
         """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; under the
         adaptive policy still measured, one token per request)."""

@@ -125,6 +125,7 @@ class EagleSpeculator:
         self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         self.topk = cfg.eagle_topk
         engine.blocks.require_draft_kv = True
+        engine.scheduler.reuse_without_draft_kv = self._reuse_without_draft_kv
         self.states: dict[str, DraftState] = {}
         self.controller = SpecController(cfg)
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
@@ -140,6 +141,15 @@ class EagleSpeculator:
         log.info("speculation: %s head from %s (draft vocab %d), policy %s, up to %d tokens",
                  hc.algorithm, path, hc.draft_vocab_size, cfg.policy, self.max_k)
         self._setup_static_draft()
+
+    def _reuse_without_draft_kv(self, req: Request) -> bool:
+        """Whether a waiting request may take cached prompt blocks whose draft KV was never
+        computed (it then never drafts): when it would not draft anyway, by its own cap or because
+        speculation is off at the batch size it joins. Otherwise a stretch of plain decoding would
+        cost the prefix cache: the blocks it fills never get draft KV, and no prompt could reuse them."""
+        if req.params.max_spec_tokens == 0:
+            return True
+        return self.controller.speculation_off(len(self.engine.scheduler.running) + 1)
 
     # -- start-up cost profile ------------------------------------------------------------------
     def after_capture(self) -> None:
@@ -380,7 +390,8 @@ class EagleSpeculator:
             # output buffers), so every row (one per computed token: no drafts) is kept as it is
             off = 0
             for s in plan.scheduled:
-                self._state(s.req).pending.append((feats, off, s.num_new_tokens))
+                if not s.req.no_draft_kv:  # a request that never drafts needs no features
+                    self._state(s.req).pending.append((feats, off, s.num_new_tokens))
                 off += s.num_new_tokens
             sampling = [s for s in plan.scheduled if s.samples]
             self._record(plan, sampling, [0] * len(sampling), time.perf_counter() - t0)
@@ -428,7 +439,8 @@ class EagleSpeculator:
         kept_feats = feats.index_select(0, host_to_device(keep, self.device))
         off = 0
         for s, n in zip(plan.scheduled, sizes):
-            self._state(s.req).pending.append((kept_feats, off, n))
+            if not s.req.no_draft_kv:
+                self._state(s.req).pending.append((kept_feats, off, n))
             off += n
         self._record(plan, sampling, accepted, time.perf_counter() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
@@ -581,7 +593,7 @@ class EagleSpeculator:
             if r.params.max_tokens is not None:
                 cap = min(cap, r.params.max_tokens - r.num_output_tokens - 1)
             cap = min(cap, self.engine.max_model_len - r.num_tokens - 1)
-            caps.append(max(cap, 0))
+            caps.append(0 if r.no_draft_kv else max(cap, 0))
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
         else:
