@@ -269,14 +269,13 @@ class SpecController:
         """Host seconds one full decision (``decide``) took: the caller's clock."""
         self._decide_s = seconds if self._decide_s <= 0 else 0.9 * self._decide_s + 0.1 * seconds
 
-    def speculation_off(self, batch: int) -> bool:
-        """Whether a batch of this size plain-decodes now: the threshold policy's state, or the
-        adaptive policy's chosen depth for its bucket (False until one is chosen)."""
-        if self.cfg.policy == "threshold":
-            return not self.spec_on
-        if self.cfg.policy == "adaptive":
-            return self.bandit.chosen.get(batch_key(batch)) == 0
-        return False
+    def speculation_off(self) -> bool:
+        """Whether requests admitted now will plain-decode for a while: the threshold policy's state.
+        Not said under the adaptive policy: its bucket's choice may change at any decision, and an
+        arm's goodput counts every request of its cycles as drafting at its depth, so requests that
+        can never draft (no_draft_kv) in its batches would make drafting look better than it is
+        (measured on the H200 at 256 requests: the adaptive engine went to depth 4-5 and 0.79x)."""
+        return self.cfg.policy == "threshold" and not self.spec_on
 
     def count_off(self, batch: int) -> None:
         """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; under the

@@ -145,11 +145,9 @@ class EagleSpeculator:
     def _reuse_without_draft_kv(self, req: Request) -> bool:
         """Whether a waiting request may take cached prompt blocks whose draft KV was never
         computed (it then never drafts): when it would not draft anyway, by its own cap or because
-        speculation is off at the batch size it joins. Otherwise a stretch of plain decoding would
-        cost the prefix cache: the blocks it fills never get draft KV, and no prompt could reuse them."""
-        if req.params.max_spec_tokens == 0:
-            return True
-        return self.controller.speculation_off(len(self.engine.scheduler.running) + 1)
+        the threshold policy has speculation off. Otherwise a stretch of plain decoding would cost
+        the prefix cache: the blocks it fills never get draft KV, and no prompt could reuse them."""
+        return req.params.max_spec_tokens == 0 or self.controller.speculation_off()
 
     # -- start-up cost profile ------------------------------------------------------------------
     def after_capture(self) -> None:
