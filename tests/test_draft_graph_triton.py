@@ -5,24 +5,17 @@ Triton decode attention, run eagerly) against the eager loop's drafts.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+from triton_interpreter import triton_tests_device  # noqa: E402
 
-from triton_interpreter import use_triton_interpreter  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    use_triton_interpreter()
+DEVICE = triton_tests_device()
+CUDA = DEVICE.type == "cuda"
 
 from specserve.attention.triton_backend import TritonDecodeAttention  # noqa: E402
 from specserve.spec.draft_graph import TorchDecodeAttention  # noqa: E402
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
 

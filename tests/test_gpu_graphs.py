@@ -137,6 +137,15 @@ def _runner(model, mc, dtype, enforce_eager, num_blocks=256, max_tokens=1024):
     return ModelRunner(model, mc, cfg, num_blocks, torch.device("cuda"), dtype)
 
 
+def _same_random_kv(a, b, g: torch.Generator) -> None:
+    """Random K/V context in runner a's caches, copied into runner b's."""
+    for (ka, va), (kb, vb) in zip(a.kv_caches, b.kv_caches):
+        ka.normal_(generator=g)
+        va.normal_(generator=g)
+        kb.copy_(ka)
+        vb.copy_(va)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replay_matches_eager(dtype):
     from specserve.config import ModelConfig
@@ -155,11 +164,7 @@ def test_graph_replay_matches_eager(dtype):
     graphed.capture_graphs()
     assert graphed.graphs.capture_seconds > 0
     g = torch.Generator(device=dev).manual_seed(0)
-    for (kc, vc), (ke, ve) in zip(graphed.kv_caches, eager.kv_caches):
-        kc.normal_(generator=g)
-        vc.normal_(generator=g)
-        ke.copy_(kc)
-        ve.copy_(vc)
+    _same_random_kv(graphed, eager, g)
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: padded and unpadded GEMMs round differently
     steps = [([1], [40]), ([1, 1, 1], [5, 90, 300]), ([4, 1, 4], [20, 7, 64]), ([100, 1, 30], [0, 50, 9]),
              ([300, 212], [0, 0]), ([600, 1], [0, 33])]  # the last runs eagerly in both (> 512 tokens)
@@ -211,11 +216,7 @@ def test_fused_elementwise_kernels_match_torch_ops(dtype, monkeypatch):
 
         monkeypatch.setattr(triton_ops, name, counted)
     g = torch.Generator(device=dev).manual_seed(0)
-    for (kc, vc), (kp, vp) in zip(fused.kv_caches, plain.kv_caches):
-        kc.normal_(generator=g)
-        vc.normal_(generator=g)
-        kp.copy_(kc)
-        vp.copy_(vc)
+    _same_random_kv(fused, plain, g)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for i, (q_lens, ctx) in enumerate([([1, 1, 1], [5, 90, 300]), ([4, 1, 30], [20, 7, 64])]):
         model.set_aux_hidden_layers((2, 15, 27) if i else None)

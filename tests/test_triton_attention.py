@@ -6,28 +6,20 @@ so the same kernel source is checked here and on the GPU. Skipped when triton is
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from specserve.attention.base import AttentionMetadata
 from specserve.attention.torch_native import TorchNativeBackend
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install triton to run the Triton backend tests)",
-                allow_module_level=True)
+from triton_interpreter import triton_tests_device  # noqa: E402
 
-from triton_interpreter import use_triton_interpreter  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    use_triton_interpreter()
+DEVICE = triton_tests_device()
+CUDA = DEVICE.type == "cuda"
 
 from specserve.attention import triton_backend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # interpreter
 
 

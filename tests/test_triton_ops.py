@@ -6,26 +6,19 @@ the GPU (where bf16 is compared too). Skipped when triton is not installed.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+from triton_interpreter import triton_tests_device  # noqa: E402
 
-from triton_interpreter import use_triton_interpreter  # noqa: E402
-
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    use_triton_interpreter()
+DEVICE = triton_tests_device()
+CUDA = DEVICE.type == "cuda"
 
 from specserve.attention.base import write_kv  # noqa: E402
 from specserve.models import triton_ops  # noqa: E402
 from specserve.models.layers import RotaryEmbedding, apply_rotary  # noqa: E402
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32]
 
 

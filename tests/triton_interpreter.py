@@ -1,15 +1,29 @@
 """Run the Triton kernels on the CPU through Triton's interpreter (tests only).
 
-Call ``use_triton_interpreter()`` at the top of a test module, before anything imports
-``specserve.attention.triton_backend`` or ``specserve.models.triton_ops``: TRITON_INTERPRET is read when the kernels are decorated.
+Call ``triton_tests_device()`` at the top of a test module, before anything imports
+``specserve.attention.triton_backend`` or ``specserve.models.triton_ops``: TRITON_INTERPRET is
+read when the kernels are decorated.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 import pytest
+import torch
+
+
+def triton_tests_device() -> torch.device:
+    """Skip the module without triton; without CUDA switch to the interpreter. The device to test on."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install triton to run the Triton kernel tests)",
+                    allow_module_level=True)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    use_triton_interpreter()
+    return torch.device("cpu")
 
 
 def use_triton_interpreter() -> None:
