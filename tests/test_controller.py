@@ -368,3 +368,62 @@ def test_full_decisions_spread_out_when_they_cost_a_share_of_short_cycles():
     ctl.observe_decide(1.0)
     ctl.finish_cycle(None, 0.001)  # no cycle: nothing learnt
     assert ctl.full_decision_every() == 4
+
+
+def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_for_it(monkeypatch):
+    # the drafter's cycle timing with a fake clock: 4 requests drafting one token, each step 100 ms,
+    # each catch-up 1 ms per row; in step 3 a new request's 200-token prompt is prefilled. The head's
+    # pass over that prompt (200 ms) is a cost of drafting: it belongs to the cycle that drafts for
+    # the new request, not to the cycle whose step prefilled the prompt (which is seldom measured:
+    # its prompt share is large), where no depth ever paid for it
+    from types import SimpleNamespace
+
+    from specserve.spec import drafter as drafter_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(drafter_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
+    d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1))
+    d.controller.forced_arm = 1
+    d.max_k, d.states, d._time_catch_up, d._drafted_last, d._cycle_head = 1, {}, False, False, None
+    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], _reserve=lambda r, n: True),
+                               step_started=0.0, max_model_len=10**6)
+
+    def draft(todo, time_catch_up=False):
+        rows = sum(r.num_computed_tokens - d.states[r.request_id].draft_pos for r, _ in todo)
+        for r, _ in todo:
+            d.states[r.request_id].draft_pos = r.num_computed_tokens
+        clock[0] += 1e-3 * rows  # the catch-up
+        catch_up = 1e-3 * rows
+        clock[0] += 0.010  # the draft step
+        return catch_up
+
+    d._draft = draft
+    seen = []
+    finish = d.controller.finish_cycle
+    d.controller.finish_cycle = lambda c, s: (seen.append(round(s, 6)) if c is not None else None, finish(c, s))
+
+    def req(rid, prompt):
+        d.states[rid] = SimpleNamespace(draft_pos=0)
+        return SimpleNamespace(request_id=rid, is_finished=False, num_computed_tokens=prompt, num_tokens=prompt + 1,
+                               num_prompt_tokens=prompt, num_output_tokens=0,
+                               params=SimpleNamespace(max_spec_tokens=None, max_tokens=None))
+
+    reqs = [req(str(i), 20) for i in range(4)]
+    for r in reqs:
+        d.states[r.request_id].draft_pos = r.num_computed_tokens  # caught up already
+    for step in range(6):
+        d.engine.step_started = clock[0]
+        clock[0] += 0.100  # the target step
+        for r in reqs:  # each commits its draft and a bonus token
+            r.num_computed_tokens += 2
+            r.num_tokens = r.num_computed_tokens + 1
+        if step == 3:
+            reqs.append(req("new", 200))  # prefilled in this step, drafts from the next
+        d.draft_step(SimpleNamespace(scheduled=[SimpleNamespace(samples=1, req=r) for r in reqs]), None)
+    # cycle i ends in step i + 1: its step's 100 ms, the 10 ms draft before it and the catch-up of
+    # what its verify committed (2 rows per request; cycle 0 also caught up at its start). The new
+    # request's prompt (200 rows) goes to the cycle that first drafts for it (cycle 3), not to cycle
+    # 2, whose step prefilled the prompt (before: 0.318 and 0.120)
+    assert seen == pytest.approx([0.126, 0.118, 0.118, 0.100 + 0.010 + 0.200 + 0.010, 0.120], abs=1e-6)
+    assert sum(seen) + d._cycle_head == pytest.approx(clock[0] - 0.100, abs=1e-6)  # all but step 0, timed once

@@ -125,6 +125,7 @@ class GoodputBandit:
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> arm exploited last
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
+    _plain_turn: dict[int, bool] = field(default_factory=dict)  # bucket -> plain decoding's turn to be explored
 
     def excess_per_request(self) -> float:
         """Measured minus predicted seconds per cycle and request, over every bucket."""
@@ -238,9 +239,19 @@ class GoodputBandit:
                              == self.off_slower * self.explore_every - 1):
                 # while plain decoding is chosen, trying a depth costs a catch-up over the steps
                 # since the last draft as well: upper-bound explorations are ``off_slower`` x rarer
-                top = max(others, key=lambda a: est[a][0] + self.z * est[a][1])
-                if est[top][0] + self.z * est[top][1] > est[best][0]:
-                    alt = top
+                bound = {a: est[a][0] + self.z * est[a][1] for a in others}
+                cands = [a for a in others if bound[a] > est[best][0]]
+                if cands:
+                    alt = max(cands, key=lambda a: bound[a])
+                    plain = min(est)
+                    # plain decoding, the floor, takes every other one of these explorations while it
+                    # may beat the pick: by the highest bound alone the deeper depths (their tokens
+                    # spread more) took nearly all of them, and at 16-32 requests on a CPU plain
+                    # decoding kept an estimate from 2-3 cycles taken as the bucket came into use
+                    if plain in cands:
+                        if alt != plain and self._plain_turn.get(key, True):
+                            alt = plain
+                        self._plain_turn[key] = alt != plain
             if alt is not None:
                 self._explore_again[key] = alt
                 self._last_loss[key] = 0.0

@@ -16,7 +16,9 @@ finished a request, so counted it would charge a depth for its predecessor's pre
 sharing the step does to the cost of verify tokens (they are dearer on top of a large prefill)
 stays in. A cycle where that share is a large part of its time is not measured at all
 (``prefill_share_limit``). Likewise the draft KV's catch-up over the tokens a verify committed is
-timed to the cycle of that verify (drafter.draft_step), not to the next one, whose depth may differ.
+timed to the cycle of that verify (drafter.draft_step), not to the next one, whose depth may differ;
+the head's pass over a new request's prompt, a cost plain decoding does not have, to the cycle that
+first drafts for it (not the prompt's own cycle, which is seldom measured).
 
 The adaptive choice is made among uniform depths d = 0..K (arms; a tree is off or full) per
 batch-size bucket by ``GoodputBandit`` (spec/bandit.py): each arm's goodput is *measured* over
