@@ -406,7 +406,7 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     def req(rid, prompt):
         d.states[rid] = SimpleNamespace(draft_pos=0)
         return SimpleNamespace(request_id=rid, is_finished=False, num_computed_tokens=prompt, num_tokens=prompt + 1,
-                               num_prompt_tokens=prompt, num_output_tokens=0,
+                               num_prompt_tokens=prompt, num_output_tokens=0, no_draft_kv=False,
                                params=SimpleNamespace(max_spec_tokens=None, max_tokens=None))
 
     reqs = [req(str(i), 20) for i in range(4)]
