@@ -321,7 +321,6 @@ def main() -> None:
                     max_blocks_per_seq=attn.max_blocks_per_seq, scratch_slot=attn.scratch_slot,
                     target_programs=mult * torch.cuda.get_device_properties(dev).multi_processor_count)
                 variants.append((name, {}))
-            saved_fresh = {n: {k: getattr(b, k) for k in knobs} for n, b in fresh.items()}
             saved = {k: getattr(attn, k) for k in knobs}
         results["attention_layer"] = []
         for B in batches:
@@ -352,8 +351,8 @@ def main() -> None:
                     row = {"batch": B, "variant": name, "error": repr(e)[:200]}
                 finally:
                     if runner.backend_name == "triton":
-                        for key, val in (saved_fresh[name] if name in fresh else saved).items():
-                            setattr(a, key, val)
+                        for key in over:  # fresh backends take no overrides
+                            setattr(a, key, saved[key])
                         a.graph_min_tokens = 1
                 results["attention_layer"].append(row)
                 print(json.dumps(row), flush=True)

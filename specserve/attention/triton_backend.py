@@ -451,12 +451,9 @@ class TritonBackend(AttentionBackend):
 
         kv = self.kv_caches[layer]
         if qkv.dtype != kv[0].dtype:  # the kernel stores k, v as they are: rotary and write apart
-            from specserve.models.layers import apply_rotary
+            from specserve.models.layers import rotary_qkv
 
-            T, hk, d = qkv.shape[0], self.num_kv_heads, self.head_dim
-            qk = apply_rotary(qkv[:, : (num_heads + hk) * d].view(T, num_heads + hk, d), cos, sin)
-            q, k = qk.split((num_heads, hk), dim=1)
-            return self.forward(layer, q, k, qkv[:, (num_heads + hk) * d :].view(T, hk, d))
+            return self.forward(layer, *rotary_qkv(qkv, cos, sin, num_heads, self.num_kv_heads, self.head_dim))
         q = rope_and_cache(qkv, cos, sin, kv, self._slots[: qkv.shape[0]], num_heads, self.num_kv_heads,
                            self.head_dim)
         return self._attend(layer, q)

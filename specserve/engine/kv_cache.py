@@ -146,6 +146,10 @@ class BlockManager:
                 else:
                     self.free_queue[bid] = None
 
+    def lacks_draft_kv(self, block_ids: Sequence[int]) -> bool:
+        """Whether any of these blocks is missing the draft KV a speculating engine needs."""
+        return self.require_draft_kv and not all(self.draft_ready[b] for b in block_ids)
+
     def mark_draft_ready(self, block_ids: Sequence[int]) -> None:
         for bid in block_ids:
             self.draft_ready[bid] = True

@@ -157,7 +157,7 @@ class Scheduler:
                 # request then never drafts); else only blocks the head can attend over
                 any_kv = self.reuse_without_draft_kv is not None and self.reuse_without_draft_kv(req)
                 cached_ids, hashes = self.blocks.match_prefix(req.all_token_ids, any_draft_kv=any_kv)
-                if any_kv and self.blocks.require_draft_kv and not all(self.blocks.draft_ready[b] for b in cached_ids):
+                if any_kv and self.blocks.lacks_draft_kv(cached_ids):
                     req.no_draft_kv = True
                 self.blocks.take_cached(cached_ids)
                 req.kv = KVSlots(list(cached_ids), list(hashes))

@@ -196,3 +196,13 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by the tables of ``RotaryEmbedding.forward`` (rotate-half layout)."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, KVH, D] rotated, v [T, KVH, D], from the fused projection qkv
+    [T, (H + 2 KVH) * D]: the q and k heads side by side, so one rotary pass covers both."""
+    T, qk_heads = qkv.shape[0], num_heads + num_kv_heads
+    q, k = apply_rotary(qkv[:, : qk_heads * head_dim].view(T, qk_heads, head_dim), cos, sin).split(
+        (num_heads, num_kv_heads), dim=1)
+    return q, k, qkv[:, qk_heads * head_dim :].view(T, num_kv_heads, head_dim)

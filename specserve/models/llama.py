@@ -19,7 +19,7 @@ from torch import nn
 from specserve.attention.base import get_forward_context
 from specserve.config import ModelConfig
 from specserve.models import layers
-from specserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from specserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rotary_qkv
 
 
 def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -57,12 +57,10 @@ class Attention(nn.Module):
             # one kernel: rotary on q and k, k and v into the paged cache
             o = attn.forward_rope(self.layer_idx, qkv, cos, sin, self.num_heads)
             return self.o_proj(o.reshape(T, self.q_size))
-        v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
-            # q and k heads side by side: one rotary pass for both
-            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+            q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
+            v = qkv[:, self.q_size + self.kv_size :].view(T, self.num_kv_heads, self.head_dim)
             q = self.q_norm(qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim))  # type: ignore[misc]
             q = apply_rotary(q, cos, sin)

@@ -615,9 +615,11 @@ class EagleSpeculator:
             # the draft time per step includes a steady catch-up (the tokens the last verify
             # committed, and the prompts of requests new to drafting: a cost of drafting itself);
             # one after a stretch of plain decoding is a one-off switch, kept out of the measurement
-            caught_up = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r, _ in todo)
-            prompt_rows = sum(max(min(r.num_computed_tokens, r.num_prompt_tokens) - self.states[r.request_id].draft_pos, 0)
-                              for r, _ in todo)
+            caught_up = prompt_rows = 0
+            for r, _ in todo:
+                pos = self.states[r.request_id].draft_pos
+                caught_up += r.num_computed_tokens - pos
+                prompt_rows += max(min(r.num_computed_tokens, r.num_prompt_tokens) - pos, 0)
             t0 = time.perf_counter()
             catch_up_s = self._draft(todo, time_catch_up=self._time_catch_up and self._drafted_last)
             if caught_up <= len(todo) * (self.max_k + 2):
