@@ -192,6 +192,20 @@ def test_models_health_server_info(live: Live) -> None:
     assert "avg_spec_accept_length" not in info["internal_states"][0]  # no speculation: absent, like SGLang
 
 
+def test_idle_connection_outlives_client_pool_expiry(live: Live) -> None:
+    """An HTTP/1.1 connection idle for longer than httpx's 5-s pool expiry is still served: the server must
+    not be the side that closes it, or a client reusing it at that moment gets a connection reset."""
+    import socket
+
+    host, port = live.url.removeprefix("http://").split(":")
+    req = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        for pause in (0.0, 5.5):
+            time.sleep(pause)
+            s.sendall(req)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200"), f"no answer on the same connection after {pause} s"
+
+
 # ---------------------------------------------------------------- errors
 
 BAD = [

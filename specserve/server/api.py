@@ -441,9 +441,14 @@ async def _completion_stream(srv: _Server, stream: RequestStream, request_id: st
 # ---------------------------------------------------------------- running it
 
 
+# Longer than the idle expiry of common HTTP client pools (httpx and the openai client: 5 s). With equal
+# timeouts the server may close an idle connection just as the client reuses it: connection reset.
+DEFAULT_KEEP_ALIVE_S = 30
+
+
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                    startup_timeout: float = 60.0) -> Iterator[str]:
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0,
+                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S) -> Iterator[str]:
     """Run uvicorn in a background thread; yields the base URL; always shuts down on exit."""
     import uvicorn
 
@@ -451,7 +456,8 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                            timeout_keep_alive=timeout_keep_alive))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specserve-uvicorn", daemon=True)
     thread.start()
     try:
@@ -477,6 +483,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="model id(s) clients may send (default: the engine's model name; 'default' always works)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue size; requests beyond it get 503 + Retry-After (default: engine's)")
+    g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_S,
+                   help="seconds an idle HTTP/1.1 connection stays open (default %(default)s; keep it longer "
+                        "than clients' pool expiry, or a reused connection may be reset)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -503,6 +512,8 @@ def main(args: argparse.Namespace) -> None:
 
     if args.max_waiting is not None and args.max_waiting < 1:
         raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.timeout_keep_alive < 1:
+        raise SystemExit(f"--timeout-keep-alive must be >= 1, got {args.timeout_keep_alive}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     default_spec = (getattr(args, "model", None) is None and getattr(args, "speculative_algorithm", None) is None
                     and _default_head_available())
@@ -514,7 +525,8 @@ def main(args: argparse.Namespace) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key)
     log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                timeout_keep_alive=args.timeout_keep_alive)
 
 
 if __name__ == "__main__":
