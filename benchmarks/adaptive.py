@@ -203,9 +203,11 @@ def window_stats(c: Client) -> dict[str, Any]:
 
 
 def run_side_by_side(clients: list[Client], c_of: Callable[[Client], int], source, limit: int | None,
-                     until: Callable[[Client], bool], trim: bool = False) -> None:
+                     until: Callable[[Client], bool], trim: bool = False,
+                     source_of: Callable[[Client], Callable[[int], tuple[list[int], int]]] | None = None) -> None:
     """Round robin, one step per client, order reversed every round, until ``until`` holds for all.
-    trim: cancel requests above the client's current level, so it runs exactly that many."""
+    trim: cancel requests above the client's current level, so it runs exactly that many.
+    source_of: the prompt source for a client now (default ``source`` for all)."""
     rnd = 0
     while True:
         active = [c for c in clients if not c.stopped]
@@ -214,7 +216,7 @@ def run_side_by_side(clients: list[Client], c_of: Callable[[Client], int], sourc
         for c in active if rnd % 2 == 0 else active[::-1]:
             if trim:
                 c.trim(c_of(c))
-            c.top_up(c_of(c), source, limit)
+            c.top_up(c_of(c), source_of(c) if source_of else source, limit)
             if until(c):
                 c.stopped = True
                 c.abort_all()
@@ -239,19 +241,43 @@ def run_point(clients: list[Client], C: int, source, seconds: float) -> dict[str
             "configs": rows}
 
 
+RAMP_LEVEL_STRIDE = 101  # prompts between the first prompts of two levels (the pool wraps)
+
+
 def run_ramp(clients: list[Client], levels: list[int], level_s: float, window_s: float, source) -> dict[str, Any]:
+    """Each level's requests come from that level's own stretch of the prompt list, the same for
+    every client: taken from one running list, a client that finished more requests on the way up
+    would meet other prompts (other lengths) at each later level than the one it is compared with,
+    which moved a 60-s window by 5-15 % with both engines decoding plainly."""
     for c in clients:
         c.reset()
     before = {c.name: spec_snapshot(c.llm) for c in clients}
     total = level_s * len(levels)
+    at: dict[str, tuple[int, int]] = {c.name: (0, 0) for c in clients}  # level index, issued when it began
+    issued: dict[str, list[int]] = {c.name: [0] * len(levels) for c in clients}
+
+    def level_of(c: Client) -> int:
+        i = min(int(c.clock // level_s), len(levels) - 1)
+        if i != at[c.name][0]:
+            at[c.name] = (i, c.issued)
+        return i
+
+    def source_of(c: Client) -> Callable[[int], tuple[list[int], int]]:
+        i, start = at[c.name]
+
+        def src(n: int) -> tuple[list[int], int]:
+            issued[c.name][i] += 1
+            return source(i * RAMP_LEVEL_STRIDE + n - start)
+        return src
+
     probe = OtherCpu()
     t0 = time.perf_counter()
-    run_side_by_side(clients, lambda c: levels[min(int(c.clock // level_s), len(levels) - 1)], source, None,
-                     lambda c: c.clock >= total, trim=True)
+    run_side_by_side(clients, lambda c: levels[level_of(c)], source, None, lambda c: c.clock >= total, trim=True,
+                     source_of=source_of)
     other = probe.cores()
     n_win = int(total // window_s)
     out: dict[str, Any] = {"levels": levels, "level_s": level_s, "window_s": window_s, "wall_s": time.perf_counter() - t0,
-                           "other_cpu_cores": other, "configs": {}}
+                           "other_cpu_cores": other, "issued_per_level": issued, "configs": {}}
     for c in clients:
         wins = []
         for i in range(n_win):

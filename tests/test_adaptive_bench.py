@@ -1,0 +1,70 @@
+"""benchmarks/adaptive.py's ramp: every engine meets the same prompts at each level, however fast it is."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import adaptive  # noqa: E402
+
+
+@dataclass
+class FakeEngine:
+    """One token per live request per step, a step of ``step_s`` seconds; records each prompt it got."""
+
+    step_s: float
+    live: dict[str, int] = field(default_factory=dict)  # request id -> tokens left
+    prompts: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt id)
+    drafter: None = None
+    t0: float = field(default_factory=time.perf_counter)
+
+    def add_request(self, rid, prompt, params) -> None:
+        self.live[rid] = params.max_tokens
+        self.prompts.append((time.perf_counter() - self.t0, prompt[0]))
+
+    def abort_request(self, rid) -> None:
+        self.live.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def step(self):
+        time.sleep(self.step_s)
+        outs = []
+        for rid in list(self.live):
+            self.live[rid] -= 1
+            done = self.live[rid] == 0
+            if done:
+                del self.live[rid]
+            outs.append(SimpleNamespace(request_id=rid, new_token_ids=[0], finished=done))
+        return outs
+
+    def get_stats(self):
+        return SimpleNamespace(spec_verify_steps=0, spec_accepted_tokens=0, k_histogram={})
+
+
+def test_ramp_levels_draw_the_same_prompts_for_fast_and_slow_engines() -> None:
+    pool = [([i], 2 + i % 3) for i in range(500)]  # prompt id i; outputs of 2-4 tokens
+    fast, slow = FakeEngine(0.001), FakeEngine(0.003)
+    clients = [adaptive.Client(n, SimpleNamespace(engine=e)) for n, e in (("fast", fast), ("slow", slow))]
+    levels, level_s = [1, 3, 2], 0.15
+    out = adaptive.run_ramp(clients, levels, level_s, level_s, lambda i: pool[i % len(pool)])
+
+    per_level = {}
+    for name, eng, c in (("fast", fast, clients[0]), ("slow", slow, clients[1])):
+        assert c.clock >= level_s * len(levels)
+        counts = out["issued_per_level"][name]
+        assert sum(counts) == len(eng.prompts)
+        ids = [pid for _, pid in eng.prompts]  # in the order issued: level by level
+        per_level[name] = [ids[sum(counts[:i]): sum(counts[: i + 1])] for i in range(len(levels))]
+    for lvl, (f, s) in enumerate(zip(per_level["fast"], per_level["slow"])):
+        assert len(f) > len(s) > 0, lvl  # the fast engine finished more requests at every level
+        assert f[: len(s)] == s, lvl  # ... and the slow one's prompts are the start of the fast one's
+        assert f[0] == lvl * adaptive.RAMP_LEVEL_STRIDE
