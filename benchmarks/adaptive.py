@@ -92,6 +92,7 @@ class Client:
     llm: LLM
     clock: float = 0.0
     steps: list[tuple[float, int, int]] = field(default_factory=list)  # (clock at step end, tokens, in flight)
+    k0: list[tuple[int, int]] = field(default_factory=list)  # per step: the controller's k = 0 and all k counted so far
     live: dict[str, Req] = field(default_factory=dict)
     done: list[Req] = field(default_factory=list)
     issued: int = 0
@@ -99,7 +100,7 @@ class Client:
     stopped: bool = False
 
     def reset(self) -> None:
-        self.clock, self.steps, self.live, self.done = 0.0, [], {}, []
+        self.clock, self.steps, self.live, self.done, self.k0 = 0.0, [], {}, [], []
         self.issued, self.t_first_done, self.stopped = 0, None, False
 
     def top_up(self, c: int, source: Callable[[int], tuple[list[int], int]], limit: int | None = None) -> None:
@@ -141,6 +142,9 @@ class Client:
                 if self.t_first_done is None:
                     self.t_first_done = self.clock
         self.steps.append((self.clock, n, len(self.live)))
+        ctl = controller(self.llm)
+        if ctl is not None:
+            self.k0.append((ctl.k_histogram[0], sum(ctl.k_histogram.values())))
 
     def abort_all(self) -> None:
         for rid in list(self.live):
@@ -280,11 +284,18 @@ def run_ramp(clients: list[Client], levels: list[int], level_s: float, window_s:
                            "other_cpu_cores": other, "issued_per_level": issued, "configs": {}}
     for c in clients:
         wins = []
+        k0_share = []  # of the controller's per-request k in the window
         for i in range(n_win):
             a, b = i * window_s, (i + 1) * window_s
             wins.append(sum(n for t, n, _ in c.steps if a < t <= b) / window_s)
+            idx = [j for j, (t, _, _) in enumerate(c.steps) if a < t <= b]
+            if c.k0 and idx:
+                k_a = c.k0[idx[0] - 1] if idx[0] else (0, 0)
+                k_b = c.k0[idx[-1]]
+                k0_share.append((k_b[0] - k_a[0]) / (k_b[1] - k_a[1]) if k_b[1] > k_a[1] else None)
         tokens = sum(n for _, n, _ in c.steps)
         out["configs"][c.name] = {"windows_tok_s": wins, "tok_s": tokens / c.clock if c.clock else None,
+                                  **({"windows_k0_share": k0_share} if k0_share else {}),
                                   **spec_delta(spec_snapshot(c.llm), before[c.name])}
     names = [c.name for c in clients]
     if "none" in names and "adaptive" in names:
@@ -383,6 +394,8 @@ def markdown(result: dict[str, Any]) -> str:
                   f"of {ad.get('decisions')}, explorations {ad.get('explorations')}",
                   "", "window ratios (adaptive / none, C): " + ", ".join(
                       f"{f(x, '.2f')}@{c}" for x, c in zip(rv["window_ratios"], rv["window_levels"]))]
+        if ad.get("windows_k0_share"):
+            lines += ["", "adaptive k = 0 share per window: " + ", ".join(f(x, '.2f') for x in ad["windows_k0_share"])]
     return "\n".join(lines) + "\n"
 
 
