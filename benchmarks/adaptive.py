@@ -382,7 +382,9 @@ def markdown(result: dict[str, Any]) -> str:
         if off:
             lines += ["", f"{title} (C={off['concurrency']}, {off['seconds']:.0f} s each, none vs adaptive): "
                       f"TPOT adaptive/none {f(off['tpot_ratio'], '.3f')}, tok/s ratio {f(off['tok_s_ratio'], '.3f')}, "
-                      f"adaptive k=0 share {f(off['adaptive_k0_share'], '.3f')}"]
+                      f"adaptive k=0 share {f(off['adaptive_k0_share'], '.3f')}"
+                      + (f"; adaptive held at k = 0: TPOT {f(off['floor']['tpot_ratio'], '.3f')}, tok/s "
+                         f"{f(off['floor']['tok_s_ratio'], '.3f')}" if off.get("floor") else "")]
     ramp = result.get("ramp")
     if ramp and "adaptive_vs_none" in ramp:
         rv = ramp["adaptive_vs_none"]
@@ -478,6 +480,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--off-random-head", type=int, default=1,
                     help="also measure off cost with an adaptive engine on a random (never accepted) head, "
                          "where the controller must choose k = 0; 0: skip")
+    ap.add_argument("--off-floor", type=int, default=1,
+                    help="also run, in the off-cost points, the adaptive engine held at k = 0 (no explorations); 0: skip")
     ap.add_argument("--ramp", default="1,2,4,8,16,32,16,8,4,2,1", help="empty: skip the ramp")
     ap.add_argument("--ramp-level-s", type=float, default=30.0)
     ap.add_argument("--ramp-window-s", type=float, default=0.0,
@@ -560,20 +564,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     if args.off_s:
         none = next(c for c in clients if c.name == "none")
+        floor = None
+        if args.off_floor:
+            # the adaptive engine's plain decoding with no decision left to it: what a speculative
+            # engine costs while off by its structure alone (features kept, bookkeeping), against
+            # which the adaptive engine's own excess is what its explorations cost
+            kw = {**cfgs["adaptive"], "speculative_calibrate": False}
+            floor = Client("floor", LLM(args.model, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
+            floor.llm.engine.drafter.controller.forced_arm = 0
+            warm_up(floor)
 
         def off_cost(key: str, adaptive: Client, **extra: Any) -> None:
-            """TPOT and tok/s of ``adaptive`` against no speculation at --off-concurrency."""
+            """TPOT and tok/s of ``adaptive`` against no speculation at --off-concurrency (and of the
+            never-drafting floor, in the same run)."""
             nonlocal offset
             wait_for_quiet(args.quiet_threshold, args.max_wait)
-            p = run_point([none, adaptive], args.off_concurrency, source(offset), args.off_s)
-            offset += max(none.issued, adaptive.issued)
+            group = [none, adaptive] + ([floor] if floor is not None else [])
+            p = run_point(group, args.off_concurrency, source(offset), args.off_s)
+            offset += max(c.issued for c in group)
             a, n = p["configs"]["adaptive"], p["configs"]["none"]
+
+            def ratios(x: dict[str, Any]) -> dict[str, float | None]:
+                return {"tpot_ratio": x["tpot_ms_mean"] / n["tpot_ms_mean"] if n["tpot_ms_mean"] else None,
+                        "tok_s_ratio": x["tok_s"] / n["tok_s"] if n["tok_s"] else None}
+
             result[key] = {"concurrency": args.off_concurrency, "seconds": args.off_s, "point": p, **extra,
-                           "tpot_ratio": a["tpot_ms_mean"] / n["tpot_ms_mean"] if n["tpot_ms_mean"] else None,
-                           "tok_s_ratio": a["tok_s"] / n["tok_s"] if n["tok_s"] else None,
-                           "adaptive_k0_share": a["k0_share"]}
-            print(f"{key} at C={args.off_concurrency}: TPOT x{result[key]['tpot_ratio']:.3f}, "
-                  f"k=0 share {a['k0_share']}", flush=True)
+                           **ratios(a), "adaptive_k0_share": a["k0_share"]}
+            if floor is not None:
+                result[key]["floor"] = ratios(p["configs"]["floor"])
+            print(f"{key} at C={args.off_concurrency}: TPOT x{result[key]['tpot_ratio']:.3f}, tok/s "
+                  f"x{result[key]['tok_s_ratio']:.3f}, k=0 share {a['k0_share']}"
+                  + (f"; never-drafting floor: TPOT x{result[key]['floor']['tpot_ratio']:.3f}, tok/s "
+                     f"x{result[key]['floor']['tok_s_ratio']:.3f}" if floor is not None else ""), flush=True)
 
         off_cost("off_cost", next(c for c in clients if c.name == "adaptive"))
         if args.off_random_head:

@@ -336,3 +336,38 @@ def test_plain_decoding_measured_low_early_is_measured_again():
         est = b.estimates(key, priors, B)
         assert plain >= 4, (seed, plain)
         assert est[0][0] > 0.92 * est[1][0], (seed, est)
+
+
+def test_an_exploration_out_of_plain_decoding_waits_until_its_catch_up_fits_the_budget():
+    # 32 requests decoding plainly (the right choice); depth 1, never measured in this bucket, has an
+    # upper bound above plain decoding's. Trying it first catches up every request's draft KV (1 s,
+    # three cycles' time). Without that predicted cost the first exploration came within 16 decisions,
+    # 2.5 % of a 40-s window; with it, not before the bucket's time makes 1 s a 1 % share
+    B, key = 32, batch_key(32)
+    priors = {0: (32.0, 0.30), 1: (40.0, 0.45)}
+
+    def run_bucket(switch_s: float, decisions: int) -> tuple[list[int], float, float]:
+        b = GoodputBandit()
+        explored, lost, total, last = [], 0.0, 0.0, 0
+        for i in range(decisions):
+            arm, exploring = b.choose(key, priors, B, switch_s=switch_s if last == 0 else 0.0)
+            sec = priors[arm][1]
+            if arm and last == 0:  # the switch: its catch-up, left out of the arm's measure
+                sec += switch_s
+                b.charge(key, arm, priors[arm][0], sec)
+            else:
+                b.observe(key, arm, priors[arm][1], priors[arm][0], sec, requests=B)
+            if exploring:
+                explored.append(i)
+            total += sec
+            lost += max(sec - priors[arm][0] / (32.0 / 0.30), 0.0)
+            last = arm
+        return explored, lost, total
+
+    free, _, _ = run_bucket(0.0, 130)  # the catch-up left out of the prediction: its old behaviour
+    assert free and free[0] < 16
+    explored, lost, total = run_bucket(1.0, 130)  # ~40 s
+    assert explored == []
+    explored, lost, total = run_bucket(1.0, 3000)  # ~15 min: drafting is still checked, within the budget
+    assert explored and explored[0] >= 300
+    assert lost / total < 0.012

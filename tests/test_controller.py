@@ -268,7 +268,7 @@ def simulate_closed_loop(B: int, forced: int | None = None, steps: int = 3000, s
     if forced is not None:
         b = ctl.bandit
 
-        def choose(key, priors, batch=1):
+        def choose(key, priors, batch=1, switch_s=0.0):
             b.visits[key] = b.visits.get(key, 0) + 1
             b.chosen[key] = max(a for a in priors if a <= forced)
             return b.chosen[key], False
@@ -427,3 +427,29 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     # 2, whose step prefilled the prompt (before: 0.318 and 0.120)
     assert seen == pytest.approx([0.126, 0.118, 0.118, 0.100 + 0.010 + 0.200 + 0.010, 0.120], abs=1e-6)
     assert sum(seen) + d._cycle_head == pytest.approx(clock[0] - 0.100, abs=1e-6)  # all but step 0, timed once
+
+
+def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():
+    """decide() hands the bandit the predicted seconds of catching ``behind`` tokens up: first by the
+    profile's draft curve (one head forward over that many rows), then at the rate switches measured."""
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3),
+                         cost=CostModel(target=Curve({1: 0.01, 64: 0.05}), draft=Curve({1: 0.002, 32: 0.014})))
+    seen = []
+    real = ctl.bandit.choose
+
+    def choose(key, priors, batch=1, switch_s=0.0):
+        seen.append(switch_s)
+        return real(key, priors, batch, switch_s)
+
+    ctl.bandit.choose = choose
+    reqs = [R(str(i)) for i in range(32)]
+    ctl.decide(reqs, [3] * 32, 32, 0, behind=6000)
+    assert seen[-1] == pytest.approx(0.014 + (0.014 - 0.002) / 31 * (6000 - 32))  # the curve's last slope
+    ctl.decide(reqs, [3] * 32, 32, 0)
+    assert seen[-1] == 0.0  # nothing to catch up
+    ctl.observe_catch_up(2000, 0.2)
+    ctl.observe_catch_up(0, 0.1)  # ignored
+    ctl.decide(reqs, [3] * 32, 32, 0, behind=6000)
+    assert seen[-1] == pytest.approx(0.6)
+    ctl.observe_catch_up(1000, 0.2)  # slower now: the rate moves towards it
+    assert 0.6 < ctl.catch_up_seconds(6000) < 1.2

@@ -33,12 +33,13 @@ runs for two cycles (the first may pay a one-off switch, which the caller leaves
 measurement but charges to exploration); an arm clearly worse stops being tried. A new bucket's
 first ``warm_visits`` decisions may explore every ``warm_every``: each arm not measured there yet
 whose upper bound beats the pick gets a cycle, since until then its time is the profile's guess
-(within the budget while plain decoding is the pick). Explorations are
-held back while what they lost (seconds over what the chosen arm would have taken for the same
-tokens) exceeds ``explore_budget`` of the bucket's time: a catch-up of every request's draft KV
+(within the budget while plain decoding is the pick). Explorations are held back while what they
+lost (seconds over what the chosen arm would have taken for the same tokens), with what the next
+one is expected to lose (the last one's loss, and out of plain decoding the catch-up the caller
+predicts), exceeds ``explore_budget`` of the bucket's time: a catch-up of every request's draft KV
 after a long stretch of plain decoding, or a head that is never right, then costs at most that
-share. Old cycles fade (``decay`` per decision in the bucket), so uncertainty grows back and a
-load that drifts is followed. Pure numbers: no clock, no tensors.
+share. Old cycles fade (``decay`` per decision in the bucket), so uncertainty grows back and a load
+that drifts is followed. Pure numbers: no clock, no tensors.
 """
 
 from __future__ import annotations
@@ -113,7 +114,11 @@ class GoodputBandit:
     warm_visits: int = 32  # a bucket's first decisions ...
     warm_every: int = 4  # ... may explore this often, an arm not yet measured there whose bound beats the pick
     min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
-    explore_budget: float = 0.01  # share of a bucket's time explorations may lose
+    explore_budget: float = 0.01  # share of a bucket's time explorations may lose ...
+    # ... over this memory per decision (~1,000 cycles): over the arms' ~200 a catch-up out of plain
+    # decoding (~2 cycles' time at 8-32 requests on a CPU) would never fit, and plain decoding, once
+    # chosen in a busy bucket, would never be checked again
+    budget_decay: float = 0.999
     borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
     cap_cycles: float = 4.0  # plain decoding's own cycles before it bounds the drafting arms
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
@@ -181,8 +186,10 @@ class GoodputBandit:
             out[arm] = (g, g * math.sqrt(cv**2 / (st.n + w) + cv_tok**2 / (pool.n + 1)))
         return out
 
-    def choose(self, key: int, priors: dict[int, Prior], batch: int = 1) -> tuple[int, bool]:
-        """(arm, exploring) for the next cycle of ``batch`` requests in bucket ``key``."""
+    def choose(self, key: int, priors: dict[int, Prior], batch: int = 1, switch_s: float = 0.0) -> tuple[int, bool]:
+        """(arm, exploring) for the next cycle of ``batch`` requests in bucket ``key``; ``switch_s``: the
+        predicted seconds of catching the requests' draft KV up, which an exploration out of plain
+        decoding pays first."""
         est = self.estimates(key, priors, batch)
         visit = self.visits.get(key, 0)
         self.visits[key] = visit + 1
@@ -205,9 +212,12 @@ class GoodputBandit:
             return best, False
         others = [a for a in est if a != best]
         arms = self.stats.get(key, {})
-        # the next exploration is expected to lose what the last one did: it must fit in the budget
-        within_budget = (self.spent.get(key, 0.0) + self._last_loss.get(key, 0.0)
-                         <= self.explore_budget * self.elapsed.get(key, 0.0))
+        # the next exploration is expected to lose what the last one did, and out of plain decoding
+        # at least the catch-up it starts with: it must fit in the budget. (Without the catch-up the
+        # first exploration of a bucket was free: at 32 requests on a CPU, after a stretch of plain
+        # decoding it caught up ~6,000 tokens, 2.5 % of a 40-s window where plain decoding was right)
+        expected = max(self._last_loss.get(key, 0.0), switch_s if best == min(est) else 0.0)
+        within_budget = self.spent.get(key, 0.0) + expected <= self.explore_budget * self.elapsed.get(key, 0.0)
         # (while plain decoding is the pick, warm-up explorations too: each pays a catch-up, and a
         # head that is never right must cost nothing)
         if visit < self.warm_visits and (best != min(est) or within_budget):
@@ -304,7 +314,7 @@ class GoodputBandit:
             self._account(key, arm, tokens, seconds)
 
     def _account(self, key: int, arm: int, tokens: float, seconds: float) -> None:
-        f = self.decay
+        f = self.budget_decay
         self.elapsed[key] = self.elapsed.get(key, 0.0) * f + seconds
         lost = 0.0
         best = self._best_goodput.get(key, 0.0)

@@ -189,6 +189,7 @@ class SpecController:
     _was_on: bool | None = None
     _decide_s: float = 0.0  # moving averages: host seconds of a full decision, seconds of a cycle
     _cycle_s: float = 0.0
+    _catch_up_rate: float = 0.0  # seconds per token of the catch-ups that ended a stretch of plain decoding
     forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
 
     def __post_init__(self) -> None:
@@ -374,7 +375,10 @@ class SpecController:
         self.bandit.seed(batch_key(batch), arm, predicted, seconds, batch, cycles)
 
     # -- decision ----------------------------------------------------------------------------
-    def decide(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int) -> list[int]:
+    def decide(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int,
+               behind: int = 0) -> list[int]:
+        """k per request; ``behind``: tokens whose draft KV drafting would first catch up (its cost is
+        what an exploration out of plain decoding pays before its first draft)."""
         caps_a = np.asarray(caps, dtype=np.int64)
         policy = self.cfg.policy
         exploring = False
@@ -383,7 +387,8 @@ class SpecController:
         elif policy == "threshold":
             ks = caps_a if self._threshold_on(num_running) else np.zeros_like(caps_a)
         else:
-            ks, exploring = self._decide_adaptive(requests, caps_a, num_running, prefill_tokens)
+            ks, exploring = self._decide_adaptive(requests, caps_a, num_running, prefill_tokens,
+                                                  self.catch_up_seconds(behind))
         out = [int(k) for k in ks]
         self._count(requests, out, exploring)
         return out
@@ -398,7 +403,24 @@ class SpecController:
             self.spec_on = True
         return self.spec_on
 
-    def _decide_adaptive(self, requests: list, caps: np.ndarray, n_base: int, prefill: int) -> tuple[np.ndarray, bool]:
+    def catch_up_seconds(self, tokens: int) -> float:
+        """Predicted seconds of a catch-up over ``tokens``: at the rate measured on past switches, else
+        as one head forward over that many rows by the reference profile (a draft step also computes
+        logits per row: an over-estimate, so the first exploration waits rather than overspends)."""
+        if tokens <= 0:
+            return 0.0
+        if self._catch_up_rate > 0:
+            return tokens * self._catch_up_rate
+        return self._reference().draft.predict(tokens)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A switch's catch-up (after plain decoding) over ``tokens`` took ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            r = seconds / tokens
+            self._catch_up_rate = r if self._catch_up_rate <= 0 else 0.7 * self._catch_up_rate + 0.3 * r
+
+    def _decide_adaptive(self, requests: list, caps: np.ndarray, n_base: int, prefill: int,
+                         switch_s: float = 0.0) -> tuple[np.ndarray, bool]:
         self._cycle = None
         K = int(caps.max(initial=0))
         if K == 0 or self.cfg.num_steps == 0:
@@ -428,7 +450,7 @@ class SpecController:
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree, prefill)
         key = batch_key(len(requests))
-        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests))
+        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
         self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests))

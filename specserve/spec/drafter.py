@@ -604,7 +604,12 @@ class EagleSpeculator:
             ks = self.controller.uniform(candidates, arm, caps)
         else:
             t_decide = time.perf_counter()
-            ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step())
+            behind = 0
+            for r, cap in zip(candidates, caps):
+                st = self.states.get(r.request_id)
+                if cap > 0:
+                    behind += r.num_computed_tokens - (st.draft_pos if st is not None else 0)
+            ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step(), behind)
             self.controller.observe_decide(time.perf_counter() - t_decide)
         todo: list[tuple[Request, int]] = []
         for r, k in zip(candidates, ks):
@@ -621,11 +626,12 @@ class EagleSpeculator:
                 caught_up += r.num_computed_tokens - pos
                 prompt_rows += max(min(r.num_computed_tokens, r.num_prompt_tokens) - pos, 0)
             t0 = time.perf_counter()
-            catch_up_s = self._draft(todo, time_catch_up=self._time_catch_up and self._drafted_last)
+            catch_up_s = self._draft(todo, time_catch_up=self._time_catch_up)
             if caught_up <= len(todo) * (self.max_k + 2):
                 self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
             elif not self._drafted_last:  # nor is it what this depth costs per cycle once on
                 self.controller.skip_cycle()
+                self.controller.observe_catch_up(caught_up, catch_up_s)
             if self._drafted_last:
                 # after a drafting cycle the catch-up replays what its verify committed: its cost,
                 # not this cycle's, which would otherwise pay for its predecessor's depth (an
