@@ -93,6 +93,7 @@ class Client:
     clock: float = 0.0
     steps: list[tuple[float, int, int]] = field(default_factory=list)  # (clock at step end, tokens, in flight)
     k0: list[tuple[int, int]] = field(default_factory=list)  # per step: the controller's k = 0 and all k counted so far
+    k0_start: tuple[int, int] = (0, 0)  # the same at reset
     live: dict[str, Req] = field(default_factory=dict)
     done: list[Req] = field(default_factory=list)
     issued: int = 0
@@ -101,6 +102,8 @@ class Client:
 
     def reset(self) -> None:
         self.clock, self.steps, self.live, self.done, self.k0 = 0.0, [], {}, [], []
+        ctl = controller(self.llm)
+        self.k0_start = (ctl.k_histogram[0], sum(ctl.k_histogram.values())) if ctl is not None else (0, 0)
         self.issued, self.t_first_done, self.stopped = 0, None, False
 
     def top_up(self, c: int, source: Callable[[int], tuple[list[int], int]], limit: int | None = None) -> None:
@@ -290,7 +293,7 @@ def run_ramp(clients: list[Client], levels: list[int], level_s: float, window_s:
             wins.append(sum(n for t, n, _ in c.steps if a < t <= b) / window_s)
             idx = [j for j, (t, _, _) in enumerate(c.steps) if a < t <= b]
             if c.k0 and idx:
-                k_a = c.k0[idx[0] - 1] if idx[0] else (0, 0)
+                k_a = c.k0[idx[0] - 1] if idx[0] else c.k0_start
                 k_b = c.k0[idx[-1]]
                 k0_share.append((k_b[0] - k_a[0]) / (k_b[1] - k_a[1]) if k_b[1] > k_a[1] else None)
         tokens = sum(n for _, n, _ in c.steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ class FakeEngine:
     step_s: float
     live: dict[str, int] = field(default_factory=dict)  # request id -> tokens left
     prompts: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt id)
-    drafter: None = None
+    drafter: SimpleNamespace | None = None  # with a controller: every request drafts 1 token each step
     t0: float = field(default_factory=time.perf_counter)
 
     def add_request(self, rid, prompt, params) -> None:
@@ -37,6 +38,8 @@ class FakeEngine:
 
     def step(self):
         time.sleep(self.step_s)
+        if self.drafter is not None:
+            self.drafter.controller.k_histogram[1] += len(self.live)
         outs = []
         for rid in list(self.live):
             self.live[rid] -= 1
@@ -68,3 +71,13 @@ def test_ramp_levels_draw_the_same_prompts_for_fast_and_slow_engines() -> None:
         assert len(f) > len(s) > 0, lvl  # the fast engine finished more requests at every level
         assert f[: len(s)] == s, lvl  # ... and the slow one's prompts are the start of the fast one's
         assert f[0] == lvl * adaptive.RAMP_LEVEL_STRIDE
+
+
+def test_ramp_k0_share_per_window_counts_only_the_ramp() -> None:
+    # the controller counted 1,000 plain decisions before the ramp (calibration, earlier points); in the
+    # ramp every request drafts: every window's k = 0 share is 0
+    ctl = SimpleNamespace(k_histogram=Counter({0: 1000}), switches=0, k_changes=0, explorations=0, decisions=0)
+    eng = FakeEngine(0.001, drafter=SimpleNamespace(controller=ctl))
+    client = adaptive.Client("adaptive", SimpleNamespace(engine=eng))
+    out = adaptive.run_ramp([client], [1, 2], 0.1, 0.1, lambda i: ([i], 3))
+    assert out["configs"]["adaptive"]["windows_k0_share"] == [0.0, 0.0]
