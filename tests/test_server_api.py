@@ -195,15 +195,22 @@ def test_models_health_server_info(live: Live) -> None:
 def test_idle_connection_outlives_client_pool_expiry(live: Live) -> None:
     """An HTTP/1.1 connection idle for longer than httpx's 5-s pool expiry is still served: the server must
     not be the side that closes it, or a client reusing it at that moment gets a connection reset."""
-    import socket
+    import http.client
 
     host, port = live.url.removeprefix("http://").split(":")
-    req = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        sock = None
         for pause in (0.0, 5.5):
             time.sleep(pause)
-            s.sendall(req)
-            assert s.recv(4096).startswith(b"HTTP/1.1 200"), f"no answer on the same connection after {pause} s"
+            conn.request("GET", "/health")  # raises (the server closed it) or reconnects if it was closed
+            r = conn.getresponse()
+            r.read()
+            assert r.status == 200
+            sock = sock or conn.sock
+            assert conn.sock is sock, f"a new connection after {pause} s idle"
+    finally:
+        conn.close()
 
 
 # ---------------------------------------------------------------- errors
