@@ -43,6 +43,7 @@ Writes --output-dir/adaptive.json, adaptive.md, adaptive_sweep.png, adaptive_ram
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import random
 import statistics
@@ -288,13 +289,13 @@ def run_ramp(clients: list[Client], levels: list[int], level_s: float, window_s:
     for c in clients:
         wins = []
         k0_share = []  # of the controller's per-request k in the window
+        clocks = [t for t, _, _ in c.steps]  # non-decreasing: each window is a slice
         for i in range(n_win):
-            a, b = i * window_s, (i + 1) * window_s
-            wins.append(sum(n for t, n, _ in c.steps if a < t <= b) / window_s)
-            idx = [j for j, (t, _, _) in enumerate(c.steps) if a < t <= b]
-            if c.k0 and idx:
-                k_a = c.k0[idx[0] - 1] if idx[0] else c.k0_start
-                k_b = c.k0[idx[-1]]
+            lo, hi = bisect.bisect_right(clocks, i * window_s), bisect.bisect_right(clocks, (i + 1) * window_s)
+            wins.append(sum(n for _, n, _ in c.steps[lo:hi]) / window_s)
+            if c.k0 and hi > lo:
+                k_a = c.k0[lo - 1] if lo else c.k0_start
+                k_b = c.k0[hi - 1]
                 k0_share.append((k_b[0] - k_a[0]) / (k_b[1] - k_a[1]) if k_b[1] > k_a[1] else None)
         tokens = sum(n for _, n, _ in c.steps)
         out["configs"][c.name] = {"windows_tok_s": wins, "tok_s": tokens / c.clock if c.clock else None,
