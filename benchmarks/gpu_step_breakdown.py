@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--head", default=DEFAULT_HEAD)
     ap.add_argument("--output-file", required=True)
     ap.add_argument("--concurrency", default="64,256")
-    ap.add_argument("--configs", default="nospec,static_chain1,adaptive")
+    ap.add_argument("--configs", default="nospec,static_chain1,adaptive",
+                    help="names from gpu_adaptive.SPEC; NAME@K holds that engine's controller at depth K")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--requests-per-c", type=int, default=2)
     ap.add_argument("--sync", action="store_true", help="synchronize the device after every timed phase")
@@ -126,7 +127,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "settings": vars(args), "points": []}
     engines: dict[str, LLM] = {}
     for n in names:
-        engines[n] = LLM(**engine_args(n, args.model, args.head, max(cs), args.num_kv_blocks))
+        base, _, forced = n.partition("@")  # "adaptive@5": the adaptive engine held at depth 5 (no decisions)
+        engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
+        if forced:
+            engines[n].engine.drafter.controller.forced_arm = int(forced)
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]

@@ -191,6 +191,9 @@ class SpecController:
     _cycle_s: float = 0.0
     _catch_up_rate: float = 0.0  # seconds per token of the catch-ups that ended a stretch of plain decoding
     forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
+    # a request whose own expected gain at a position is under this x the average request's drafts
+    # no further than that position (arm_depths); 0: every request drafts its arm's full depth
+    truncate_relative: float = 0.5
 
     def __post_init__(self) -> None:
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
@@ -442,7 +445,7 @@ class SpecController:
             tree = (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk)
             arms = np.array([0, self.cfg.num_steps])
             caps = np.where(caps > 0, self.cfg.num_steps, 0)
-        depths = arm_depths(arms, cumacc, caps, overall)
+        depths = arm_depths(arms, cumacc, caps, overall, self.truncate_relative)
         # arms that draft the same depths (a short cap, poor acceptance) are one arm: the shallowest
         # (depths grow with the arm, so equal rows are neighbours)
         keep = np.concatenate([[True], (depths[1:] != depths[:-1]).any(axis=1)])
