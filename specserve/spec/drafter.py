@@ -637,10 +637,11 @@ class EagleSpeculator:
                 prompt_rows += max(min(r.num_computed_tokens, r.num_prompt_tokens) - pos, 0)
             t0 = time.perf_counter()
             steady = self._drafted_last and caught_up <= len(todo) * (self.max_k + 2)
-            rows_key = batch_key(caught_up)
-            known = self._steady_s.get(rows_key)
-            timed = self._time_catch_up and (not steady or known is None
-                                             or self._steady_count % CATCH_UP_TIMING_EVERY == 0)
+            timed, rows_key, known = False, 0, None
+            if self._time_catch_up:
+                rows_key = batch_key(caught_up)
+                known = self._steady_s.get(rows_key)
+                timed = not steady or known is None or self._steady_count % CATCH_UP_TIMING_EVERY == 0
             catch_up_s = self._draft(todo, time_catch_up=timed)
             if self._time_catch_up and steady:
                 self._steady_count += 1
