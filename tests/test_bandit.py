@@ -371,3 +371,24 @@ def test_an_exploration_out_of_plain_decoding_waits_until_its_catch_up_fits_the_
     explored, lost, total = run_bucket(1.0, 3000)  # ~15 min: drafting is still checked, within the budget
     assert explored and explored[0] >= 300
     assert lost / total < 0.012
+
+
+def test_an_arm_whose_bound_cannot_reach_the_switching_margin_is_not_explored():
+    # depth 2 is measured well and best; depth 3's goodput is 1 % lower and its spread small, so its
+    # optimistic bound stays under best x (1 + margin): exploring it could never end in a switch
+    priors = {2: (1.9, 0.0100), 3: (2.0, 0.0106)}  # 190 vs 188.7 tokens per second
+    b = GoodputBandit(warm_visits=0)
+    for _ in range(300):
+        b.observe(6, 2, 0.0100, 1.9, 0.0100)
+        b.observe(6, 3, 0.0106, 2.0, 0.0106)
+    b.pooled[2].x2 = b.pooled[2].x ** 2 / b.pooled[2].n  # tokens per request with no spread
+    b.pooled[3].x2 = b.pooled[3].x ** 2 / b.pooled[3].n
+    choices = [b.choose(6, priors) for _ in range(200)]
+    assert all(a == 2 for a, _ in choices)
+    assert not any(e for _, e in choices)
+    # the same with depth 3 5 % better: it is chosen, and depth 2 is then explored no more than depth 3 was
+    b2 = GoodputBandit(warm_visits=0)
+    for _ in range(300):
+        b2.observe(6, 2, 0.0100, 1.9, 0.0100)
+        b2.observe(6, 3, 0.0100, 2.0, 0.0100)
+    assert b2.choose(6, priors)[0] == 3
