@@ -1,0 +1,148 @@
+"""What an engine's Python costs per step at high concurrency, spec engine against no-spec.
+
+Issue #8: on the GPU a step at 256 requests is mostly host time, and a speculative engine that decodes
+plainly (threshold 0, or adaptive at k = 0) ran at 0.88-0.96x of a no-spec engine. Here the model is tiny
+(random weights, 2 layers, hidden 64, a 2,048-word vocabulary) so that on the CPU a step is almost all
+engine code: the same closed loop through each engine, then again under cProfile for the functions with
+the most own time.
+
+    python benchmarks/host_overhead.py --concurrency 256 --output-file benchmarks/results/host_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import run_metadata, write_json  # noqa: E402
+
+from specserve import LLM, SamplingParams  # noqa: E402
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 32, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "rope_scaling": None,
+    "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "nospec": {},
+    # the head loaded, speculation never on: what plain decoding costs in a spec engine
+    "spec_off": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0},
+    # adaptive, held at plain decoding (its quick decisions), features kept for a later catch-up
+    "adaptive_at_0": {"speculative_policy": "adaptive", "speculative_calibrate": False},
+    "static_chain1": {"speculative_policy": "static", "speculative_num_steps": 1},
+}
+
+
+def make_model_dir(path: str) -> tuple[str, str]:
+    """A tiny random Llama (config, word-level tokenizer, --load-format dummy) and a random EAGLE-3 head."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from specserve.loader import load_model_source
+    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY, f)
+    save_file({"placeholder": torch.zeros(1)}, os.path.join(path, "model.safetensors"))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "t2", "bos_token": "t1"}, f)
+    mc = load_model_source(path).config
+    torch.manual_seed(0)
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=mc.vocab_size))
+    head_dir = os.path.join(path, "head")
+    head.save_pretrained(head_dir)
+    return path, head_dir
+
+
+def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int]:
+    """Closed loop: seconds and engine steps to serve every prompt with ``concurrency`` in flight."""
+    eng = llm.engine
+    queue = list(prompts)
+    live: set[str] = set()
+    steps = 0
+    t0 = time.perf_counter()
+    n = 0
+    while queue or live:
+        while queue and len(live) < concurrency:
+            rid = f"h{n}"
+            n += 1
+            eng.add_request(rid, queue.pop(), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            live.add(rid)
+        for out in eng.step():
+            if out.finished:
+                live.discard(out.request_id)
+        steps += 1
+    return time.perf_counter() - t0, steps
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds per engine, interleaved")
+    ap.add_argument("--top", type=int, default=25, help="functions listed per engine from cProfile")
+    ap.add_argument("--output-file", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    names = args.configs.split(",")
+    tmp = tempfile.mkdtemp(prefix="host_overhead_")
+    model_dir, head_dir = make_model_dir(tmp)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TINY["vocab_size"], (int(L),), generator=g).tolist()
+               for L in torch.randint(16, 128, (args.requests,), generator=g)]
+    engines = {}
+    for n in names:
+        kw = dict(CONFIGS[n])
+        if kw:
+            kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
+        engines[n] = LLM(model_dir, load_format="dummy", device="cpu", dtype="float32", max_num_seqs=args.concurrency,
+                         num_kv_blocks=args.concurrency * 16, max_num_batched_tokens=4096, **kw)
+        serve(engines[n], prompts[:16], 8, 8)  # warm-up
+    timing: dict[str, list[float]] = {n: [] for n in names}
+    steps_of: dict[str, int] = {}
+    for r in range(args.rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            s, steps = serve(engines[n], prompts, args.concurrency, args.max_tokens)
+            timing[n].append(1000 * s / steps)
+            steps_of[n] = steps
+    result: dict[str, Any] = {"benchmark": "host_overhead", **run_metadata(),
+                              "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                              "model": TINY, "settings": vars(args), "configs": {}}
+    base = min(timing[names[0]])
+    for n in names:
+        prof = cProfile.Profile()
+        prof.enable()
+        serve(engines[n], prompts, args.concurrency, args.max_tokens)
+        prof.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(args.top)
+        ms = min(timing[n])
+        result["configs"][n] = {"ms_per_step": round(ms, 3), "ms_per_step_rounds": [round(x, 3) for x in timing[n]],
+                                "over_first": round(ms / base, 3), "engine_steps": steps_of[n],
+                                "profile_top": [ln for ln in buf.getvalue().splitlines() if ln.strip()][:args.top + 8]}
+        print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps", flush=True)
+    write_json(args.output_file, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
