@@ -247,3 +247,5 @@ def test_cli_serve_subprocess_with_api_key() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+    # start-up objects were frozen out of the garbage collector's reach before serving
+    assert "start-up objects out of the garbage collector's reach" in proc.stdout.read()
