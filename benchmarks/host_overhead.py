@@ -2,7 +2,7 @@
 
 Issue #8: on the GPU a step at 256 requests is mostly host time, and a speculative engine that decodes
 plainly (threshold 0, or adaptive at k = 0) ran at 0.88-0.96x of a no-spec engine. Here the model is tiny
-(random weights, 2 layers, hidden 64, a 2,048-word vocabulary) so that on the CPU a step is almost all
+(random weights, 2 layers, hidden 32, a 2,048-word vocabulary) so that on the CPU a step is almost all
 engine code: the same closed loop through each engine, then again under cProfile for the functions with
 the most own time.
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import sys
@@ -27,15 +26,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_metadata, write_json  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from tiny_model import make_random_head, make_tiny_model  # noqa: E402
+
 from specserve import LLM, SamplingParams  # noqa: E402
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 32, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "rope_scaling": None,
-    "max_position_embeddings": 4096, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
-}
+VOCAB, LAYERS = 2048, 2  # a tiny random Llama (tests/tiny_model.py: hidden 32) and a random EAGLE-3 head
 CONFIGS: dict[str, dict[str, Any]] = {
     "nospec": {},
     # the head loaded, speculation never on: what plain decoding costs in a spec engine
@@ -44,30 +40,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "adaptive_at_0": {"speculative_policy": "adaptive", "speculative_calibrate": False},
     "static_chain1": {"speculative_policy": "static", "speculative_num_steps": 1},
 }
-
-
-def make_model_dir(path: str) -> tuple[str, str]:
-    """A tiny random Llama (config, word-level tokenizer, --load-format dummy) and a random EAGLE-3 head."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from specserve.loader import load_model_source
-    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY, f)
-    save_file({"placeholder": torch.zeros(1)}, os.path.join(path, "model.safetensors"))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY["vocab_size"])}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "t2", "bos_token": "t1"}, f)
-    mc = load_model_source(path).config
-    torch.manual_seed(0)
-    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=mc.vocab_size))
-    head_dir = os.path.join(path, "head")
-    head.save_pretrained(head_dir)
-    return path, head_dir
 
 
 def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int]:
@@ -104,16 +76,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     names = args.configs.split(",")
     tmp = tempfile.mkdtemp(prefix="host_overhead_")
-    model_dir, head_dir = make_model_dir(tmp)
+    model_dir = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS)
+    head_dir = make_random_head(model_dir, os.path.join(tmp, "head"))
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, TINY["vocab_size"], (int(L),), generator=g).tolist()
+    prompts = [torch.randint(3, VOCAB, (int(L),), generator=g).tolist()
                for L in torch.randint(16, 128, (args.requests,), generator=g)]
     engines = {}
     for n in names:
         kw = dict(CONFIGS[n])
         if kw:
             kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
-        engines[n] = LLM(model_dir, load_format="dummy", device="cpu", dtype="float32", max_num_seqs=args.concurrency,
+        engines[n] = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=args.concurrency,
                          num_kv_blocks=args.concurrency * 16, max_num_batched_tokens=4096, **kw)
         serve(engines[n], prompts[:16], 8, 8)  # warm-up
     timing: dict[str, list[float]] = {n: [] for n in names}
@@ -125,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps_of[n] = steps
     result: dict[str, Any] = {"benchmark": "host_overhead", **run_metadata(),
                               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                              "model": TINY, "settings": vars(args), "configs": {}}
+                              "model": {"vocab": VOCAB, "layers": LAYERS, "made_by": "tests/tiny_model.py"}, "settings": vars(args), "configs": {}}
     base = min(timing[names[0]])
     for n in names:
         prof = cProfile.Profile()

@@ -636,7 +636,8 @@ class EagleSpeculator:
                 caught_up += r.num_computed_tokens - pos
                 prompt_rows += max(min(r.num_computed_tokens, r.num_prompt_tokens) - pos, 0)
             t0 = time.perf_counter()
-            steady = self._drafted_last and caught_up <= len(todo) * (self.max_k + 2)
+            usual = caught_up <= len(todo) * (self.max_k + 2)  # what a verify commits, no stretch of plain steps
+            steady = self._drafted_last and usual
             timed, rows_key, known = False, 0, None
             if self._time_catch_up:
                 rows_key = batch_key(caught_up)
@@ -649,7 +650,7 @@ class EagleSpeculator:
                     catch_up_s = known
                 else:
                     self._steady_s[rows_key] = catch_up_s if known is None else 0.8 * known + 0.2 * catch_up_s
-            if caught_up <= len(todo) * (self.max_k + 2):
+            if usual:
                 self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
             elif not self._drafted_last:  # nor is it what this depth costs per cycle once on
                 self.controller.skip_cycle()
