@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OtherCpu, chat_prompt_ids, run_metadata, wait_for_quiet, write_json  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 STATIC = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static"}
 
@@ -499,6 +500,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="KV blocks per engine (GPU: every engine shares one device; default sizes each to 85%% of it)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the engines in reach of full garbage collections (the server freezes them)")
     ap.add_argument("--quick", action="store_true", help="tiny end-to-end check: C 1,4, few requests, short ramp")
     ap.add_argument("--output-dir", default="benchmarks/results/adaptive")
     args = ap.parse_args(argv)
@@ -541,6 +544,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     for c in clients:
         warm_up(c)
+    if not args.no_gc_freeze:  # as the server does once its engine is built
+        result["gc_frozen_objects"] = freeze_startup_heap()
     offset = 2
 
     points = []
@@ -578,6 +583,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         num_kv_blocks=args.num_kv_blocks, max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
             floor.llm.engine.drafter.controller.forced_arm = 0
             warm_up(floor)
+            if not args.no_gc_freeze:
+                freeze_startup_heap()
 
         def off_cost(key: str, adaptive: Client, **extra: Any) -> None:
             """TPOT and tok/s of ``adaptive`` against no speculation at --off-concurrency (and of the
@@ -611,6 +618,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 useless = Client("adaptive", LLM(args.model, kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
                                                  max_num_seqs=max(max_c, 8), seed=args.seed, **kw))
                 warm_up(useless)
+                if not args.no_gc_freeze:  # (then never freed: a benchmark process ends soon enough)
+                    freeze_startup_heap()
                 off_cost("off_cost_random_head", useless, engine_args=kw)
                 result["off_cost_random_head"]["controller"] = useless.llm.engine.drafter.controller.snapshot()
                 del useless

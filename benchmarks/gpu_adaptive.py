@@ -34,6 +34,7 @@ from gpu_spec_c1 import sync  # noqa: E402
 from spec_single import DEFAULT_HEAD, head_provenance  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 SPEC: dict[str, dict[str, Any]] = {
     "nospec": {},
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["settings"]["distinct_prompts"] = distinct
     for llm in engines.values():  # warm-up, prompts not reused below
         run_batch(llm, warm, 8, 16)
+    result["gc_frozen_objects"] = freeze_startup_heap()  # as the server does once its engine is built
     rows: list[dict[str, Any]] = []
     for i, c in enumerate(cs):
         n_req = max(args.min_requests, args.requests_per_c * c)

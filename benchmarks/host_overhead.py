@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tiny_model import make_random_head, make_tiny_model  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 VOCAB, LAYERS = 2048, 2  # a tiny random Llama (tests/tiny_model.py: hidden 32) and a random EAGLE-3 head
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -40,6 +42,25 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "adaptive_at_0": {"speculative_policy": "adaptive", "speculative_calibrate": False},
     "static_chain1": {"speculative_policy": "static", "speculative_num_steps": 1},
 }
+
+
+class GCTimer:
+    """Seconds spent in the garbage collector's collections, per generation (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+
+    def take(self) -> list[float]:
+        out, self.seconds = self.seconds, [0.0, 0.0, 0.0]
+        return out
 
 
 def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int]:
@@ -71,6 +92,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per engine, interleaved")
     ap.add_argument("--top", type=int, default=25, help="functions listed per engine from cProfile")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the engines in reach of full garbage collections (the server freezes them)")
     ap.add_argument("--output-file", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -89,12 +112,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines[n] = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=args.concurrency,
                          num_kv_blocks=args.concurrency * 16, max_num_batched_tokens=4096, **kw)
         serve(engines[n], prompts[:16], 8, 8)  # warm-up
+    if not args.no_gc_freeze:
+        freeze_startup_heap()
+    gc_timer = GCTimer()
     timing: dict[str, list[float]] = {n: [] for n in names}
+    gc_ms: dict[str, list[list[float]]] = {n: [] for n in names}
     steps_of: dict[str, int] = {}
     for r in range(args.rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
+            gc_timer.take()
             s, steps = serve(engines[n], prompts, args.concurrency, args.max_tokens)
             timing[n].append(1000 * s / steps)
+            gc_ms[n].append([round(1000 * x / steps, 3) for x in gc_timer.take()])
             steps_of[n] = steps
     result: dict[str, Any] = {"benchmark": "host_overhead", **run_metadata(),
                               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -111,8 +140,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ms = min(timing[n])
         result["configs"][n] = {"ms_per_step": round(ms, 3), "ms_per_step_rounds": [round(x, 3) for x in timing[n]],
                                 "over_first": round(ms / base, 3), "engine_steps": steps_of[n],
+                                "gc_ms_per_step_rounds": gc_ms[n],
                                 "profile_top": [ln for ln in buf.getvalue().splitlines() if ln.strip()][:args.top + 8]}
-        print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps", flush=True)
+        print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps; "
+              f"collector ms/step per round (gen 0, 1, 2): {gc_ms[n]}", flush=True)
     write_json(args.output_file, result)
     return result
 

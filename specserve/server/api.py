@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.engine.heap import freeze_startup_heap
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server import protocol as P
@@ -525,13 +525,8 @@ def main(args: argparse.Namespace) -> None:
     engine = LLMEngine(config)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key)
-    # what start-up built (the weights' wrappers, tokenizer, tables, graphs) lives as long as the
-    # server: frozen, a full collection no longer walks it. With four engines in one process a full
-    # collection took ~0.13 s, frozen ~0.016 s (benchmarks/host_overhead.py at 256 requests): at a
-    # few ms per step on a GPU, a stall of dozens of steps
-    gc.collect()
-    gc.freeze()
-    log.info("moved %d start-up objects out of the garbage collector's reach", gc.get_freeze_count())
+    frozen = freeze_startup_heap()  # the engine and app live as long as the server
+    log.info("moved %d start-up objects out of the garbage collector's reach", frozen)
     log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
                 timeout_keep_alive=args.timeout_keep_alive)
