@@ -27,6 +27,7 @@ from gpu_adaptive import engine_args, run_batch  # noqa: E402
 from spec_single import DEFAULT_HEAD  # noqa: E402
 
 from specserve import LLM  # noqa: E402
+from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 
 def wrap(obj: Any, name: str, label: str, acc: dict[str, list[float]], sync: bool) -> None:
@@ -69,6 +70,28 @@ def instrument(llm: LLM, sync: bool) -> dict[str, list[float]]:
     wrap(eng.runner, "forward", "runner.forward", acc, sync)
     wrap(eng.runner, "sample", "runner.sample", acc, sync)
     return acc
+
+
+def log_cycles(llm: LLM) -> list[list[float]] | None:
+    """Record the adaptive controller's measured cycles, as the bandit gets them: [bucket, arm,
+    tokens, seconds, requests, measured (1) or charged only (0)]."""
+    d = llm.engine.drafter
+    if d is None or d.cfg.policy != "adaptive":
+        return None
+    bandit = d.controller.bandit
+    out: list[list[float]] = []
+    observe, charge = bandit.observe, bandit.charge
+
+    def observed(key: int, arm: int, predicted: float, tokens: float, seconds: float, requests: int = 1) -> None:
+        out.append([key, arm, tokens, round(seconds, 6), requests, 1])
+        observe(key, arm, predicted, tokens, seconds, requests)
+
+    def charged(key: int, arm: int, tokens: float, seconds: float) -> None:
+        out.append([key, arm, tokens, round(seconds, 6), 0, 0])
+        charge(key, arm, tokens, seconds)
+
+    bandit.observe, bandit.charge = observed, charged  # type: ignore[method-assign]
+    return out
 
 
 def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int) -> dict[str, Any]:
@@ -115,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--profile", action="store_true",
                     help="run each point once more under torch.profiler and cProfile: GPU busy time per step "
                          "(sum of kernel times) and the host functions with the most own time")
+    ap.add_argument("--log-cycles", action="store_true",
+                    help="keep every cycle an adaptive engine's bandit measured (bucket, arm, tokens, seconds, requests)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit("gpu_step_breakdown needs a CUDA device")
@@ -136,12 +161,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warm, prompts = prompts[-8:], prompts[:-8]
     for llm in engines.values():
         run_batch(llm, warm, 8, 16)
+    result["gc_frozen_objects"] = freeze_startup_heap()  # as the server does once its engine is built
     for c in cs:
         batch = [prompts[i % len(prompts)] for i in range(args.requests_per_c * c)]
         point: dict[str, Any] = {"concurrency": c, "configs": {}}
         for n in names:
             acc = instrument(engines[n], args.sync)
+            cycles = log_cycles(engines[n]) if args.log_cycles else None
             got = run_batch(engines[n], batch, c, args.output_len)
+            if cycles is not None:
+                bandit = engines[n].engine.drafter.controller.bandit
+                for k in ("observe", "charge"):
+                    delattr(bandit, k)
             steps = len(acc["step"])
             phases = {k: {"calls": len(v), "ms_total": round(sum(v), 1),
                           "ms_per_step": round(sum(v) / steps, 3)} for k, v in acc.items()}
@@ -158,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             point["configs"][n] = {"tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
                                    "phases": phases}
+            if cycles is not None:
+                point["configs"][n]["cycles"] = cycles
+                point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
             print(f"C={c} {n}: {got['tok_s']:.0f} tok/s, {got['ms_per_step']:.2f} ms/step | " + ", ".join(
