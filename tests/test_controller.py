@@ -453,24 +453,3 @@ def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():
     assert seen[-1] == pytest.approx(0.6)
     ctl.observe_catch_up(1000, 0.2)  # slower now: the rate moves towards it
     assert 0.6 < ctl.catch_up_seconds(6000) < 1.2
-
-
-def test_quick_decisions_expect_the_tokens_of_the_uncut_depths_they_draft():
-    # two requests: one accepts well, one poorly (its depth is cut in a full decision). A quick
-    # decision drafts the arm's full depth for both, and its cycle expects the tokens of that, so
-    # the bandit's committed / expected ratio compares like with like
-    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=cost(0.01, floor_ms=10.0))
-    reqs = [R("good"), R("poor")]
-    for _ in range(40):
-        ctl.observe("good", 3, 3)
-        ctl.observe("poor", 3, 0)
-    ks = ctl.decide(reqs, [3, 3], 2, 0)
-    full = ctl._cycle
-    arm = full.arm
-    assert arm == 3 and list(ks) == [3, 1]  # the poor request's depth is cut
-    rates = [np.cumprod(ctl.per_request[r].rates(ctl.overall.rates())) for r in ("good", "poor")]
-    assert full.expected == pytest.approx(2 + rates[0][:3].sum() + rates[1][:1].sum())
-    ctl.detach_cycle()
-    ctl._quick_key = full.key
-    assert ctl.uniform(reqs, arm, [3, 3]) == [3, 3]
-    assert ctl._cycle.expected == pytest.approx(2 + rates[0][:3].sum() + rates[1][:3].sum())

@@ -8,17 +8,12 @@ decision's outcome is measured instead: the tokens its requests committed and th
 the whole cycle it started (draft, verify, sampling, commit, scheduling: everything the user
 waits for), kept per arm, where an arm is a uniform draft depth d (0 = plain decode) in one
 batch-size bucket. An arm's goodput is the tokens a request commits per cycle at that depth times
-the requests per second its cycles serve. The first is the acceptance model's expectation for the
-requests at hand, times the ratio of committed to expected tokens measured on the arm's cycles,
-pooled over every bucket (acceptance is a property of the head and the text, not of the batch size,
-and one request's accepted count is the noisiest part of a cycle: at 4 requests its spread is ~25 %
-of the tokens, the time's ~5-10 %), a ratio of 1 worth ``prior_requests`` requests. A ratio, not
-the committed tokens per request themselves: an arm's cycles run on whatever text was in flight
-when it was tried, and the text's difficulty changes with every request (on the H200 at one request,
-depth 5, tried while hard requests ran, measured 1.75 tokens per cycle against depth 4's 3.31; the
-engine then stayed at depths 3-4 where depth 5 was best). The second is this bucket's decayed sums,
-with the cost model's prediction as a prior worth (time spread / ``prior_cv``)^2 cycles: it decides
-only until the arm has a few cycles of its own.
+the requests per second its cycles serve. The first is pooled over every bucket (acceptance is a
+property of the head and the text, not of the batch size, and one request's accepted count is
+the noisiest part of a cycle: at 4 requests its spread is ~25 % of the tokens, the time's ~5-10 %),
+with the acceptance model's expectation as a prior worth ``prior_requests`` requests; the second
+is this bucket's decayed sums, with the cost model's prediction as a prior worth (time spread /
+``prior_cv``)^2 cycles: it decides only until the arm has a few cycles of its own.
 
 The time a prediction misses is mostly additive: host time per cycle (scheduling, sampling,
 commit), attention over contexts the profile did not have, the same for every depth. So an arm's
@@ -73,7 +68,6 @@ class ArmStats:
     seconds: float = 0.0  # measured
     predicted: float = 0.0  # by the cost model, for the cycles as they ran
     requests: float = 0.0  # request-cycles
-    expected: float = 0.0  # tokens the acceptance model expected of the cycles as they ran
     x: float = 0.0  # per-cycle value whose spread matters (see add), and its square
     x2: float = 0.0
     seed_seconds: float = 0.0  # of the above seconds, those of calibration pseudo-cycles (no tokens)
@@ -84,16 +78,13 @@ class ArmStats:
         self.seconds *= f
         self.predicted *= f
         self.requests *= f
-        self.expected *= f
         self.x *= f
         self.x2 *= f
         self.seed_seconds *= f
 
-    def add(self, tokens: float, seconds: float, predicted: float, requests: float, x: float,
-            expected: float = 0.0) -> None:
+    def add(self, tokens: float, seconds: float, predicted: float, requests: float, x: float) -> None:
         self.n += 1
         self.tokens += tokens
-        self.expected += expected
         self.seconds += seconds
         self.predicted += predicted
         self.requests += requests
@@ -116,10 +107,10 @@ Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
 class GoodputBandit:
     decay: float = 0.995  # per decision in a bucket: ~200 cycles of memory
     prior_cv: float = 0.3  # relative error of the models' prediction for an arm (one never run gets tried)
-    default_cv: float = 0.3  # of one cycle's committed / expected tokens, before their spread is measured
+    default_cv: float = 0.3  # of one cycle's tokens per request, before their spread is measured
     default_time_cv: float = 0.3  # of one cycle's time, likewise
-    prior_requests: float = 16.0  # requests' worth of a committed / expected ratio of 1
-    pool_decay: float = 0.998  # per cycle in any bucket: the pooled ratios
+    prior_requests: float = 16.0  # requests' worth of the acceptance model's tokens per request
+    pool_decay: float = 0.998  # per cycle in any bucket: the pooled tokens per request
     z: float = 1.5  # standard errors of optimism when exploring
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
     band: float = 0.5  # ... and by this many standard errors of the difference
@@ -159,9 +150,8 @@ class GoodputBandit:
     def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
         """(goodput, standard error) per arm, for a cycle of ``batch`` requests in bucket ``key``.
 
-        goodput = tokens per request (the acceptance model's for this batch, corrected by the arm's
-        committed / expected ratio pooled over all buckets: acceptance does not depend on the batch
-        size) x requests per second (this bucket's measured cycle time)."""
+        goodput = tokens per request (pooled over all buckets: acceptance does not depend on the
+        batch size) x requests per second (this bucket's measured cycle time)."""
         arms = self.stats.get(key, {})
         n = sum(st.n for st in arms.values())
         excess = sum(st.seconds - st.predicted for st in arms.values())
@@ -178,12 +168,9 @@ class GoodputBandit:
             tokens, psec = priors[arm]
             st = arms.get(arm) or ArmStats()
             pool = self.pooled.get(arm) or ArmStats()
-            # tokens per request: the acceptance model's for this batch x the ratio measured in every
-            # bucket (a ratio of 1 worth ``prior_requests`` requests)
-            exp = tokens / batch
-            ratio = (pool.tokens + self.prior_requests * exp) / (pool.expected + self.prior_requests * exp) \
-                if pool.expected + self.prior_requests * exp > 0 else 1.0
-            tpr = exp * ratio
+            # tokens per request: measured in every bucket, the acceptance model's worth
+            # ``prior_requests`` requests
+            tpr = (pool.tokens + self.prior_requests * tokens / batch) / (pool.requests + self.prior_requests)
             cv_tok = pool.cv(self.default_cv) if arm else 0.0  # plain decoding: exactly one token
             cv = st.cv(self.default_time_cv)
             # the time prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
@@ -302,10 +289,9 @@ class GoodputBandit:
         return visit % self.explore_every == self.explore_every - 1
 
     def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float,
-                requests: int = 1, expected: float | None = None) -> None:
+                requests: int = 1) -> None:
         """A cycle of ``arm`` for ``requests`` requests: its predicted and measured seconds, the
-        tokens it committed and those the acceptance model expected of it (None: as committed, a
-        cycle that corrects nothing)."""
+        tokens it committed."""
         if seconds <= 0 or predicted <= 0 or requests <= 0:
             return
         arms = self.stats.setdefault(key, {})
@@ -314,10 +300,7 @@ class GoodputBandit:
         arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, requests / seconds)
         for st in self.pooled.values():
             st.fade(self.pool_decay)
-        if expected is None or expected <= 0:
-            expected = tokens
-        ratio = tokens / expected if expected > 0 else 1.0
-        self.pooled.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, ratio, expected)
+        self.pooled.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, tokens / requests)
         self._account(key, arm, tokens, seconds)
 
     def seed(self, key: int, arm: int, predicted: float, seconds: float, requests: int, cycles: float = 2.0) -> None:

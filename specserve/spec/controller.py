@@ -153,7 +153,6 @@ class Cycle:
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
     requests: int = 0  # in the decision
     prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
-    expected: float | None = None  # tokens the acceptance model expected of it (None: as committed)
 
 
 @dataclass
@@ -185,9 +184,6 @@ class SpecController:
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
     _draft_predicted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, arm) -> seconds
-    # (bucket, arm) -> tokens per request the acceptance model expected at the bucket's last full
-    # decision: what a quick decision (same requests, mostly) expects of its cycle
-    _expected_tpr: dict[tuple[int, int], float] = field(default_factory=dict)
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
     _was_on: bool | None = None
@@ -305,10 +301,8 @@ class SpecController:
         else:
             ks = [min(arm, c) for c in caps]
         key = self._quick_key
-        tpr = self._expected_tpr.get((key, arm))
         self._cycle = Cycle(key, arm, self._draft_predicted.get((key, arm), 0.0),
-                            {r.request_id for r in requests}, requests=len(requests),
-                            expected=tpr * len(requests) if tpr is not None else None)
+                            {r.request_id for r in requests}, requests=len(requests))
         self._count(requests, ks, False)
         return ks
 
@@ -338,7 +332,7 @@ class SpecController:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
         elif c.target_predicted is not None:
             self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds,
-                                c.requests, c.expected)
+                                c.requests)
             self.cycles += 1
 
     def forget(self, request_id: str) -> None:
@@ -461,18 +455,8 @@ class SpecController:
         key = batch_key(len(requests))
         arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
-        # a quick decision drafts min(arm, cap) for every request, with no per-request cut: what the
-        # acceptance model expects of that. (The cut depths' expectation, set against what uncut
-        # cycles commit, inflates the arm's committed / expected ratio: in the first version the
-        # engine drafted at 256 requests on the H200, at 0.86x of plain decoding)
-        n, width = cumacc.shape
-        csum = np.concatenate([np.zeros((n, 1)), np.cumsum(cumacc, axis=1)], axis=1)
-        uncut = np.minimum(np.minimum(arms[:, None], caps[None, :]), width)
-        expect = n + csum[np.arange(n)[None, :], uncut].sum(axis=1)
-        self._expected_tpr.update({(key, int(a)): float(e) / n for a, e in zip(arms, expect)})
         i = int(np.flatnonzero(arms == arm)[0])
-        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests),
-                            expected=priors[i][0])
+        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests))
         ks = depths[i]
         if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
             self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests
