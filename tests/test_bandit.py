@@ -116,13 +116,13 @@ def test_plain_decoding_is_measured_first_in_a_new_bucket_where_drafting_is_the_
 
 def test_a_new_bucket_borrows_the_excess_per_request_of_the_others():
     # 8 requests (bucket 6) ran at 1 ms per request above the profile; at 32 requests (bucket 10,
-    # never run) the profile alone prefers plain decoding (106.7 vs 106.2 tok/s), with 32 ms of host
-    # time added to both arms drafting is better by 3 % (96.4 vs 99.2): the first decision there drafts
+    # never run) the profile alone prefers plain decoding (107 vs 104 tok/s), with 32 ms of host
+    # time added to both arms drafting is better (96 vs 98): the first decision there drafts
     b = GoodputBandit(explore_every=0)
     fill(b, 6, 0, 0.100, 8.0, 0.108, requests=8)
-    priors = {0: (32.0, 0.300), 1: (48.0, 0.452)}
+    priors = {0: (32.0, 0.300), 1: (48.0, 0.460)}
     est = b.estimates(10, priors, batch=32)
-    assert np.isclose(est[0][0], 32 / 0.332, rtol=1e-3) and np.isclose(est[1][0], 48 / 0.484, rtol=1e-3)
+    assert np.isclose(est[0][0], 32 / 0.332, rtol=1e-3) and np.isclose(est[1][0], 48 / 0.492, rtol=1e-3)
     assert b.choose(10, priors, 32)[0] == 1
     # a head that is never right (drafting yields no extra token) stays off whatever is added
     assert b.choose(12, {0: (64.0, 0.600), 1: (64.0, 0.700)}, 64)[0] == 0
@@ -392,21 +392,3 @@ def test_an_arm_whose_bound_cannot_reach_the_switching_margin_is_not_explored():
         b2.observe(6, 2, 0.0100, 1.9, 0.0100)
         b2.observe(6, 3, 0.0100, 2.0, 0.0100)
     assert b2.choose(6, priors)[0] == 3
-
-
-def test_plain_decoding_is_the_pick_where_drafting_is_level_with_it():
-    # depth 1 measured 1 % above plain decoding (16 requests per cycle, both well measured): within
-    # noise, and drafting pays what its cycles leave out, so plain decoding is chosen, also when
-    # depth 1 was the pick before
-    priors = {0: (16.0, 0.0600), 1: (24.0, 0.0891)}  # the profile's guess: depth 1 level too
-    for start in (0, 1):
-        b = GoodputBandit(warm_visits=0, explore_every=0)
-        fill(b, 6, 0, 0.0600, 16.0, 0.0600, requests=16, cycles=300)
-        fill(b, 6, 1, 0.0891, 24.0, 0.0891, requests=16, cycles=300)  # 269.4 vs 266.7 tok/s
-        b.chosen[6] = start
-        assert [b.choose(6, priors, batch=16)[0] for _ in range(50)] == [0] * 50
-    # depth 1 5 % better: drafting is chosen
-    b = GoodputBandit(warm_visits=0, explore_every=0)
-    fill(b, 6, 0, 0.0600, 16.0, 0.0600, requests=16, cycles=300)
-    fill(b, 6, 1, 0.0857, 24.0, 0.0857, requests=16, cycles=300)  # 280 vs 266.7 tok/s
-    assert b.choose(6, priors, batch=16)[0] == 1

@@ -25,13 +25,8 @@ the same tokens for more seconds), while a ratio borrowed from elsewhere could. 
 decoding has a few cycles in a bucket, a depth's goodput is bounded by plain decoding's times the
 depth's tokens per request: a drafting cycle does all a plain one does, and more.
 
-Choice: the arm with the best goodput, plain decoding's counted ``plain_edge`` higher, kept unless
-another is better by ``margin`` and by ``band`` standard errors of the difference (hysteresis; into
-plain decoding the edge is the margin: a drafting arm stays while it beats plain decoding by it). The
-edge makes plain decoding the pick where drafting is level with it: a depth whose measured gain is a
-percent or two is within the measurement's noise, and drafting costs what its cycles leave out (the
-catch-up when it turns on, explorations of deeper arms); at 16 requests on a CPU, plain decoding and
-depth 1 within 1 % of each other, the engine drafted on 81 % of cycles and ran 3.7 % below both. Exploration: every ``explore_every`` decisions of a
+Choice: the arm with the best goodput, kept unless another is better by ``margin`` and by ``band``
+standard errors of the difference (hysteresis). Exploration: every ``explore_every`` decisions of a
 bucket, plain decoding or a neighbour of the chosen arm if measured less than ``min_cycles``, else
 the arm with the highest upper bound (``z`` standard errors) if that bound beats the chosen arm,
 runs for two cycles (the first may pay a one-off switch, which the caller leaves out of the arm's
@@ -114,7 +109,6 @@ class GoodputBandit:
     z: float = 1.5  # standard errors of optimism when exploring
     margin: float = 0.02  # a better arm must beat the chosen one by this fraction to replace it
     band: float = 0.5  # ... and by this many standard errors of the difference
-    plain_edge: float = 0.02  # plain decoding's goodput counts this fraction higher when choosing
     explore_every: int = 16  # an exploration runs two cycles: the first may pay a switch (a catch-up)
     off_slower: int = 4  # upper-bound explorations this many times rarer while plain decoding is chosen
     warm_visits: int = 32  # a bucket's first decisions ...
@@ -202,19 +196,15 @@ class GoodputBandit:
         again = self._explore_again.pop(key, None)
         if again in est:  # an exploration's second cycle (its first paid the switch)
             return again, True
-        plain = min(est)
-        score = {a: g * (1 + self.plain_edge) if a == plain else g for a, (g, _) in est.items()}
-        best = max(score, key=score.__getitem__)
+        best = max(est, key=lambda a: est[a][0])
         cur = self.chosen.get(key)
         if cur in est and cur != best:
-            (gb, sb), (gc, sc) = (score[best], est[best][1]), (score[cur], est[cur][1])
+            (gb, sb), (gc, sc) = est[best], est[cur]
             cur_st = self.stats.get(key, {}).get(cur)
             # the noise band only once the current arm has cycles of its own: a pick made on the
             # prior alone is left as soon as the prior (or a measurement) says otherwise
             band = self.band * math.hypot(sb, sc) if cur_st is not None and cur_st.n >= 2 else 0.0
-            # into plain decoding the edge is the margin: scored against it, drafting already had to
-            # be better by the edge to stay
-            if gb - gc < max(self.margin * gc if best != plain else 0.0, band):
+            if gb - gc < max(self.margin * gc, band):
                 best = cur
         self.chosen[key] = best
         self._best_goodput[key] = est[best][0]
@@ -262,10 +252,11 @@ class GoodputBandit:
                 # only an arm whose bound clears the switching margin: an exploration that cannot
                 # end in a switch is spent for nothing (at C = 2 on a CPU depths 2 and 3, a few
                 # percent apart, took one cycle pair in 16 each way: ~12 % of cycles exploring)
-                bound = {a: score[a] + self.z * est[a][1] for a in others}
-                cands = [a for a in others if bound[a] > score[best] * (1 + self.margin)]
+                bound = {a: est[a][0] + self.z * est[a][1] for a in others}
+                cands = [a for a in others if bound[a] > est[best][0] * (1 + self.margin)]
                 if cands:
                     alt = max(cands, key=lambda a: bound[a])
+                    plain = min(est)
                     # plain decoding, the floor, takes every other one of these explorations while it
                     # may beat the pick: by the highest bound alone the deeper depths (their tokens
                     # spread more) took nearly all of them, and at 16-32 requests on a CPU plain
