@@ -4,7 +4,8 @@ Issue #8: on the GPU a step at 256 requests is mostly host time, and a speculati
 plainly (threshold 0, or adaptive at k = 0) ran at 0.88-0.96x of a no-spec engine. Here the model is tiny
 (random weights, 2 layers, hidden 32, a 2,048-word vocabulary) so that on the CPU a step is almost all
 engine code: the same closed loop through each engine, then again under cProfile for the functions with
-the most own time.
+the most own time, and the garbage collector's time per step (the engines are frozen out of its reach once
+warm, as the server freezes its engine; ``--no-gc-freeze`` leaves them in it).
 
     python benchmarks/host_overhead.py --concurrency 256 --output-file benchmarks/results/host_overhead.json
 """
