@@ -63,6 +63,9 @@ class GCTimer:
         out, self.seconds = self.seconds, [0.0, 0.0, 0.0]
         return out
 
+    def close(self) -> None:
+        gc.callbacks.remove(self._cb)
+
 
 def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int]:
     """Closed loop: seconds and engine steps to serve every prompt with ``concurrency`` in flight."""
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             timing[n].append(1000 * s / steps)
             gc_ms[n].append([round(1000 * x / steps, 3) for x in gc_timer.take()])
             steps_of[n] = steps
+    gc_timer.close()  # (main() also runs inside the test process)
     result: dict[str, Any] = {"benchmark": "host_overhead", **run_metadata(),
                               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "model": {"vocab": VOCAB, "layers": LAYERS, "made_by": "tests/tiny_model.py"}, "settings": vars(args), "configs": {}}
