@@ -168,7 +168,8 @@ def spec_snapshot(llm: LLM) -> dict[str, Any]:
     st = llm.engine.get_stats()
     ctl = controller(llm)
     snap = {"verify": st.spec_verify_steps, "accepted": st.spec_accepted_tokens,
-            "k_histogram": dict(st.k_histogram)}
+            "k_histogram": dict(st.k_histogram), "prompt_tokens": st.prefix_cache_queries,
+            "prefix_hits": st.prefix_cache_hits, "prefix_refused": st.prefix_cache_refused}
     if ctl is not None:
         snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions)
     return snap
@@ -185,6 +186,10 @@ def spec_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         "k0_share": hist.get(0, 0) / n if n else None,
         "accept_length": (after["accepted"] - before["accepted"] + verify) / verify if verify else None,
     }
+    q = after["prompt_tokens"] - before["prompt_tokens"]
+    # prompt tokens taken from the prefix cache, and those found there but recomputed (no draft KV)
+    out["prefix_hit_share"] = (after["prefix_hits"] - before["prefix_hits"]) / q if q else None
+    out["prefix_refused_share"] = (after["prefix_refused"] - before["prefix_refused"]) / q if q else None
     for key in ("switches", "k_changes", "explorations", "decisions"):
         if key in after:
             out[key] = after[key] - before[key]

@@ -50,7 +50,8 @@ class FakeEngine:
         return outs
 
     def get_stats(self):
-        return SimpleNamespace(spec_verify_steps=0, spec_accepted_tokens=0, k_histogram={})
+        return SimpleNamespace(spec_verify_steps=0, spec_accepted_tokens=0, k_histogram={}, prefix_cache_queries=0,
+                               prefix_cache_hits=0, prefix_cache_refused=0)
 
 
 def test_ramp_levels_draw_the_same_prompts_for_fast_and_slow_engines() -> None:

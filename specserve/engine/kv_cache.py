@@ -36,6 +36,9 @@ class Block:
 class BlockStats:
     prefix_queries: int = 0  # prompt tokens looked up
     prefix_hits: int = 0  # prompt tokens found cached
+    # prompt tokens found cached but not taken: their blocks lack the draft KV a drafting request
+    # needs (filled while speculation was off); a no-spec engine would have reused them
+    prefix_refused: int = 0
     evictions: int = 0
 
 
@@ -77,16 +80,21 @@ class BlockManager:
         ids: list[int] = []
         hashes: list[bytes] = []
         parent = None
+        refused = 0
         for b in range(max_blocks):
             h = hash_block(parent, token_ids[b * self.block_size : (b + 1) * self.block_size])
             bid = self.cached.get(h)
-            if bid is None or (self.require_draft_kv and not any_draft_kv and not self.draft_ready[bid]):
+            if bid is None:
                 break
+            parent = h
+            if refused or (self.require_draft_kv and not any_draft_kv and not self.draft_ready[bid]):
+                refused += 1  # the rest of the prefix is cached too, only not usable for drafting
+                continue
             ids.append(bid)
             hashes.append(h)
-            parent = h
         self.stats.prefix_queries += len(token_ids)
         self.stats.prefix_hits += len(ids) * self.block_size
+        self.stats.prefix_refused += refused * self.block_size
         return ids, hashes
 
     def take_cached(self, block_ids: list[int]) -> None:
@@ -109,7 +117,10 @@ class BlockManager:
             blk = self.blocks[block_table[b]]
             if blk.block_hash is None:
                 blk.block_hash = h
-                self.cached.setdefault(h, blk.block_id)
+                cur = self.cached.get(h)
+                # a copy with draft KV beats one without (see mark_draft_ready)
+                if cur is None or (self.draft_ready[blk.block_id] and not self.draft_ready[cur]):
+                    self.cached[h] = blk.block_id
             block_hashes.append(h)
             parent = h
 
@@ -153,6 +164,13 @@ class BlockManager:
     def mark_draft_ready(self, block_ids: Sequence[int]) -> None:
         for bid in block_ids:
             self.draft_ready[bid] = True
+            # a block filled while speculation was off stays the cached copy of its prefix, and
+            # drafting requests refuse it; this block holds the same tokens with draft KV: cache it
+            h = self.blocks[bid].block_hash
+            if h is not None:
+                cur = self.cached.get(h)
+                if cur is not None and cur != bid and not self.draft_ready[cur]:
+                    self.cached[h] = bid
 
     def reset_prefix_cache(self) -> None:
         for blk in self.blocks:
