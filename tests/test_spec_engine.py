@@ -113,3 +113,33 @@ def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prom
     assert [o.outputs[0].token_ids for o in again] == reference
     assert all(o.metrics.num_cached_tokens > 0 for o in again)
     assert all(o.metrics.spec_draft_tokens > 0 for o in again)  # reused blocks with draft KV: they draft
+
+
+def test_adaptive_off_gives_finishing_requests_draft_kv_for_the_prefix_cache(random_head, reference, chat_prompts):
+    """The adaptive engine, having turned a useless head off, leaves blocks without draft KV, and
+    the same prompts again find them cached but refuse them (a drafting request needs draft KV).
+    Once it has measured those refusals, it catches finishing requests up, so prompts after that
+    reuse their whole prefix. Outputs stay the no-spec ones throughout."""
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    d = llm.engine.drafter
+    for _ in range(4):
+        assert [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)] == reference
+    assert llm.engine.get_stats().prefix_cache_refused > 0
+    assert d.finish_catch_ups > 0 and d.finish_catch_up_tokens > 0
+    last = llm.chat(chat_prompts, SP)
+    assert [o.outputs[0].token_ids for o in last] == reference
+    bs = llm.engine.config.block_size
+    whole = [o.metrics.num_cached_tokens == (len(o.prompt_token_ids) - 1) // bs * bs for o in last]
+    assert sum(whole) >= len(last) // 2, whole
+
+
+def test_adaptive_off_spends_nothing_on_finishing_requests_without_reuse(random_head, chat_prompts):
+    """Prompts that share nothing (the system prompt aside) give no reason to catch finishing
+    requests up: once the head is off, no finishing request is."""
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    llm.chat(chat_prompts[:10], SP)
+    d = llm.engine.drafter
+    n0 = d.finish_catch_ups
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.chat([[{"role": "user", "content": f"Tell me about item {i} of the list."}] for i in range(16)], sp)
+    assert d.finish_catch_ups - n0 <= 2, (n0, d.finish_catch_ups)

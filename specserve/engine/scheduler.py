@@ -73,6 +73,9 @@ class Scheduler:
         self.num_preemptions = 0
         # set by the drafter: whether a waiting request may take cached blocks without draft KV
         self.reuse_without_draft_kv: Callable[[Request], bool] | None = None
+        # called with a request that finished in commit, before its blocks are freed (the drafter
+        # may give them draft KV, so that prompts can reuse them)
+        self.on_finish: Callable[[Request], None] | None = None
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -218,6 +221,8 @@ class Scheduler:
                 stop = check_stop(req, self.eos_token_ids, self.max_model_len, text_start)
                 if stop is not None:
                     # KV of tokens after the stop is irrelevant: the request is freed below
+                    if self.on_finish is not None:
+                        self.on_finish(req)
                     self.finish(req, *stop)
                     break
             req.metrics.num_generation_tokens = req.num_output_tokens

@@ -31,6 +31,7 @@ from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.engine import sampler
 from specserve.engine.host_copy import host_to_device
+from specserve.engine.kv_cache import KVSlots
 from specserve.engine.request import Request
 from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
@@ -93,6 +94,10 @@ class DraftState:
     draft_probs: torch.Tensor | None = None  # [k, V] q of the current drafts (sampled requests only)
 
 
+# finished requests' catch-up (Drafter._catch_up_finished): memory per step of the tokens it weighs,
+# and the tokens at which a prefill's and a catch-up's costs per token are compared
+FINISH_DECAY = 0.99
+COST_PROBE_TOKENS = 256
 CATCH_UP_TIMING_EVERY = 8  # steady catch-ups per one timed with device events (the adaptive policy on a GPU)
 
 
@@ -140,6 +145,16 @@ class EagleSpeculator:
         engine.scheduler.reuse_without_draft_kv = self._reuse_without_draft_kv
         self.states: dict[str, DraftState] = {}
         self.controller = SpecController(cfg)
+        # requests that finished this step without draft KV over all they committed, with their
+        # blocks (freed, still cached): see _catch_up_finished
+        self._finished: list[tuple[Request, KVSlots]] = []
+        self._reuse_lost = 0.0  # decayed per step: prompt tokens recomputed, their cached blocks lacking draft KV
+        self._finish_pending = 0.0  # decayed per step: tokens requests finished with and no draft KV over
+        self._refused_seen = 0
+        self.finish_catch_ups = 0  # requests given draft KV as they finished, and over how many tokens
+        self.finish_catch_up_tokens = 0
+        if cfg.policy == "adaptive":
+            engine.scheduler.on_finish = self._on_finish
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
         self._drafted_last = False  # whether the last decision drafted for anyone
         # the adaptive controller times catch-ups to their end on the GPU (device events): every
@@ -385,6 +400,46 @@ class EagleSpeculator:
     def release(self, req: Request) -> None:
         self.states.pop(req.request_id, None)
 
+    def _on_finish(self, req: Request) -> None:
+        st = self.states.get(req.request_id)
+        if st is not None and st.pending and not req.no_draft_kv:
+            self._finished.append((req, KVSlots(list(req.kv.block_table))))
+
+    def _catch_up_finished(self) -> None:
+        """Draft KV for what the requests that finished this step committed while plain decoding,
+        when that is measured to pay. Blocks filled while speculation is off have no draft KV, so a
+        drafting request cannot reuse them from the prefix cache and recomputes the prompt (a no-spec
+        engine would not): on the H200 at 256 requests, on prompts seen before, that was most of
+        what a plain-decoding adaptive engine lost to a never-drafting one. Catching up a finishing
+        request costs a head pass over its tokens; it pays where the prompt tokens refused for lack
+        of draft KV, at the target's cost per token, outweigh the tokens finishing requests leave
+        without it, at the catch-up's. Nothing is spent where prompts share nothing (off stays off);
+        once every finishing request is caught up the refusals stop and so does the spending, so the
+        two settle where they balance. Runs before any block is handed out again this step."""
+        done, self._finished = self._finished, []
+        bm = self.engine.blocks
+        refused, self._refused_seen = bm.stats.prefix_refused - self._refused_seen, bm.stats.prefix_refused
+        pending = sum(r.num_computed_tokens - self.states[r.request_id].draft_pos for r, _ in done)
+        self._reuse_lost = self._reuse_lost * FINISH_DECAY + refused
+        self._finish_pending = self._finish_pending * FINISH_DECAY + pending
+        if not done or self._reuse_lost <= 0:
+            return
+        ctl = self.controller
+        prefill_s = ctl.cost.step_time(COST_PROBE_TOKENS) if ctl.cost.target.profile else 0.0
+        catch_up_s = ctl.catch_up_seconds(COST_PROBE_TOKENS)
+        if prefill_s <= 0 or catch_up_s <= 0 or self._reuse_lost * prefill_s <= self._finish_pending * catch_up_s:
+            return
+        reqs = [r for r, _ in done]
+        for r, kv in done:
+            r.kv = kv  # the freed blocks, for the catch-up's slots
+        try:
+            self._catch_up(reqs)
+        finally:
+            for r in reqs:
+                r.kv = KVSlots()
+        self.finish_catch_ups += len(reqs)
+        self.finish_catch_up_tokens += pending
+
     def _state(self, req: Request) -> DraftState:
         st = self.states.get(req.request_id)
         if st is None:
@@ -577,7 +632,12 @@ class EagleSpeculator:
     @torch.inference_mode()
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         sched = self.engine.scheduler
+        t_finished = time.perf_counter()
+        if self._finished or self._reuse_lost > 0:
+            self._catch_up_finished()  # first: before any block is reserved again
         now = time.perf_counter()
+        # (the finished requests' catch-up is no arm's cost: left out of the cycles' time)
+        self.engine.step_started += now - t_finished
         prev, prev_s = None, 0.0
         if self._cycle_head is not None:
             # the last decision's cycle, in this engine's own time (a caller may run other work
