@@ -171,7 +171,8 @@ def spec_snapshot(llm: LLM) -> dict[str, Any]:
             "k_histogram": dict(st.k_histogram), "prompt_tokens": st.prefix_cache_queries,
             "prefix_hits": st.prefix_cache_hits, "prefix_refused": st.prefix_cache_refused}
     if ctl is not None:
-        snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions)
+        snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions,
+                    finish_catch_ups=getattr(llm.engine.drafter, "finish_catch_ups", 0))
     return snap
 
 
@@ -190,7 +191,7 @@ def spec_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     # prompt tokens taken from the prefix cache, and those found there but recomputed (no draft KV)
     out["prefix_hit_share"] = (after["prefix_hits"] - before["prefix_hits"]) / q if q else None
     out["prefix_refused_share"] = (after["prefix_refused"] - before["prefix_refused"]) / q if q else None
-    for key in ("switches", "k_changes", "explorations", "decisions"):
+    for key in ("switches", "k_changes", "explorations", "decisions", "finish_catch_ups"):
         if key in after:
             out[key] = after[key] - before[key]
     return out

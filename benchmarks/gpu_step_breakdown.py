@@ -58,6 +58,7 @@ def instrument(llm: LLM, sync: bool) -> dict[str, list[float]]:
         wrap(d, "draft_step", "draft_step", acc, sync)
         wrap(d, "_draft", "draft loop (in draft_step)", acc, sync)
         wrap(d, "_catch_up", "catch-up (in draft loop)", acc, sync)
+        wrap(d, "_catch_up_finished", "finished requests' catch-up (in draft_step)", acc, sync)
         wrap(d.controller, "decide", "decide (in draft_step)", acc, sync)
         wrap(d, "_record", "record (in forward + verify)", acc, sync)
         wrap(d, "_draft_chain_static", "chain loop (in draft loop)", acc, sync)
@@ -152,10 +153,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "settings": vars(args), "points": []}
     engines: dict[str, LLM] = {}
     for n in names:
-        base, _, forced = n.partition("@")  # "adaptive@5": the adaptive engine held at depth 5 (no decisions)
+        # "adaptive@5": the adaptive engine held at depth 5 (no decisions); "...+nofinish": finishing
+        # requests are never caught up (their blocks keep no draft KV)
+        spec, _, opt = n.partition("+")
+        base, _, forced = spec.partition("@")
         engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
         if forced:
             engines[n].engine.drafter.controller.forced_arm = int(forced)
+        if opt == "nofinish":
+            engines[n].engine.scheduler.on_finish = None
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]
@@ -181,12 +187,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     delattr(engines[n].engine, k)
             for obj in (engines[n].engine.scheduler, engines[n].engine.runner, engines[n].engine.drafter,
                         getattr(engines[n].engine.drafter, "controller", None)):
-                for k in ("schedule", "commit", "execute", "verify_step", "draft_step", "_draft", "_catch_up", "decide",
+                for k in ("schedule", "commit", "execute", "verify_step", "draft_step", "_draft", "_catch_up",
+                          "_catch_up_finished", "decide",
                           "_record", "_draft_chain_static", "quick_arm", "uniform", "count_off", "finish_cycle",
                           "observe_many", "observe_step"):
                     if obj is not None and k in vars(obj):
                         delattr(obj, k)
-            point["configs"][n] = {"tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
+            d = engines[n].engine.drafter
+            bm = engines[n].engine.blocks.stats
+            extra = {"prefix_hits": bm.prefix_hits, "prefix_refused": bm.prefix_refused,  # engine totals so far
+                     "finish_catch_ups": getattr(d, "finish_catch_ups", None),
+                     "finish_catch_up_tokens": getattr(d, "finish_catch_up_tokens", None)}
+            point["configs"][n] = {**extra, "tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
                                    "phases": phases}
             if cycles is not None:
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
-            print(f"C={c} {n}: {got['tok_s']:.0f} tok/s, {got['ms_per_step']:.2f} ms/step | " + ", ".join(
+            print(f"C={c} {n}: {got['tok_s']:.0f} tok/s, {got['ms_per_step']:.2f} ms/step, {extra} | " + ", ".join(
                 f"{k} {v['ms_per_step']:.2f}" for k, v in phases.items()), flush=True)
         result["points"].append(point)
     write_json(args.output_file, result)
