@@ -454,3 +454,29 @@ def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():
     assert seen[-1] == pytest.approx(0.6)
     ctl.observe_catch_up(1000, 0.2)  # slower now: the rate moves towards it
     assert 0.6 < ctl.catch_up_seconds(6000) < 1.2
+
+
+def test_adaptive_speculation_off_follows_the_buckets_pick_and_mixed_batches_are_not_measured():
+    from specserve.spec.bandit import batch_key
+    from specserve.spec.controller import Cycle
+
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
+    assert not ctl.speculation_off(32)  # nothing chosen yet
+    ctl.bandit.chosen[batch_key(32)] = 0
+    ctl.bandit.chosen[batch_key(8)] = 2
+    assert ctl.speculation_off(32) and ctl.speculation_off(31) and not ctl.speculation_off(8)
+    # a drafting batch where requests that cannot draft are over a tenth: charged, not measured
+    ctl._cycle = Cycle(batch_key(20), 2, 0.0, {"a"})
+    ctl.mixed_batch([2] * 17 + [0] * 3, 3)
+    assert not ctl._cycle.measured
+    ctl._cycle = Cycle(batch_key(20), 2, 0.0, {"a"})
+    ctl.mixed_batch([2] * 19 + [0], 1)
+    assert ctl._cycle.measured
+    ctl._cycle = Cycle(batch_key(20), 0, 0.0, None)
+    ctl.mixed_batch([0] * 20, 20)  # plain decoding is what it is, whoever cannot draft
+    assert ctl._cycle.measured
+    # the threshold policy: its own state
+    th = SpecController(SpeculativeConfig(policy="threshold", num_steps=3, disable_batch_threshold=4))
+    assert not th.speculation_off(8)
+    th.quick_arm(8, num_running=8)
+    assert th.speculation_off(8)

@@ -181,6 +181,7 @@ class SpecController:
     # arm's measure (charged to exploration only): what remains after subtracting a share that large
     # is mostly the prediction's error (on two CPU cores, 150 prompt tokens cost ~1.5 decode steps)
     prefill_share_limit: float = 0.25
+    nodraft_share_limit: float = 0.1  # see mixed_batch
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
     _draft_predicted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, arm) -> seconds
@@ -275,13 +276,26 @@ class SpecController:
         """Host seconds one full decision (``decide``) took: the caller's clock."""
         self._decide_s = seconds if self._decide_s <= 0 else 0.9 * self._decide_s + 0.1 * seconds
 
-    def speculation_off(self) -> bool:
-        """Whether requests admitted now will plain-decode for a while: the threshold policy's state.
-        Not said under the adaptive policy: its bucket's choice may change at any decision, and an
-        arm's goodput counts every request of its cycles as drafting at its depth, so requests that
-        can never draft (no_draft_kv) in its batches would make drafting look better than it is
-        (measured on the H200 at 256 requests: the adaptive engine went to depth 4-5 and 0.79x)."""
-        return self.cfg.policy == "threshold" and not self.spec_on
+    def speculation_off(self, batch: int) -> bool:
+        """Whether a request admitted now, into a batch of ``batch`` requests, will plain-decode for a
+        while: the threshold policy's state, or the adaptive policy exploiting plain decoding in that
+        batch's bucket. Such a request may take cached blocks without draft KV (and never drafts):
+        blocks filled while speculation is off have none, and recomputing their prompts cost the
+        adaptive engine held at k = 0 0.58x of a never-drafting one's throughput at 256 requests on
+        the H200 (gpu_step_breakdown_session15_finish.json). The requests that cannot draft then
+        sit in the batches of any depth explored: a cycle where they are more than
+        ``nodraft_share_limit`` of a drafting batch is left out of its arm's measure (mixed_batch)."""
+        if self.cfg.policy == "threshold":
+            return not self.spec_on
+        return self.cfg.policy == "adaptive" and self.bandit.chosen.get(batch_key(batch)) == 0
+
+    def mixed_batch(self, ks: list[int] | np.ndarray, never_draft: int) -> None:
+        """A drafting decision over a batch where ``never_draft`` requests cannot draft (cached blocks
+        without draft KV): above ``nodraft_share_limit`` of the batch its cycle does not measure the
+        arm (it runs cheaper, and commits fewer tokens per request, than the arm does: the pooled
+        tokens per request times this bucket's rate would overstate it), and is charged only."""
+        if never_draft > self.nodraft_share_limit * len(ks) and any(k > 0 for k in ks):
+            self.skip_cycle()
 
     def count_off(self, batch: int) -> None:
         """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; under the

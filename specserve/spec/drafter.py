@@ -178,9 +178,9 @@ class EagleSpeculator:
     def _reuse_without_draft_kv(self, req: Request) -> bool:
         """Whether a waiting request may take cached prompt blocks whose draft KV was never
         computed (it then never drafts): when it would not draft anyway, by its own cap or because
-        the threshold policy has speculation off. Otherwise a stretch of plain decoding would cost
+        speculation is off (controller.speculation_off). Otherwise a stretch of plain decoding would cost
         the prefix cache: the blocks it fills never get draft KV, and no prompt could reuse them."""
-        return req.params.max_spec_tokens == 0 or self.controller.speculation_off()
+        return req.params.max_spec_tokens == 0 or self.controller.speculation_off(len(self.engine.scheduler.running) + 1)
 
     # -- start-up cost profile ------------------------------------------------------------------
     def after_capture(self) -> None:
@@ -681,6 +681,9 @@ class EagleSpeculator:
                     behind += r.num_computed_tokens - (st.draft_pos if st is not None else 0)
             ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step(), behind)
             self.controller.observe_decide(time.perf_counter() - t_decide)
+        never = sum(1 for r in candidates if r.no_draft_kv)
+        if never:
+            self.controller.mixed_batch(ks, never)
         todo: list[tuple[Request, int]] = []
         for r, k in zip(candidates, ks):
             if k > 0 and sched._reserve(r, r.num_tokens + k):
