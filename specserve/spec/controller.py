@@ -281,7 +281,7 @@ class SpecController:
         while: the threshold policy's state, or the adaptive policy exploiting plain decoding in that
         batch's bucket. Such a request may take cached blocks without draft KV (and never drafts):
         blocks filled while speculation is off have none, and recomputing their prompts cost the
-        adaptive engine held at k = 0 0.58x of a never-drafting one's throughput at 256 requests on
+        adaptive engine held at k = 0 0.61x of a never-drafting one's throughput at 256 requests on
         the H200 (gpu_step_breakdown_session15_finish.json). The requests that cannot draft then
         sit in the batches of any depth explored: a cycle where they are more than
         ``nodraft_share_limit`` of a drafting batch is left out of its arm's measure (mixed_batch)."""

@@ -409,13 +409,16 @@ class EagleSpeculator:
         """Draft KV for what the requests that finished this step committed while plain decoding,
         when that is measured to pay. Blocks filled while speculation is off have no draft KV, so a
         drafting request cannot reuse them from the prefix cache and recomputes the prompt (a no-spec
-        engine would not): on the H200 at 256 requests, on prompts seen before, that was most of
-        what a plain-decoding adaptive engine lost to a never-drafting one. Catching up a finishing
-        request costs a head pass over its tokens; it pays where the prompt tokens refused for lack
-        of draft KV, at the target's cost per token, outweigh the tokens finishing requests leave
-        without it, at the catch-up's. Nothing is spent where prompts share nothing (off stays off);
-        once every finishing request is caught up the refusals stop and so does the spending, so the
-        two settle where they balance. Runs before any block is handed out again this step."""
+        engine would not). Requests admitted while plain decoding is the pick may take such blocks
+        (controller.speculation_off); this is for the blocks a drafting request meets later.
+        Catching up a finishing request costs a head pass over its tokens; it pays where the prompt
+        tokens refused for lack of draft KV, at the target's cost per token, outweigh the tokens
+        finishing requests leave without it, at the catch-up's. Nothing is spent where prompts share
+        nothing (off stays off); once every finishing request is caught up the refusals stop and so
+        does the spending, so the two settle where they balance. (On the H200 at 256 requests with
+        prompts that repeat, held at plain decoding without admitting onto such blocks, it took back
+        two thirds of the refused hits but cost about what it saved there:
+        gpu_step_breakdown_session15_finish.json.) Runs before any block is handed out again this step."""
         done, self._finished = self._finished, []
         bm = self.engine.blocks
         refused, self._refused_seen = bm.stats.prefix_refused - self._refused_seen, bm.stats.prefix_refused
@@ -636,14 +639,13 @@ class EagleSpeculator:
         if self._finished or self._reuse_lost > 0:
             self._catch_up_finished()  # first: before any block is reserved again
         now = time.perf_counter()
-        # (the finished requests' catch-up is no arm's cost: left out of the cycles' time)
-        self.engine.step_started += now - t_finished
         prev, prev_s = None, 0.0
         if self._cycle_head is not None:
             # the last decision's cycle, in this engine's own time (a caller may run other work
             # between steps): its draft at the end of the last step, then this step up to here;
             # ended once this step's catch-up is timed (below)
-            prev_s = self._cycle_head + now - self.engine.step_started
+            # (the finished requests' catch-up just run is no arm's cost: left out)
+            prev_s = self._cycle_head + t_finished - self.engine.step_started
             prev = self.controller.detach_cycle()
             self._cycle_head = None
         # requests that produced a token this step and decode next step
