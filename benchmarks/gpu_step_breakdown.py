@@ -30,7 +30,10 @@ from specserve import LLM  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 
-def wrap(obj: Any, name: str, label: str, acc: dict[str, list[float]], sync: bool) -> None:
+Wrapped = list[tuple[Any, str]]  # (object, method name) replaced on the instance, to undo afterwards
+
+
+def wrap(obj: Any, name: str, label: str, acc: dict[str, list[float]], sync: bool, wrapped: Wrapped) -> None:
     """Replace obj.name by a version that adds its wall time (ms) to acc[label]."""
     fn: Callable = getattr(obj, name)
 
@@ -43,34 +46,42 @@ def wrap(obj: Any, name: str, label: str, acc: dict[str, list[float]], sync: boo
         return out
 
     setattr(obj, name, timed)
+    wrapped.append((obj, name))
 
 
-def instrument(llm: LLM, sync: bool) -> dict[str, list[float]]:
+def instrument(llm: LLM, sync: bool) -> tuple[dict[str, list[float]], Wrapped]:
+    """Time the engine's phases; returns the times and what to unwrap (``unwrap``) afterwards."""
     eng = llm.engine
     acc: dict[str, list[float]] = collections.defaultdict(list)
-    wrap(eng, "step", "step", acc, sync)
-    wrap(eng.scheduler, "schedule", "schedule", acc, sync)
-    wrap(eng.scheduler, "commit", "commit", acc, sync)
-    wrap(eng, "_output", "output (per request)", acc, sync)
+    wrapped: Wrapped = []
+    wrap(eng, "step", "step", acc, sync, wrapped)
+    wrap(eng.scheduler, "schedule", "schedule", acc, sync, wrapped)
+    wrap(eng.scheduler, "commit", "commit", acc, sync, wrapped)
+    wrap(eng, "_output", "output (per request)", acc, sync, wrapped)
     if eng.drafter is not None:
         d = eng.drafter
-        wrap(d, "verify_step", "forward + verify", acc, sync)
-        wrap(d, "draft_step", "draft_step", acc, sync)
-        wrap(d, "_draft", "draft loop (in draft_step)", acc, sync)
-        wrap(d, "_catch_up", "catch-up (in draft loop)", acc, sync)
-        wrap(d, "_catch_up_finished", "finished requests' catch-up (in draft_step)", acc, sync)
-        wrap(d.controller, "decide", "decide (in draft_step)", acc, sync)
-        wrap(d, "_record", "record (in forward + verify)", acc, sync)
-        wrap(d, "_draft_chain_static", "chain loop (in draft loop)", acc, sync)
+        wrap(d, "verify_step", "forward + verify", acc, sync, wrapped)
+        wrap(d, "draft_step", "draft_step", acc, sync, wrapped)
+        wrap(d, "_draft", "draft loop (in draft_step)", acc, sync, wrapped)
+        wrap(d, "_catch_up", "catch-up (in draft loop)", acc, sync, wrapped)
+        wrap(d, "_catch_up_finished", "finished requests' catch-up (in draft_step)", acc, sync, wrapped)
+        wrap(d.controller, "decide", "decide (in draft_step)", acc, sync, wrapped)
+        wrap(d, "_record", "record (in forward + verify)", acc, sync, wrapped)
+        wrap(d, "_draft_chain_static", "chain loop (in draft loop)", acc, sync, wrapped)
         for name in ("quick_arm", "uniform", "count_off", "finish_cycle", "observe_many", "observe_step"):
-            wrap(d.controller, name, f"controller.{name}", acc, sync)
+            wrap(d.controller, name, f"controller.{name}", acc, sync, wrapped)
     else:
-        wrap(eng.runner, "execute", "forward + sample", acc, sync)
+        wrap(eng.runner, "execute", "forward + sample", acc, sync, wrapped)
     # the runner's parts, in both kinds of engine (inside the phases above)
-    wrap(eng.runner, "prepare", "runner.prepare", acc, sync)
-    wrap(eng.runner, "forward", "runner.forward", acc, sync)
-    wrap(eng.runner, "sample", "runner.sample", acc, sync)
-    return acc
+    wrap(eng.runner, "prepare", "runner.prepare", acc, sync, wrapped)
+    wrap(eng.runner, "forward", "runner.forward", acc, sync, wrapped)
+    wrap(eng.runner, "sample", "runner.sample", acc, sync, wrapped)
+    return acc, wrapped
+
+
+def unwrap(wrapped: Wrapped) -> None:
+    for obj, name in reversed(wrapped):
+        delattr(obj, name)
 
 
 def log_cycles(llm: LLM) -> list[list[float]] | None:
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch = [prompts[i % len(prompts)] for i in range(args.requests_per_c * c)]
         point: dict[str, Any] = {"concurrency": c, "configs": {}}
         for n in names:
-            acc = instrument(engines[n], args.sync)
+            acc, wrapped = instrument(engines[n], args.sync)
             cycles = log_cycles(engines[n]) if args.log_cycles else None
             got = run_batch(engines[n], batch, c, args.output_len)
             if cycles is not None:
@@ -182,17 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             steps = len(acc["step"])
             phases = {k: {"calls": len(v), "ms_total": round(sum(v), 1),
                           "ms_per_step": round(sum(v) / steps, 3)} for k, v in acc.items()}
-            for k in list(vars(engines[n].engine)):  # undo the wrappers (instance attributes)
-                if k in ("step", "_output"):
-                    delattr(engines[n].engine, k)
-            for obj in (engines[n].engine.scheduler, engines[n].engine.runner, engines[n].engine.drafter,
-                        getattr(engines[n].engine.drafter, "controller", None)):
-                for k in ("schedule", "commit", "execute", "verify_step", "draft_step", "_draft", "_catch_up",
-                          "_catch_up_finished", "decide",
-                          "_record", "_draft_chain_static", "quick_arm", "uniform", "count_off", "finish_cycle",
-                          "observe_many", "observe_step"):
-                    if obj is not None and k in vars(obj):
-                        delattr(obj, k)
+            unwrap(wrapped)
             d = engines[n].engine.drafter
             bm = engines[n].engine.blocks.stats
             extra = {"prefix_hits": bm.prefix_hits, "prefix_refused": bm.prefix_refused,  # engine totals so far

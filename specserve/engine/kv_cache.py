@@ -163,6 +163,8 @@ class BlockManager:
 
     def mark_draft_ready(self, block_ids: Sequence[int]) -> None:
         for bid in block_ids:
+            if self.draft_ready[bid]:  # (a catch-up passes a request's every block, mostly ready already)
+                continue
             self.draft_ready[bid] = True
             # a block filled while speculation was off stays the cached copy of its prefix, and
             # drafting requests refuse it; this block holds the same tokens with draft KV: cache it

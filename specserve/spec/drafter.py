@@ -664,6 +664,7 @@ class EagleSpeculator:
             self._cycle_head = time.perf_counter() - now  # measured like any other cycle
             return
         caps = []
+        never = 0  # requests that cannot draft (cached blocks without draft KV)
         for r in candidates:
             cap = self.max_k
             if r.params.max_spec_tokens is not None:
@@ -671,6 +672,7 @@ class EagleSpeculator:
             if r.params.max_tokens is not None:
                 cap = min(cap, r.params.max_tokens - r.num_output_tokens - 1)
             cap = min(cap, self.engine.max_model_len - r.num_tokens - 1)
+            never += r.no_draft_kv
             caps.append(0 if r.no_draft_kv else max(cap, 0))
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
@@ -683,7 +685,6 @@ class EagleSpeculator:
                     behind += r.num_computed_tokens - (st.draft_pos if st is not None else 0)
             ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step(), behind)
             self.controller.observe_decide(time.perf_counter() - t_decide)
-        never = sum(1 for r in candidates if r.no_draft_kv)
         if never:
             self.controller.mixed_batch(ks, never)
         todo: list[tuple[Request, int]] = []
