@@ -392,3 +392,17 @@ def test_an_arm_whose_bound_cannot_reach_the_switching_margin_is_not_explored():
         b2.observe(6, 2, 0.0100, 1.9, 0.0100)
         b2.observe(6, 3, 0.0100, 2.0, 0.0100)
     assert b2.choose(6, priors)[0] == 3
+
+
+def test_one_hiccup_counts_at_most_clip_times_the_arms_measured_time():
+    # a 10x pause of the machine in one cycle: clipped at 3x the arm's measured/predicted ratio, it
+    # moves the arm's time by a tenth instead of by nearly half, and the loss charged to an
+    # exploration that meets it is bounded likewise
+    b = GoodputBandit()
+    fill(b, 6, 0, 0.01, 8.0, 0.01, requests=8, cycles=20)
+    b.observe(6, 0, 0.01, 8.0, 0.10, requests=8)
+    ratio = b.summary()[8][0]["time_ratio"]
+    assert 1.05 < ratio < 1.15, ratio
+    # an arm new to the bucket is held to the bucket's ratio (now ~1.1), times the clip
+    b.observe(6, 1, 0.012, 8.0, 0.5, requests=8)
+    assert b.summary()[8][1]["time_ratio"] <= b.clip * ratio * 1.01

@@ -381,7 +381,7 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     from specserve.spec import drafter as drafter_mod
 
     clock = [0.0]
-    monkeypatch.setattr(drafter_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(drafter_mod, "clock", lambda: clock[0])
     d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
     d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1))
     d.controller.forced_arm = 1

@@ -87,6 +87,39 @@ def test_adaptive_turns_a_useless_head_off(random_head, reference, chat_prompts)
     assert any(0 in arms for arms in snap["measured_goodput"].values())
 
 
+def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_head, chat_prompts):
+    """A full collection over a large heap inside one step: the adaptive controller's cycle that
+    holds it is measured without it (it is the process's pause, not the draft depth's)."""
+    import gc
+
+    from specserve.engine import gc_pauses
+
+    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    ctl, runner = llm.engine.drafter.controller, llm.engine.runner
+    forward, finish_cycle = runner.forward, ctl.finish_cycle
+    calls, paused, timed = [0], [], []
+    heap = [[i] for i in range(2_000_000)]  # what the collection walks
+
+    def slow_forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 6:  # a decode step, well after the prompts' prefill
+            before = gc_pauses.pause_seconds()
+            gc.collect()
+            paused.append(gc_pauses.pause_seconds() - before)
+        return forward(*args, **kwargs)
+
+    def record(cycle, seconds):
+        if paused and len(timed) < len(paused) and cycle is not None:
+            timed.append(seconds)  # the first cycle ended after the pause: the one holding it
+        return finish_cycle(cycle, seconds)
+
+    runner.forward, ctl.finish_cycle = slow_forward, record
+    llm.chat(chat_prompts[:4], SP)
+    del heap
+    assert paused and paused[0] > 0.1, paused
+    assert timed and timed[0] < 0.5 * paused[0], (timed, paused)
+
+
 def test_per_request_cap_disables_speculation(random_head, chat_prompts):
     llm = LLM(speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, speculative_policy="static")
     sp = SamplingParams(temperature=0, max_tokens=8, max_spec_tokens=0)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import EngineConfig
+from specserve.engine import gc_pauses
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.request import Request, Status
 from specserve.engine.runner import ModelRunner, num_kv_blocks_for
@@ -107,7 +108,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or ctx, kv_capacity)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
-        self.step_started = 0.0  # perf_counter at the start of the current step()
+        gc_pauses.install()
+        self.step_started = 0.0  # gc_pauses.clock() at the start of the current step()
         self.stats = EngineStats()
         self.drafter = None
         if config.speculative is not None:
@@ -166,7 +168,7 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.step_started = time.perf_counter()
+        self.step_started = gc_pauses.clock()
         plan = self.scheduler.schedule()  # who runs, how many tokens each (drafts included)
         if self.drafter is not None:
             for req in plan.preempted:

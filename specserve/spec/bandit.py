@@ -121,6 +121,12 @@ class GoodputBandit:
     budget_decay: float = 0.999
     borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
     cap_cycles: float = 4.0  # plain decoding's own cycles before it bounds the drafting arms
+    # a cycle counts at most this x its predicted seconds x the arm's measured/predicted ratio so far
+    # (in its bucket or over all of them, whichever is higher): a hiccup of the machine (a garbage
+    # collection, another process) is not the arm's. Unclipped, one 0.3-s pause in one of plain
+    # decoding's first cycles at 8 requests on a CPU put it at 0.4x a useless depth's goodput, and
+    # the loss charged to that exploration held every later one back: drafting stayed on
+    clip: float = 3.0
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
@@ -286,6 +292,7 @@ class GoodputBandit:
         if seconds <= 0 or predicted <= 0 or requests <= 0:
             return
         arms = self.stats.setdefault(key, {})
+        seconds = min(seconds, self.clip * predicted * self._time_ratio(arms, arm))
         for st in arms.values():
             st.fade(self.decay)
         arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, requests / seconds)
@@ -293,6 +300,21 @@ class GoodputBandit:
             st.fade(self.pool_decay)
         self.pooled.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, tokens / requests)
         self._account(key, arm, tokens, seconds)
+
+    def _time_ratio(self, arms: dict[int, ArmStats], arm: int) -> float:
+        """Measured over predicted seconds so far of ``arm`` in a bucket (``arms``), of the bucket's
+        arms together, and of ``arm`` over every bucket: the highest (host time the profile lacks
+        put single arms at up to 12x on the H200); with none, every arm's anywhere (1.0 before any)."""
+        bucket = [st for st in arms.values() if st.n >= 1]
+        sums = [(st.seconds, st.predicted) for st in (arms.get(arm), self.pooled.get(arm))
+                if st is not None and st.n >= 1]
+        sums.append((sum(st.seconds for st in bucket), sum(st.predicted for st in bucket)))
+        ratios = [sec / pred for sec, pred in sums if pred > 0]
+        if ratios:
+            return max(ratios)
+        sec = sum(st.seconds for st in self.pooled.values())
+        pred = sum(st.predicted for st in self.pooled.values())
+        return sec / pred if pred > 0 else 1.0
 
     def seed(self, key: int, arm: int, predicted: float, seconds: float, requests: int, cycles: float = 2.0) -> None:
         """``cycles`` pseudo-cycles of ``arm`` in bucket ``key`` timed before serving (a start-up

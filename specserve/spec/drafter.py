@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.engine import sampler
+from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.kv_cache import KVSlots
 from specserve.engine.request import Request
@@ -305,7 +305,7 @@ class EagleSpeculator:
                 cu.run([0] * (q * n), p, p, [q] * n, [ctx - K] * n, [rows] * n, feat[: q * n])
                 chain.run([ctx - K] * n, [K] * n, [rows] * n)
 
-        t0 = time.perf_counter()
+        t0 = clock()
         mt = measure(profile_points(max_tokens), target, sync=sync, budget_s=60.0)
         md = measure(profile_points(max_batch), draft_static if static else draft, sync=sync, budget_s=20.0)
         if static:  # seconds per draft step
@@ -322,7 +322,7 @@ class EagleSpeculator:
         for i, (b, n) in enumerate(pairs):
             cost.batch_profiles.setdefault(b, {b: mt.seconds[b]})[n] = mb.seconds[i]
         cost.meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     "seconds": round(time.perf_counter() - t0, 1), "context": ctx,
+                     "seconds": round(clock() - t0, 1), "context": ctx,
                      "rounds": {"target": mt.rounds, "draft": md.rounds, "by_batch": mb.rounds},
                      "rechecked": {"target": mt.rechecked, "draft": md.rechecked},
                      "draft_path": "static (catch-up + chain loop, per step)" if static else "eager head forward",
@@ -452,7 +452,7 @@ class EagleSpeculator:
     # -- target forward + verification ---------------------------------------------------------
     @torch.inference_mode()
     def verify_step(self, plan: StepPlan) -> CommitResult:
-        t0 = time.perf_counter()
+        t0 = clock()
         inputs = self.runner.prepare(plan)
         out = self.runner.forward(inputs)
         hidden, feats = out if isinstance(out, tuple) else (out, out)
@@ -468,7 +468,7 @@ class EagleSpeculator:
                     self._state(s.req).pending.append((feats, off, s.num_new_tokens))
                 off += s.num_new_tokens
             sampling = [s for s in plan.scheduled if s.samples]
-            self._record(plan, sampling, [0] * len(sampling), time.perf_counter() - t0)
+            self._record(plan, sampling, [0] * len(sampling), clock() - t0)
             return result
 
         sampling = [s for s in plan.scheduled if s.samples]
@@ -516,7 +516,7 @@ class EagleSpeculator:
             if not s.req.no_draft_kv:
                 self._state(s.req).pending.append((kept_feats, off, n))
             off += n
-        self._record(plan, sampling, accepted, time.perf_counter() - t0)
+        self._record(plan, sampling, accepted, clock() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
 
     def _verify_all(self, sampling, logits, greedy_argmax: list[int], sb_all) -> list[TreeVerifyResult]:
@@ -635,16 +635,17 @@ class EagleSpeculator:
     @torch.inference_mode()
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         sched = self.engine.scheduler
-        t_finished = time.perf_counter()
+        t_finished = clock()
         if self._finished or self._reuse_lost > 0:
             self._catch_up_finished()  # first: before any block is reserved again
-        now = time.perf_counter()
+        now = clock()
         prev, prev_s = None, 0.0
         if self._cycle_head is not None:
             # the last decision's cycle, in this engine's own time (a caller may run other work
             # between steps): its draft at the end of the last step, then this step up to here;
             # ended once this step's catch-up is timed (below)
-            # (the finished requests' catch-up just run is no arm's cost: left out)
+            # (the finished requests' catch-up just run is no arm's cost: left out; so are the
+            # garbage collector's full collections: clock() is the process's running time)
             prev_s = self._cycle_head + t_finished - self.engine.step_started
             prev = self.controller.detach_cycle()
             self._cycle_head = None
@@ -661,7 +662,7 @@ class EagleSpeculator:
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
             self._drafted_last = False
-            self._cycle_head = time.perf_counter() - now  # measured like any other cycle
+            self._cycle_head = clock() - now  # measured like any other cycle
             return
         caps = []
         never = 0  # requests that cannot draft (cached blocks without draft KV)
@@ -677,14 +678,14 @@ class EagleSpeculator:
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
         else:
-            t_decide = time.perf_counter()
+            t_decide = clock()
             behind = 0
             for r, cap in zip(candidates, caps):
                 st = self.states.get(r.request_id)
                 if cap > 0:
                     behind += r.num_computed_tokens - (st.draft_pos if st is not None else 0)
             ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step(), behind)
-            self.controller.observe_decide(time.perf_counter() - t_decide)
+            self.controller.observe_decide(clock() - t_decide)
         if never:
             self.controller.mixed_batch(ks, never)
         todo: list[tuple[Request, int]] = []
@@ -701,7 +702,7 @@ class EagleSpeculator:
                 pos = self.states[r.request_id].draft_pos
                 caught_up += r.num_computed_tokens - pos
                 prompt_rows += max(min(r.num_computed_tokens, r.num_prompt_tokens) - pos, 0)
-            t0 = time.perf_counter()
+            t0 = clock()
             usual = caught_up <= len(todo) * (self.max_k + 2)  # what a verify commits, no stretch of plain steps
             steady = self._drafted_last and usual
             timed, rows_key, known = False, 0, None
@@ -717,7 +718,7 @@ class EagleSpeculator:
                 else:
                     self._steady_s[rows_key] = catch_up_s if known is None else 0.8 * known + 0.2 * catch_up_s
             if usual:
-                self.controller.observe_draft(len(todo), max(k for _, k in todo), time.perf_counter() - t0)
+                self.controller.observe_draft(len(todo), max(k for _, k in todo), clock() - t0)
             elif not self._drafted_last:  # nor is it what this depth costs per cycle once on
                 self.controller.skip_cycle()
                 self.controller.observe_catch_up(caught_up, catch_up_s)
@@ -735,7 +736,7 @@ class EagleSpeculator:
                 shift = catch_up_s * steady_share(caught_up, prompt_rows)
         self.controller.finish_cycle(prev, prev_s + shift)
         self._drafted_last = bool(todo)
-        self._cycle_head = time.perf_counter() - now - shift
+        self._cycle_head = clock() - now - shift
 
     def _prefill_tokens_next_step(self) -> int:
         """Prompt tokens the next step will also carry: running prefills, and waiting requests for
@@ -790,7 +791,7 @@ class EagleSpeculator:
         """Draft for ``todo``; returns the seconds its catch-up took (with ``time_catch_up``, to the
         end of its device work: draft_step moves that time to the last cycle)."""
         reqs = [r for r, _ in todo]
-        t0 = time.perf_counter()
+        t0 = clock()
         marks = None
         if time_catch_up:
             # timed on the device with events, read once the drafts are back (that wait is needed
@@ -804,7 +805,7 @@ class EagleSpeculator:
         h = self._catch_up(reqs)
         if marks is not None:
             marks[1].record()
-        catch_up_s = time.perf_counter() - t0
+        catch_up_s = clock() - t0
         if self.topk > 1:
             self._draft_tree(todo, h)
         elif self.chain_runner is not None and all(r.params.greedy for r in reqs):
