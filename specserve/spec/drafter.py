@@ -862,9 +862,11 @@ class EagleSpeculator:
         bs = self.engine.config.block_size
         for r in reqs:
             st = self.states[r.request_id]
+            # the blocks this catch-up filled (those before were marked by the last one, or came
+            # from the prefix cache with draft KV: a request whose cached blocks lack it never drafts)
+            self.engine.blocks.mark_draft_ready(r.kv.block_table[st.draft_pos // bs : r.num_computed_tokens // bs])
             st.draft_pos = r.num_computed_tokens
             st.pending = []
-            self.engine.blocks.mark_draft_ready(r.kv.block_table[: st.draft_pos // bs])
         return h
 
     def _catch_up_in_chunks(self, cu: CatchUpRunner, reqs: list[Request], q_lens: list[int], positions: list[int],
