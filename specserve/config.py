@@ -143,6 +143,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # True: no CUDA graphs
+    # CUDA graphs for steps of up to this many tokens (larger steps run eagerly); None: the whole
+    # step budget (max_num_batched_tokens). The drafter raises it to cover every verify it may ask for
+    max_cudagraph_capture_size: int | None = None
     cpu_weight_packing: bool = True  # CPU: linear weights pre-packed for oneDNN (flat cost in tokens per step)
 
     def __post_init__(self) -> None:
@@ -154,10 +157,17 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def graph_token_limit(self) -> int:
+        """The largest step (in tokens) that replays a CUDA graph."""
+        return min(self.max_cudagraph_capture_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

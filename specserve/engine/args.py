@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton paged attention on CUDA, torch-native on CPU")
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="CUDA graphs for steps of up to this many tokens (default: --max-num-batched-tokens)")
     g.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                    help="CPU: plain F.linear instead of oneDNN-packed weights")
     s = parser.add_argument_group("speculative decoding (named like SGLang's flags)")
@@ -47,6 +49,7 @@ ENGINE_FIELDS = (
     "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
     "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
+    "max_cudagraph_capture_size",
 )
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",

@@ -4,7 +4,8 @@ It owns the target model, its paged KV cache and the attention backend. Host lis
 device tensors once per step; the only device->host copy is the sampled/verified tokens.
 
 On CUDA the default is the Triton paged-attention backend with CUDA graphs of the forward for
-padded token counts up to 512 (``--enforce-eager`` turns graphs off); on the CPU the
+padded token counts up to the step budget (``--max-cudagraph-capture-size`` lowers that,
+``--enforce-eager`` turns graphs off); on the CPU the
 torch-native backend.
 """
 
@@ -116,7 +117,7 @@ class ModelRunner:
             if device.type == "cuda" and not config.enforce_eager:
                 from specserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 
-                self.graphs = CUDAGraphRunner(model, self.attn, capture_sizes(config.max_num_batched_tokens), device)
+                self.graphs = CUDAGraphRunner(model, self.attn, capture_sizes(config.graph_token_limit), device)
         else:
             self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks, bs, mc.num_key_value_heads,
                                                mc.head_dim, dtype, device)
@@ -131,7 +132,7 @@ class ModelRunner:
         """Make steps of up to ``num_tokens`` tokens (within the step budget) replay a graph: the
         drafter asks for max_num_seqs x (1 + most drafts), so no verify shape runs eagerly.
         Call before capture."""
-        from specserve.engine.cuda_graph import MAX_CAPTURE_TOKENS, CUDAGraphRunner, capture_sizes
+        from specserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 
         if self.graphs is None:
             return
@@ -139,7 +140,7 @@ class ModelRunner:
         if n <= self.graphs.max_size:
             return
         assert not self.graphs.graphs, "ensure_graph_tokens() must run before capture"
-        self.graphs = CUDAGraphRunner(self.model, self.attn, capture_sizes(n, cap=max(n, MAX_CAPTURE_TOKENS)),
+        self.graphs = CUDAGraphRunner(self.model, self.attn, capture_sizes(n),
                                       self.device)
         log.info("CUDA graphs extended to steps of up to %d tokens", self.graphs.max_size)
 

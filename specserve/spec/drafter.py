@@ -376,8 +376,10 @@ class EagleSpeculator:
             cu_attn = TritonBackend(caches, bs, scale, num_heads=hc.num_attention_heads,
                                     max_num_tokens=e.config.max_num_batched_tokens, max_num_seqs=max_batch,
                                     max_blocks_per_seq=max_blocks, scratch_slot=self.scratch_slot)
-            # after a verify a request catches up over its accepted drafts + 1 (more after k = 0 steps)
-            cu_sizes = capture_sizes(min(e.config.max_num_batched_tokens, max_batch * (self.max_k + 1))) if graphs else []
+            # after a verify a request catches up over its accepted drafts + 1; after a stretch of
+            # plain decoding over every step of it, in chunks of up to a step's budget: both replay
+            cu_sizes = capture_sizes(max(e.config.graph_token_limit, min(e.config.max_num_batched_tokens,
+                                                                          max_batch * (self.max_k + 1)))) if graphs else []
             self.catch_up_runner = CatchUpRunner(self.head, self.target.embed_tokens, cu_attn, self.chain_runner.h0,
                                                  cu_sizes, dev, e.dtype)
         if graphs:
