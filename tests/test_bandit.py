@@ -304,19 +304,23 @@ def test_calibration_seeds_rank_the_arms_from_the_first_decision_without_warm_up
     assert [a for a, _ in late[-50:]].count(3) >= 40
 
 
-def test_plain_decoding_measured_low_early_is_measured_again():
+def test_plain_decoding_measured_low_early_costs_little():
     # a bucket of 32 requests (a CPU at the top of a ramp): calibration seeds every depth; plain
     # decoding is truly 1 % better than depth 1 and depths 2-3 are 8 % and 14 % worse, but of its
-    # first two cycles, taken as the bucket came into use, one took 2.3x as long (a prompt the cost
-    # model under-predicted). Explorations by the highest upper bound alone went to depths 2 and 3
-    # (their tokens spread more): in 3 of these 4 runs plain decoding was not tried again in 150
-    # decisions and kept an estimate 0.85x depth 1's
+    # first two served cycles one took 2.3x as long (a prompt the cost model under-predicted).
+    # Served cycles displace the seeds, so that outlier is half of what plain decoding has, and its
+    # upper bound stays short of depth 1's: it is not tried again in these 150 decisions. (Kept
+    # beside the seeds, which guessed it optimistically here, it was; at 256 requests on the H200
+    # they guessed it pessimistically and kept it out for good, at 0.83x its throughput: see
+    # test_plain_decoding_is_served_where_start_up_seeds_put_a_depth_ahead.) What that costs: the
+    # 1 % plain decoding was worth, and the explorations
     from specserve.spec.bandit import ArmStats
 
     B, key = 32, batch_key(32)
     tpr = {0: 1.0, 1: 1.56, 2: 1.89, 3: 2.10}
     true_s = {0: 0.333, 1: 0.525, 2: 0.684, 3: 0.813}  # goodput 96.1, 95.1, 88.4, 82.6 tok/s
     priors = {a: (B * tpr[a], s) for a, s in {0: 0.255, 1: 0.437, 2: 0.591, 3: 0.795}.items()}
+    ratios = []
     for seed in range(4):
         rng = np.random.default_rng(seed)
         b = GoodputBandit()
@@ -327,15 +331,17 @@ def test_plain_decoding_measured_low_early_is_measured_again():
                 b.pooled.setdefault(a, ArmStats()).add(B * tpr[a], 1.0, 1.0, B, tpr[a] * rng.lognormal(0, 0.2))
         b.observe(key, 0, priors[0][1], B, 0.333, B)
         b.observe(key, 0, priors[0][1], B, 0.333 * 2.3, B)
-        plain = 0
+        tokens_sum = seconds_sum = 0.0
         for _ in range(150):  # a 60-s level at C = 32
             arm, _ = b.choose(key, priors, B)
             tokens = B * tpr[arm] * (rng.lognormal(0, 0.05) if arm else 1.0)
-            b.observe(key, arm, priors[arm][1], tokens, true_s[arm] * rng.lognormal(0, 0.1), B)
-            plain += arm == 0
-        est = b.estimates(key, priors, B)
-        assert plain >= 4, (seed, plain)
-        assert est[0][0] > 0.92 * est[1][0], (seed, est)
+            seconds = true_s[arm] * rng.lognormal(0, 0.1)
+            b.observe(key, arm, priors[arm][1], tokens, seconds, B)
+            tokens_sum += tokens
+            seconds_sum += seconds
+        ratios.append(tokens_sum / seconds_sum / (B / true_s[0]))
+        assert ratios[-1] > 0.95, (seed, ratios)
+    assert np.mean(ratios) > 0.97, ratios
 
 
 def test_an_exploration_out_of_plain_decoding_waits_until_its_catch_up_fits_the_budget():
@@ -406,3 +412,32 @@ def test_one_hiccup_counts_at_most_clip_times_the_arms_measured_time():
     # an arm new to the bucket is held to the bucket's ratio (now ~1.1), times the clip
     b.observe(6, 1, 0.012, 8.0, 0.5, requests=8)
     assert b.summary()[8][1]["time_ratio"] <= b.clip * ratio * 1.01
+
+
+def test_plain_decoding_is_served_where_start_up_seeds_put_a_depth_ahead():
+    # 256 requests on the H200: the start-up seeds (scratch requests, short prompts) timed plain
+    # decoding at 8.1 ms and depth 5 at 14.5 ms a cycle, so depth 5 (2.3 tokens per request) looked
+    # ~30 % better; served, plain decoding takes 5.5 ms and depth 5 13.5 ms: plain decoding is
+    # ~7 % better. With seeds counted as measured cycles, plain decoding was never served there
+    # and the engine made 0.83x of plain decoding's throughput
+    from specserve.spec.bandit import ArmStats
+
+    B, key = 256, batch_key(256)
+    tpr = {0: 1.0, 5: 2.3}
+    priors = {0: (B * 1.0, 0.0018), 5: (B * 2.3, 0.0042)}
+    seeds = {0: 0.0081, 5: 0.0145}
+    truth = {0: 0.0055, 5: 0.0135}
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        b = GoodputBandit()
+        for a, (_, s) in priors.items():
+            b.seed(key, a, s, seeds[a], B)
+        for _ in range(100):  # acceptance measured in smaller buckets
+            b.pooled.setdefault(5, ArmStats()).add(B * 2.3, 1.0, 1.0, B, 2.3 * rng.lognormal(0, 0.1))
+        choices = []
+        for _ in range(200):
+            arm, _ = b.choose(key, priors, B)
+            b.observe(key, arm, priors[arm][1], B * tpr[arm], truth[arm] * rng.lognormal(0, 0.05), B)
+            choices.append(arm)
+        assert 0 in choices[:20], (seed, choices[:20])
+        assert choices[-50:].count(0) >= 45, (seed, choices[-50:])
