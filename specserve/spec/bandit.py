@@ -155,6 +155,7 @@ class GoodputBandit:
     budget_decay: float = 0.999
     borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
     cap_cycles: float = 4.0  # plain decoding's own cycles before it bounds the drafting arms
+    switch_horizon: float = 64.0  # cycles in which turning drafting on must repay its catch-up
     # a cycle counts at most this x its predicted seconds x the arm's measured/predicted ratio so far
     # (in its bucket or over all of them, whichever is higher): a hiccup of the machine (a garbage
     # collection, another process) is not the arm's. Unclipped, one 0.3-s pause in one of plain
@@ -244,7 +245,14 @@ class GoodputBandit:
             # the noise band only once the current arm has cycles of its own: a pick made on the
             # prior alone is left as soon as the prior (or a measurement) says otherwise
             band = self.band * math.hypot(sb, sc) if cur_st is not None and cur_st.n >= 2 else 0.0
-            if gb - gc < max(self.margin * gc, band):
+            need = max(self.margin * gc, band)
+            if cur == min(est) and switch_s > 0 and gc > 0:
+                # drafting again first catches every request's draft KV up over the plain steps:
+                # the gain must repay that within ``switch_horizon`` cycles (plain decoding's take
+                # batch / gc seconds). Without this, at 256 requests on the H200 depths measured
+                # level with plain decoding were switched to and back 23 times in 500 steps
+                need = max(need, gc * gc * switch_s / (self.switch_horizon * batch))
+            if gb - gc < need:
                 best = cur
         self.chosen[key] = best
         self._best_goodput[key] = est[best][0]
