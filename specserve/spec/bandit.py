@@ -26,8 +26,12 @@ decoding has a few cycles in a bucket, a depth's goodput is bounded by plain dec
 depth's tokens per request: a drafting cycle does all a plain one does, and more.
 
 Choice: the arm with the best goodput, kept unless another is better by ``margin`` and by ``band``
-standard errors of the difference (hysteresis). Exploration: every ``explore_every`` decisions of a
-bucket, plain decoding or a neighbour of the chosen arm if measured less than ``min_cycles``, else
+standard errors of the difference (hysteresis), and out of plain decoding by enough to repay the
+catch-up that turning drafting on starts with (the caller's prediction) within ``switch_horizon``
+cycles. Start-up seeds (``seed``) stand in for an arm's time until served cycles displace them, and
+plain decoding counts as measured by its served cycles only. A cycle counts at most ``clip`` x its
+expected time (a pause of the machine is not the arm's). Exploration: every ``explore_every``
+decisions of a bucket, plain decoding or a neighbour of the chosen arm if measured less than ``min_cycles``, else
 the arm with the highest upper bound (``z`` standard errors) if that bound beats the chosen arm,
 runs for two cycles (the first may pay a one-off switch, which the caller leaves out of the arm's
 measurement but charges to exploration); an arm clearly worse stops being tried. A new bucket's
@@ -290,10 +294,10 @@ class GoodputBandit:
             # plain decoding and the chosen arm's neighbours are measured whatever the prior says:
             # plain decoding is what speculation must never fall below, and a profile of the wrong
             # shape (taken eagerly where steps replay graphs) can put any arm far off
-            # (plain decoding by its served cycles: see the warm-up above)
-            must = [a for a in others if (served(arms.get(a)) if a == min(est) else
-                                          (arms[a].n if a in arms else 0.0)) < self.min_cycles
-                    and (a == min(est) or abs(a - best) == 1)]
+            def measured(a: int) -> float:  # plain decoding by its served cycles (see the warm-up above)
+                return served(arms.get(a)) if a == min(est) else (arms[a].n if a in arms else 0.0)
+
+            must = [a for a in others if (a == min(est) or abs(a - best) == 1) and measured(a) < self.min_cycles]
             alt = None
             if must:
                 alt = min(must, key=lambda a: arms[a].n if a in arms else 0.0)
