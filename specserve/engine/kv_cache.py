@@ -163,7 +163,7 @@ class BlockManager:
 
     def mark_draft_ready(self, block_ids: Sequence[int]) -> None:
         for bid in block_ids:
-            if self.draft_ready[bid]:  # (a catch-up passes a request's every block, mostly ready already)
+            if self.draft_ready[bid]:  # already marked (and its cached entry settled then)
                 continue
             self.draft_ready[bid] = True
             # a block filled while speculation was off stays the cached copy of its prefix, and
