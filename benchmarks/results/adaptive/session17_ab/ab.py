@@ -69,12 +69,12 @@ def main() -> None:
         points.append(p)
         print(f"C={C}: " + " | ".join(f"{n} {cf[n]['tok_s']:.1f}" + (f" k{cf[n]['mean_k']:.2f}" if cf[n].get('mean_k') is not None else "")
                                      for n in cf) + " | ratios " + json.dumps({k: round(v, 3) for k, v in p["ratios"].items()}), flush=True)
-    out = {"benchmark": "adaptive_counterfactual_ab", **run_metadata(), "command": "python " + " ".join(sys.argv),
-           "settings": vars(args), "points": points,
-           "controllers": {n: llms[n].engine.drafter.controller.snapshot() for n in ("adaptive", "adaptive_own")}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
-    with open(args.output_file, "w") as f:
-        json.dump(out, f, indent=1, default=str)
+        out = {"benchmark": "adaptive_counterfactual_ab", **run_metadata(), "command": "python " + " ".join(sys.argv),
+               "settings": vars(args), "points": points,
+               "controllers": {n: llms[n].engine.drafter.controller.snapshot() for n in ("adaptive", "adaptive_own")}}
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
+        with open(args.output_file, "w") as f:  # after every point: a run cut short keeps what it measured
+            json.dump(out, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
