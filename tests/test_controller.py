@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.controller import (AcceptanceStats, SpecController, arm_depths, arm_priors,
-                                       counterfactual_tokens, extension)
+from specserve.spec.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
 from specserve.spec.cost_model import CostModel, Curve
 
 
@@ -120,44 +119,6 @@ def test_acceptance_stats_are_conditional():
 class R:
     def __init__(self, rid):
         self.request_id = rid
-
-
-def test_one_verify_says_what_every_depth_would_have_committed():
-    # three requests drafted 3 tokens and accepted 0, 1 and 3 of them; a fourth drafted 1 (its cap)
-    # and accepted it. Depths 1-3 are read off exactly: 1 + min(accepted, depth)
-    depths = np.array([[d, d, d, min(d, 1)] for d in (1, 2, 3, 4)])
-    tokens, reached = counterfactual_tokens(depths, np.array([3, 3, 3, 1]), np.array([0, 1, 3, 1]), K=4)
-    assert np.allclose(tokens, [1 + 2 + 2 + 2, 1 + 2 + 3 + 2, 1 + 2 + 4 + 2, 1 + 2 + 4 + 2])
-    # depth 4, past the three drafted: only the request that accepted all three could go on (priced
-    # later by the acceptance model); the capped one stays at its cap
-    assert reached.tolist() == [[0] * 5, [0] * 5, [0] * 5, [0, 0, 0, 1, 0]]
-    # what going on is worth: a request that drafted one and accepted it, two positions further:
-    # r2 + r2 r3; its uncertainty grows with the positions priced and shrinks as they are drafted
-    ext, var = extension([0.6, 0.5, 0.4, 0.5], drafted=[100, 50, 10, 0])
-    assert np.isclose(ext[1][3], 0.5 + 0.5 * 0.4) and ext[3][1] == 0.0
-    assert np.isclose(var[1][2], 0.25 / (50 + 8))
-    assert var[1][3] > var[1][2] and var[3][4] > var[2][3] > var[1][2]
-    _, var_more = extension([0.6, 0.5, 0.4, 0.5], drafted=[100, 500, 10, 0])
-    assert var_more[1][2] < var[1][2] / 5
-
-
-def test_every_depth_learns_its_tokens_from_the_depth_that_runs():
-    # a controller at depth 3 for one request, the head accepting a fixed pattern: depths 1 and 2,
-    # never run, get the tokens they would have committed in the bandit's pooled tokens per request
-    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
-    reqs = [R("a")]
-    pattern = [0, 1, 2, 3]
-    for i in range(40):
-        ks = ctl.uniform(reqs, 3, [3])
-        ctl.observe_step(4, 1, 0.02)
-        ctl.observe("a", ks[0], pattern[i % 4])
-        ctl.end_cycle(0.03)
-    pooled = ctl.bandit.pooled
-    tpr = {a: pooled[a].tokens / pooled[a].requests for a in (1, 2, 3)}
-    # (decayed sums: the last cycles weigh a little more)
-    assert np.isclose(tpr[3], 1 + 1.5, rtol=0.01) and np.isclose(tpr[2], 1 + (0 + 1 + 2 + 2) / 4, rtol=0.01)
-    assert np.isclose(tpr[1], 1 + 3 / 4, rtol=0.01)
-    assert set(ctl.bandit.stats[0]) == {3}  # the time is still only the arm's own
 
 
 def test_threshold_policy_with_hysteresis():

@@ -11,12 +11,7 @@ batch-size bucket. An arm's goodput is the tokens a request commits per cycle at
 the requests per second its cycles serve. The first is pooled over every bucket (acceptance is a
 property of the head and the text, not of the batch size, and one request's accepted count is
 the noisiest part of a cycle: at 4 requests its spread is ~25 % of the tokens, the time's ~5-10 %),
-and over every drafting cycle whatever its depth: a chain's verify says what each shallower depth
-would have committed, exactly, and a deeper one by the acceptance model past what was drafted (the
-caller's ``alt``). Measured on its own cycles only, a depth tried in a few explorations kept a
-spread of ~15 % at one request (one accept count per cycle), wider than the gaps between depths:
-it was chosen or left by luck. The acceptance model's expectation is a prior worth
-``prior_requests`` requests; the second
+with the acceptance model's expectation as a prior worth ``prior_requests`` requests; the second
 is this bucket's decayed sums, with the cost model's prediction as a prior worth (time spread /
 ``prior_cv``)^2 cycles: it decides only until the arm has a few cycles of its own.
 
@@ -53,7 +48,6 @@ that drifts is followed. Pure numbers: no clock, no tensors.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -75,9 +69,6 @@ class ArmStats:
     requests: float = 0.0  # request-cycles
     x: float = 0.0  # per-cycle value whose spread matters (see add), and its square
     x2: float = 0.0
-    # (pooled tokens) requests whose tokens past what they drafted the acceptance model must price, by
-    # the k they drafted (controller.counterfactual_tokens)
-    reached: list[float] = field(default_factory=list)
     # of the above, what calibration pseudo-cycles (no tokens) put in: each served cycle displaces one
     seed_n: float = 0.0
     seed_seconds: float = 0.0
@@ -92,7 +83,6 @@ class ArmStats:
         self.requests *= f
         self.x *= f
         self.x2 *= f
-        self.reached = [r * f for r in self.reached]
         self.seed_n *= f
         self.seed_seconds *= f
         self.seed_predicted *= f
@@ -177,13 +167,7 @@ class GoodputBandit:
     # the loss charged to that exploration held every later one back: drafting stayed on
     clip: float = 3.0
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
-    # arm -> committed tokens and requests over every bucket (the cycles' own, and what the arm would
-    # have committed in other arms' cycles)
-    pooled: dict[int, ArmStats] = field(default_factory=dict)
-    # [k][d]: tokens a request that accepted all k it drafted would add at depth d, and that
-    # estimate's variance (the caller's acceptance model, controller.extension): prices the pooled
-    # requests that drafted less than an arm
-    extend: tuple[list[list[float]], list[list[float]]] | None = None
+    pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
     elapsed: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of its cycles (decayed)
     _best_goodput: dict[int, float] = field(default_factory=dict)  # bucket -> the chosen arm's, when chosen
@@ -225,8 +209,7 @@ class GoodputBandit:
             pool = self.pooled.get(arm) or ArmStats()
             # tokens per request: measured in every bucket, the acceptance model's worth
             # ``prior_requests`` requests
-            tpr = ((pool.tokens + self._extended(pool.reached, arm) + self.prior_requests * tokens / batch)
-                   / (pool.requests + self.prior_requests))
+            tpr = (pool.tokens + self.prior_requests * tokens / batch) / (pool.requests + self.prior_requests)
             cv_tok = pool.cv(self.default_cv) if arm else 0.0  # plain decoding: exactly one token
             cv = st.cv(self.default_time_cv)
             # the time prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
@@ -243,9 +226,9 @@ class GoodputBandit:
             g = rate * tpr
             if arm and cap_on and 0 in out and g > out[0][0] * tpr:
                 bound = out[0][0] * tpr
-                out[arm] = (bound, bound * self._token_se(pool, arm, cv_tok, tpr))
+                out[arm] = (bound, bound * cv_tok / math.sqrt(pool.n + 1))
                 continue
-            out[arm] = (g, g * math.sqrt(cv**2 / (st.n + w) + self._token_se(pool, arm, cv_tok, tpr) ** 2))
+            out[arm] = (g, g * math.sqrt(cv**2 / (st.n + w) + cv_tok**2 / (pool.n + 1)))
         return out
 
     def choose(self, key: int, priors: dict[int, Prior], batch: int = 1, switch_s: float = 0.0) -> tuple[int, bool]:
@@ -353,10 +336,9 @@ class GoodputBandit:
         return visit % self.explore_every == self.explore_every - 1
 
     def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float,
-                requests: int = 1, alt: dict[int, float] | None = None) -> None:
+                requests: int = 1) -> None:
         """A cycle of ``arm`` for ``requests`` requests: its predicted and measured seconds, the
-        tokens it committed; ``alt``: the tokens other arms would have committed in it (a chain's
-        verify says so for every depth: controller.counterfactual_tokens), pooled like its own."""
+        tokens it committed."""
         if seconds <= 0 or predicted <= 0 or requests <= 0:
             return
         arms = self.stats.setdefault(key, {})
@@ -366,51 +348,22 @@ class GoodputBandit:
         arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, requests / seconds)
         for st in self.pooled.values():
             st.fade(self.pool_decay)
-        entries = dict(alt or {})
-        entries.setdefault(arm, (tokens, []))
-        for a, (t, reached) in entries.items():
-            pool = self.pooled.setdefault(a, ArmStats())
-            pool.add(t, 0.0, 0.0, requests, (t + self._extended(reached, a)) / requests)
-            if any(reached):
-                pool.reached = [x + y for x, y in itertools.zip_longest(pool.reached, reached, fillvalue=0.0)]
+        self.pooled.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, tokens / requests)
         self._account(key, arm, tokens, seconds)
-
-    def _extended(self, reached: list[float], arm: int) -> float:
-        """What ``reached`` requests (by the k they drafted, all accepted) add at depth ``arm``."""
-        if self.extend is None or not any(reached):
-            return 0.0
-        ext = self.extend[0]
-        return sum(r * ext[k][arm] for k, r in enumerate(reached) if r and k < len(ext) and arm < len(ext[k]))
-
-    def _token_se(self, pool: ArmStats, arm: int, cv: float, tpr: float) -> float:
-        """Relative standard error of an arm's pooled tokens per request: their spread over the pooled
-        cycles, and the acceptance model's uncertainty over the positions it priced (learnt only
-        where they are drafted: after many cycles of depth 1, depth 2's second position rests on the
-        few explorations that drafted it)."""
-        var = cv**2 / (pool.n + 1)
-        if self.extend is not None and any(pool.reached) and pool.requests > 0 and tpr > 0:
-            sd = self.extend[1]
-            share = sum(r * math.sqrt(sd[k][arm]) for k, r in enumerate(pool.reached)
-                        if r and k < len(sd) and arm < len(sd[k]))
-            var += (share / pool.requests / tpr) ** 2
-        return math.sqrt(var)
 
     def _time_ratio(self, arms: dict[int, ArmStats], arm: int) -> float:
         """Measured over predicted seconds so far of ``arm`` in a bucket (``arms``), of the bucket's
         arms together, and of ``arm`` over every bucket: the highest (host time the profile lacks
         put single arms at up to 12x on the H200); with none, every arm's anywhere (1.0 before any)."""
         bucket = [st for st in arms.values() if st.n >= 1]
-        everywhere = [b[arm] for b in self.stats.values() if arm in b]
-        sums = [(st.seconds, st.predicted) for st in (arms.get(arm),) if st is not None and st.n >= 1]
-        if sum(st.n for st in everywhere) >= 1:
-            sums.append((sum(st.seconds for st in everywhere), sum(st.predicted for st in everywhere)))
+        sums = [(st.seconds, st.predicted) for st in (arms.get(arm), self.pooled.get(arm))
+                if st is not None and st.n >= 1]
         sums.append((sum(st.seconds for st in bucket), sum(st.predicted for st in bucket)))
         ratios = [sec / pred for sec, pred in sums if pred > 0]
         if ratios:
             return max(ratios)
-        every = [st for b in self.stats.values() for st in b.values()]
-        sec = sum(st.seconds for st in every)
-        pred = sum(st.predicted for st in every)
+        sec = sum(st.seconds for st in self.pooled.values())
+        pred = sum(st.predicted for st in self.pooled.values())
         return sec / pred if pred > 0 else 1.0
 
     def seed(self, key: int, arm: int, predicted: float, seconds: float, requests: int, cycles: float = 2.0) -> None:

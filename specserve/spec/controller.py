@@ -147,62 +147,12 @@ class Cycle:
     key: int
     arm: int
     draft_predicted: float  # seconds of the drafting it starts, by the reference cost model
-    # whose committed tokens count (-> place in the decision); None: counted already (plain decode)
-    request_ids: dict[str, int] | None
+    request_ids: set[str] | None  # whose committed tokens count; None: counted already (plain decode)
     target_predicted: float | None = None  # of the verify step that ran, once it ran (its real size)
     tokens: int = 0
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
     requests: int = 0  # in the decision
     prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
-    # chains: each request's depth had another arm been chosen ([arms, requests], in decision order),
-    # and the tokens the cycle's verify says each arm would have committed (see counterfactual_tokens)
-    alt_arms: list[int] | None = None
-    alt_depths: np.ndarray | None = None
-    alt_tokens: np.ndarray | None = None
-    alt_reached: np.ndarray | None = None
-
-
-def counterfactual_tokens(depths: np.ndarray, drafted: np.ndarray, accepted: np.ndarray,
-                          K: int) -> tuple[np.ndarray, np.ndarray]:
-    """What each arm would have committed in a cycle, from the verify of the ``drafted`` tokens each
-    request ran, ``accepted`` of them; ``depths`` [arms, B]: each request's depth under each arm.
-    A chain drafts the same tokens whatever its length, and a verify accepts a prefix: at a depth
-    d <= drafted a request commits 1 + min(accepted, d), exactly (greedy and sampled verification
-    alike: position j's test does not depend on the positions after it). Deeper than drafted, one
-    that rejected a token would have stopped there, and one that accepted all k it drafted commits
-    1 + k and what the positions past k are worth, which only the acceptance model can say: those
-    are counted by k (``extension`` prices them when the arms are weighed, at the rates of then).
-    Returns (tokens [arms], such requests [arms, K + 1] by k)."""
-    # (depths <= K and accepted <= drafted <= K: what a decision and a verify give)
-    tokens = np.minimum(accepted, depths).sum(axis=1) + depths.shape[1]
-    go_on = (depths > drafted) & (accepted == drafted)  # [arms, B]
-    reached = np.zeros((depths.shape[0], K + 1))
-    if go_on.any():
-        reached = (go_on[:, :, None] & (drafted[:, None] == np.arange(K + 1))[None, :, :]).sum(axis=1)
-    return tokens.astype(float), reached.astype(float)
-
-
-def extension(rates: list[float], drafted: list[float] | None = None,
-              strengths: tuple[float, float] = (2.0, 8.0)) -> tuple[list[list[float]], list[list[float]]]:
-    """[k][d]: tokens a request that accepted all k it drafted adds at depth d > k, by the conditional
-    ``rates`` (sum over j in k+1..d of the product of rates k+1..j; 0 where d <= k), and the variance
-    of that estimate, by the times each position was ``drafted`` (plus ``strengths``: the
-    pseudo-observations AcceptanceStats.rates shrinks the first and later positions by): each rate
-    binomial, their errors carried to the sum to first order."""
-    K = len(rates)
-    r = np.asarray(rates, dtype=float)
-    P = np.concatenate([[1.0], np.cumprod(r)])  # P[j]: all of 1..j accepted
-    S = np.concatenate([[0.0], np.cumsum(P[1:])])  # S[j]: expected accepted among 1..j
-    kk, dd = np.meshgrid(np.arange(K + 1), np.arange(K + 1), indexing="ij")
-    ext = np.where(dd > kk, (S[dd] - S[kk]) / np.maximum(P[kk], 1e-12), 0.0)
-    n = np.asarray(drafted if drafted is not None else [0.0] * K, dtype=float)
-    n = n + np.where(np.arange(K) == 0, strengths[0], strengths[1])
-    var_r = r * (1 - r) / n  # of rate m (0-based m: position m + 1)
-    # d ext[k][d] / d r_m = (ext[k][d] - ext[k][m - 1]) / r_m for k < m <= d: [m, k, d], m = 1..K
-    m = np.arange(1, K + 1)[:, None, None]
-    grad = (ext[None, :, :] - ext[:, :K].T[:, :, None]) / np.maximum(r, 1e-12)[:, None, None]
-    var = ((kk[None] < m) & (dd[None] >= m)) * grad**2 * var_r[:, None, None]
-    return ext.tolist(), var.sum(axis=0).tolist()
 
 
 @dataclass
@@ -254,7 +204,6 @@ class SpecController:
         c = self._cycle
         if c is not None and c.request_ids is not None and request_id in c.request_ids:
             c.tokens += accepted + 1
-            self._counterfactual(c, [c.request_ids[request_id]], [k], [accepted])
         if k == 0:
             return
         self.overall.observe(k, accepted, decay=0.999)
@@ -266,11 +215,7 @@ class SpecController:
         (as per request, 0.999 each) instead of once per request, a per-request cost at 256 requests."""
         c = self._cycle
         if c is not None and c.request_ids is not None:
-            idx = c.request_ids
-            mine = [(idx[rid], k, a) for rid, k, a in zip(request_ids, ks, accepted) if rid in idx]
-            c.tokens += sum(a + 1 for _, _, a in mine)
-            if mine:
-                self._counterfactual(c, *zip(*mine))
+            c.tokens += sum(a + 1 for rid, a in zip(request_ids, accepted) if rid in c.request_ids)
         ov = self.overall
         K = len(ov.drafted)
         dr, ac = [0.0] * K, [0.0] * K
@@ -291,18 +236,6 @@ class SpecController:
             f = 0.999**n
             ov.drafted = [x * f + d for x, d in zip(ov.drafted, dr)]
             ov.accepted = [x * f + d for x, d in zip(ov.accepted, ac)]
-
-    def _counterfactual(self, c: Cycle, places, ks, accepted) -> None:
-        """Add to the cycle's tokens per arm what these requests (at ``places`` in its decision) would
-        have committed under each arm, given the tokens they drafted and accepted."""
-        if c.alt_depths is None:
-            return
-        tokens, reached = counterfactual_tokens(c.alt_depths[:, list(places)], np.asarray(ks),
-                                                np.asarray(accepted), self.cfg.num_steps)
-        if c.alt_tokens is None:
-            c.alt_tokens, c.alt_reached = tokens, reached
-        else:
-            c.alt_tokens, c.alt_reached = c.alt_tokens + tokens, c.alt_reached + reached
 
     @property
     def cycle_open(self) -> bool:
@@ -383,11 +316,7 @@ class SpecController:
             ks = [min(arm, c) for c in caps]
         key = self._quick_key
         self._cycle = Cycle(key, arm, self._draft_predicted.get((key, arm), 0.0),
-                            {r.request_id: i for i, r in enumerate(requests)}, requests=len(requests))
-        if arm and self.cfg.is_chain:
-            alt = np.arange(1, self.cfg.num_steps + 1)
-            self._cycle.alt_arms = alt.tolist()
-            self._cycle.alt_depths = np.minimum(alt[:, None], np.asarray(caps, dtype=np.int64)[None, :])
+                            {r.request_id for r in requests}, requests=len(requests))
         self._count(requests, ks, False)
         return ks
 
@@ -416,11 +345,8 @@ class SpecController:
         if not measured:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
         elif c.target_predicted is not None:
-            alt = None
-            if c.alt_tokens is not None and c.alt_arms is not None and c.alt_reached is not None:
-                alt = {a: (t, r) for a, t, r in zip(c.alt_arms, c.alt_tokens.tolist(), c.alt_reached.tolist())}
             self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds,
-                                c.requests, alt)
+                                c.requests)
             self.cycles += 1
 
     def forget(self, request_id: str) -> None:
@@ -541,15 +467,10 @@ class SpecController:
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree, prefill)
         key = batch_key(len(requests))
-        self.bandit.extend = extension(prior.tolist(), self.overall.drafted)
         arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
-        self._cycle = Cycle(key, arm, drafting[i], {r.request_id: j for j, r in enumerate(requests)},
-                            requests=len(requests))
-        if tree is None and arm:
-            self._cycle.alt_arms = arms[arms > 0].tolist()
-            self._cycle.alt_depths = depths[arms > 0]
+        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests))
         ks = depths[i]
         if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
             self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests

@@ -4,6 +4,9 @@ committed ("adaptive") against the same engine with each cycle's counterfactual 
 and static chains, stepped round robin like benchmarks/adaptive.py's sweep (its Client, run_point).
 
     python benchmarks/results/adaptive/session17_ab/ab.py --concurrency 1,1,1 --output-file X.json
+
+Archived as it ran (at f6b6475, 15430bb and 2211507): the counterfactual tokens were reverted after
+these A/Bs, so at later commits both adaptive engines are the same.
 """
 from __future__ import annotations
 
