@@ -35,6 +35,7 @@ from specserve.engine.kv_cache import KVSlots
 from specserve.engine.request import Request
 from specserve.engine.runner import allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
+from specserve.models import cpu_packing
 from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.bandit import batch_key
@@ -78,6 +79,8 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
     dev_name = torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else "cpu"
     head_shape = dataclasses.replace(head_config, extra={})
     packing = f"packed>={packed_min_rows(e.dtype)}" if e.packed_linears else "unpacked"
+    if e.packed_linears and cpu_packing.ROW_BUCKETS:  # steps of many rows run padded
+        packing += f",rows>{cpu_packing.EXACT_ROWS}/{cpu_packing.ROW_BUCKETS_PER_OCTAVE}"
     return (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
             f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
             f"{num_draft_tokens}|graphs={graphs}|{packing}")
