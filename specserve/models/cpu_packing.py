@@ -25,13 +25,18 @@ from torch import nn
 from specserve.models.layers import Linear
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# fewer rows than this take F.linear (see the module doc); bf16 has no fast unpacked path to keep.
+# fp32: the most it can be; the rows where F.linear is really faster are measured (packed_min_rows)
+PACKED_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+_MIN_ROWS: dict[torch.dtype, int] = {}
+
 # oneDNN compiles a kernel per (weight shape, row count) the first time it sees one (~0.8 ms each on two
 # cores) and keeps 1,024 in an LRU cache (~0.7 MB each). Prompt chunks come in any length, so left exact
 # they filled the cache and pushed out the row counts of steps the engine runs every cycle: a verify
 # depth tried again after a few hundred prompts paid ~3 ms per layer shape again (a 19x slower first
-# call), which made every depth the adaptive controller explored look slower than the one it ran.
+# call), which can make a depth the adaptive controller explores look slower than the one it runs.
 # Row counts up to EXACT_ROWS stay exact (decode and verify steps); above, they are padded up to one
-# of ROW_BUCKETS_PER_OCTAVE steps per power of two (at most 1/8 more rows): ~80 row counts up to 2,048
+# of ROW_BUCKETS_PER_OCTAVE steps per power of two (at most 1/8 more rows): ~100 row counts up to 2,048
 ROW_BUCKETS = True
 EXACT_ROWS = 64
 ROW_BUCKETS_PER_OCTAVE = 8
@@ -43,10 +48,6 @@ def padded_rows(rows: int) -> int:
         return rows
     step = max(1, (1 << (rows.bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE)
     return -(-rows // step) * step
-# fewer rows than this take F.linear (see the module doc); bf16 has no fast unpacked path to keep.
-# fp32: the most it can be; the rows where F.linear is really faster are measured (packed_min_rows)
-PACKED_MIN_ROWS = {torch.float32: 4, torch.bfloat16: 1}
-_MIN_ROWS: dict[torch.dtype, int] = {}
 
 
 def packed_min_rows(dtype: torch.dtype) -> int:
