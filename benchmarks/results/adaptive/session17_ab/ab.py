@@ -5,8 +5,9 @@ and static chains, stepped round robin like benchmarks/adaptive.py's sweep (its 
 
     python benchmarks/results/adaptive/session17_ab/ab.py --concurrency 1,1,1 --output-file X.json
 
-Archived as it ran (at f6b6475, 15430bb and 2211507): the counterfactual tokens were reverted after
-these A/Bs, so at later commits both adaptive engines are the same.
+Ran at f6b6475, 15430bb and 2211507; the counterfactual tokens were reverted after these A/Bs, so at
+later commits both adaptive engines are the same. ``run_ab`` (the harness, shared with ab_seeds.py)
+was split out afterwards with the same behaviour.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-import time
+from typing import Callable
 
 import torch
 
@@ -28,7 +29,9 @@ from specserve import LLM  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 
-def main() -> None:
+def run_ab(b_name: str, patch_b: Callable[[LLM], None], benchmark: str) -> None:
+    """The committed adaptive engine ("adaptive") against one changed by ``patch_b`` (``b_name``),
+    beside no-spec and static chains; writes --output-file after every point."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,1,1")
     ap.add_argument("--point-s", type=float, default=40.0)
@@ -47,12 +50,10 @@ def main() -> None:
     adaptive = {"speculative_algorithm": "EAGLE3", "speculative_policy": "adaptive",
                 "speculative_num_steps": args.adaptive_steps, "speculative_calibrate": True}
     cfgs = {"none": {}, **{f"chain{k}": {**STATIC, "speculative_num_steps": int(k)} for k in args.static_steps.split(",")},
-            "adaptive": adaptive, "adaptive_own": adaptive}
+            "adaptive": adaptive, b_name: adaptive}
     llms = {n: LLM(args.model, kv_cache_memory_gb=0.75, max_num_seqs=max(max(cs), 8), seed=0,
                    num_kv_blocks=args.num_kv_blocks, **kw) for n, kw in cfgs.items()}
-    # the A side: no counterfactual tokens reach the bandit (Cycle.alt_depths stays None)
-    ctl = llms["adaptive_own"].engine.drafter.controller
-    ctl._counterfactual = lambda *a, **k: None
+    patch_b(llms[b_name])
     clients = [Client(n, llm) for n, llm in llms.items()]
     pool = prompt_pool(llms["none"].tokenizer, 600, args.max_input_len, args.output_len, 0)
     warm = [(p, 8) for p, _ in pool[:2]]
@@ -68,17 +69,22 @@ def main() -> None:
         offset += max(c.issued for c in clients)
         cf = p["configs"]
         best = max(cf[n]["tok_s"] for n in cf if not n.startswith("adaptive"))
-        p["ratios"] = {n: cf[n]["tok_s"] / best for n in ("adaptive", "adaptive_own")}
+        p["ratios"] = {n: cf[n]["tok_s"] / best for n in ("adaptive", b_name)}
         points.append(p)
         print(f"C={C}: " + " | ".join(f"{n} {cf[n]['tok_s']:.1f}" + (f" k{cf[n]['mean_k']:.2f}" if cf[n].get('mean_k') is not None else "")
                                      for n in cf) + " | ratios " + json.dumps({k: round(v, 3) for k, v in p["ratios"].items()}), flush=True)
-        out = {"benchmark": "adaptive_counterfactual_ab", **run_metadata(), "command": "python " + " ".join(sys.argv),
+        out = {"benchmark": benchmark, **run_metadata(), "command": "python " + " ".join(sys.argv),
                "settings": vars(args), "points": points,
-               "controllers": {n: llms[n].engine.drafter.controller.snapshot() for n in ("adaptive", "adaptive_own")}}
+               "controllers": {n: llms[n].engine.drafter.controller.snapshot() for n in ("adaptive", b_name)}}
         os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
         with open(args.output_file, "w") as f:  # after every point: a run cut short keeps what it measured
             json.dump(out, f, indent=1, default=str)
 
 
+def own_cycle_tokens(llm: LLM) -> None:
+    """The B side: no counterfactual tokens reach the bandit (Cycle.alt_depths stays None)."""
+    llm.engine.drafter.controller._counterfactual = lambda *a, **k: None
+
+
 if __name__ == "__main__":
-    main()
+    run_ab("adaptive_own", own_cycle_tokens, "adaptive_counterfactual_ab")

@@ -1,6 +1,8 @@
 """adaptive.py with every adaptive cycle logged (class-level hooks)."""
 import sys, json, time
-sys.path.insert(0, "/work/main/benchmarks"); sys.path.insert(0, "/work/main")
+import os
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks")); sys.path.insert(0, ROOT)
 from specserve.spec import controller as cm
 LOG = []
 orig_dec = cm.SpecController._decide_adaptive
