@@ -2,7 +2,8 @@
 speculation >= 2.5x no-spec tok/s at C = 1; greedy spec == no-spec on >= 95% of 50 prompts in
 bf16, 100% in fp32).
 
-1. Throughput, bf16, greedy, ``--output-len`` tokens (ignore_eos) per prompt, each of
+1. Throughput, bf16, greedy, ``--output-len`` tokens (ignore_eos, or up to the model's own end
+   of turn with ``--natural-stops``) per prompt, each of
    ``--num-prompts`` ShareGPT chat prompts alone through no-spec / chain k=3 / chain k=5 / tree
    (static policy), the order rotating per prompt; per prompt tok/s, accept length and the
    engine steps, then medians and the speedup over no-spec.
@@ -15,8 +16,7 @@ bf16, 100% in fp32).
 Every engine counts which path each forward took (target: CUDA graph or eager; draft: catch-up
 and chain loop, graph or eager). A decode step that ran eagerly is a fallback: the script
 records it and exits with status 1 (after writing the JSON) instead of reporting slow numbers
-as if they were the graph path. The tree's expansion loop is eager by design (its catch-up and
-its verify replay graphs; the expansion itself is not counted).
+as if they were the graph path (the tree's expansion included: a graph per padded batch).
 
     python benchmarks/gpu_spec_c1.py --model /tmp/m.gguf --output-file $OUT/gpu_spec_c1.json
 """
@@ -93,6 +93,8 @@ def fallbacks(name: str, delta: Counter, prompts: int) -> list[str]:
         bad.append(f"{name}: {delta['target:eager']} eager target forwards over {prompts} prompts")
     if delta["chain:eager"]:
         bad.append(f"{name}: {delta['chain:eager']} eager chain draft loops")
+    if delta["tree:eager"]:
+        bad.append(f"{name}: {delta['tree:eager']} eager tree expansions")
     # a prompt's first catch-up covers the whole prompt (eager Triton); the rest must replay
     if delta["catch_up:eager"] > prompts or delta["catch_up:torch"]:
         bad.append(f"{name}: catch-up eager {delta['catch_up:eager']}, torch {delta['catch_up:torch']} "
@@ -191,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parity-len", type=int, default=128)
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--natural-stops", action="store_true",
+                    help="timed requests stop at the model's end of turn (at most --output-len tokens)")
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--configs", default="nospec,chain3,chain5,tree")
     ap.add_argument("--skip-fp32-parity", action="store_true")
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     result["draft_head"] = {"path": args.head, **head_provenance(args.head)}
     result["settings"] = {k: getattr(args, k) for k in ("num_prompts", "output_len", "parity_prompts", "parity_len",
-                                                         "max_prompt_chars", "seed", "num_kv_blocks")}
+                                                         "max_prompt_chars", "seed", "num_kv_blocks",
+                                                         "natural_stops")}
     result["settings"].update(greedy=True, concurrency=1, dtype="bfloat16", policy="static", configs=names)
 
     engines: dict[str, LLM] = {}
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     for i, p in enumerate(timed_prompts):
         order = names[i % len(names):] + names[: i % len(names)]
-        got = {n: run_one(engines[n], p, args.output_len) for n in order}
+        got = {n: run_one(engines[n], p, args.output_len, args.natural_stops) for n in order}
         ref = got["nospec"]["token_ids"]
         for n in order:
             r = got[n]

@@ -42,6 +42,21 @@ def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
     return log
 
 
+def record_trees(llm: LLM) -> list[list[tuple[str, list[int], list[int]]]]:
+    """Every draft step's (request, tree tokens, tree parents)."""
+    dr = llm.engine.drafter
+    log: list[list[tuple[str, list[int], list[int]]]] = []
+    orig = dr._draft
+
+    def wrapped(todo, **kw):
+        catch_up_s = orig(todo, **kw)
+        log.append([(r.request_id, list(r.draft_tree.tokens), list(r.draft_tree.parents)) for r, _ in todo])
+        return catch_up_s
+
+    dr._draft = wrapped
+    return log
+
+
 def run(model: str | None, head: str, static: str | None, prompts, params, catch_up_tokens: int | None = None,
         **engine) -> tuple[list, list, dict]:
     llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
@@ -126,6 +141,44 @@ def test_sampled_requests_keep_the_eager_loop(tiny):
     assert "chain:eager" not in llm.engine.drafter.path_counts  # the q distributions need the eager loop
 
 
+TREE = dict(speculative_num_steps=4, speculative_eagle_topk=3, speculative_num_draft_tokens=9)
+
+
+def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", graphs: bool = True, **engine):
+    kw = dict(dtype="float32", num_kv_blocks=256) if device == "cuda" else {}
+    llm = LLM(model=model, device=device, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="static", **TREE, **kw, **engine)
+    dr = llm.engine.drafter
+    if device == "cpu" and static:
+        dr.enable_static_draft(attention="torch")
+    if not graphs:
+        dr.tree_runner.graphs.clear()
+        dr.catch_up_runner.graphs.clear()
+    log = record_trees(llm)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return out, log, dict(dr.path_counts)
+
+
+def test_static_tree_same_trees_as_eager_tiny(tiny):
+    """The static expansion (one read-back, every depth run) picks the eager expansion's trees,
+    for greedy and sampled requests and per-request tree sizes in one batch."""
+    model, head = tiny
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, max_spec_tokens=[8, 3, 5][i % 3])
+              for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(temperature=0.8, seed=4, max_tokens=20, ignore_eos=True)
+    ref_out, ref_log, ref_paths = run_tree(model, head, False, PROMPTS, params, max_num_seqs=8)
+    out, log, paths = run_tree(model, head, True, PROMPTS, params, max_num_seqs=8)
+    assert ref_paths.get("tree:depths_skipped", 0) > 0  # the eager path stopped early somewhere: same trees anyway
+    assert log == ref_log and len(log) > 5
+    assert {len(toks) - 1 for step in log for _, toks, _ in step} >= {3, 5, 8}
+    assert out == ref_out
+    assert paths["tree:eager"] == len(log) and "tree:graph" not in paths
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    ref = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[i] for i in greedy], [params[i] for i in greedy])]
+    assert [out[i] for i in greedy] == ref
+
+
 # -- GPU: graphs ------------------------------------------------------------------------------------
 
 
@@ -187,3 +240,17 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     assert "chain:eager" not in dr.path_counts and dr.path_counts["chain:graph"] > 0
     # decode/verify steps all replay target graphs (prompts are short: prefill steps fit too)
     assert "target:eager" not in llm.engine.runner.path_counts
+
+
+@pytest.mark.gpu
+def test_gpu_tree_graphs_equal_eager_expansion(tiny):
+    model, head = tiny
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, max_spec_tokens=[8, 3, 5][i % 3])
+              for i in range(len(PROMPTS))]
+    out_g, log_g, pg = run_tree(model, head, True, PROMPTS, params, device="cuda", max_num_seqs=8)
+    out_e, log_e, pe = run_tree(model, head, True, PROMPTS, params, device="cuda", graphs=False, max_num_seqs=8)
+    assert out_g == out_e and log_g == log_e
+    assert pg["tree:graph"] == len(log_g) and "tree:eager" not in pg
+    assert pe["tree:eager"] == len(log_e) and "tree:graph" not in pe
+    plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256)
+    assert out_g == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]

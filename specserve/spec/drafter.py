@@ -45,6 +45,7 @@ from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, TorchDec
 from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, tree_is_final, verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
+from specserve.spec.tree_graph import TreeDraftRunner
 from specserve.spec.verify import verify_chains_sampled, verify_greedy
 
 if TYPE_CHECKING:
@@ -341,6 +342,7 @@ class EagleSpeculator:
         captured as CUDA graphs now (unless --enforce-eager). On the CPU the eager loop stays the
         default; ``enable_static_draft()`` turns the static loop on (tests compare the two)."""
         self.chain_runner: ChainDraftRunner | None = None
+        self.tree_runner: TreeDraftRunner | None = None
         self.catch_up_runner: CatchUpRunner | None = None
         # draft-side calls per path ("catch_up:graph", "chain:eager", ...): benchmarks check for fallbacks
         self.path_counts: Counter[str] = Counter()
@@ -375,6 +377,10 @@ class EagleSpeculator:
             dec = TorchDecodeAttention(caches, bs, scale, tables)
         self.chain_runner = ChainDraftRunner(self.head, self.target.embed_tokens, dec, tables, bs, self.scratch_slot,
                                              max_batch, self.max_k, dev, e.dtype)
+        self.tree_runner = None
+        if self.topk > 1:  # the tree expansion reads the same h0 and tables
+            self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens, caches, tables, bs,
+                                               self.chain_runner.h0, max_batch, self.topk, self.cfg.num_steps, dev)
         if triton:
             cu_attn = TritonBackend(caches, bs, scale, num_heads=hc.num_attention_heads,
                                     max_num_tokens=e.config.max_num_batched_tokens, max_num_seqs=max_batch,
@@ -389,16 +395,22 @@ class EagleSpeculator:
             pool = torch.cuda.graph_pool_handle()
             assert self.catch_up_runner is not None
             a = self.catch_up_runner.capture(pool)
-            b = self.chain_runner.capture(pool) if self.topk == 1 else None
-            log.info("draft CUDA graphs: catch-up %d (token counts %s) and chain loop %d (batch %s x k 1..%d) "
-                     "in %.2fs using %.1f MiB of GPU memory", a.graphs, ",".join(map(str, self.catch_up_runner.sizes)),
-                     b.graphs if b else 0, ",".join(map(str, self.chain_runner.batch_sizes)), self.max_k,
-                     a.seconds + (b.seconds if b else 0), (a.bytes + (b.bytes if b else 0)) / 2**20)
+            if self.tree_runner is None:
+                b = self.chain_runner.capture(pool)
+                what = f"chain loop {b.graphs} (batch {','.join(map(str, self.chain_runner.batch_sizes))} x k 1..{self.max_k})"
+            else:
+                b = self.tree_runner.capture(pool)
+                what = (f"tree expansion {b.graphs} (batch {','.join(map(str, self.tree_runner.batch_sizes))}, "
+                        f"top-{self.topk} x {self.cfg.num_steps} depths)")
+            log.info("draft CUDA graphs: catch-up %d (token counts %s) and %s in %.2fs using %.1f MiB of GPU memory",
+                     a.graphs, ",".join(map(str, self.catch_up_runner.sizes)), what, a.seconds + b.seconds,
+                     (a.bytes + b.bytes) / 2**20)
 
     @property
     def graph_memory_bytes(self) -> int:
         """GPU memory the draft CUDA graphs took at capture."""
         n = self.catch_up_runner.stats.bytes if self.catch_up_runner else 0
+        n += self.tree_runner.stats.bytes if self.tree_runner else 0
         return n + (self.chain_runner.stats.bytes if self.chain_runner else 0)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -817,7 +829,9 @@ class EagleSpeculator:
         if marks is not None:
             marks[1].record()
         catch_up_s = clock() - t0
-        if self.topk > 1:
+        if self.topk > 1 and self.tree_runner is not None:
+            self._draft_tree_static(todo)
+        elif self.topk > 1:
             self._draft_tree(todo, h)
         elif self.chain_runner is not None and all(r.params.greedy for r in reqs):
             self._draft_chain_static(todo)
@@ -919,6 +933,18 @@ class EagleSpeculator:
             r.draft_token_ids = t[:k]
             r.draft_tree = None
             self.states[r.request_id].draft_probs = None
+
+    def _draft_tree_static(self, todo: list[tuple[Request, int]]) -> None:
+        """The tree expansion on static buffers (a CUDA graph per padded batch on the GPU), then each
+        request's tree from its candidates on the host (the head's output is already in ``h0``)."""
+        assert self.tree_runner is not None
+        reqs = [r for r, _ in todo]
+        cands, path = self.tree_runner.run([r.num_tokens - 1 for r in reqs], [r.kv.block_table for r in reqs])
+        self.path_counts[f"tree:{path}"] += 1
+        for (r, k), c in zip(todo, cands):
+            tree = select_tree(r.all_token_ids[-1], c, k)
+            r.draft_tree = tree
+            r.draft_token_ids = tree.tokens[1:]
 
     def _draft_chain(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
         reqs = [r for r, _ in todo]
