@@ -48,9 +48,20 @@ def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]: views of one slab
+    [num_layers * 2, num_blocks * block_size, ...] (``kv_slab``), so moving a token's KV in every
+    layer is one indexing op."""
+    slab = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]
+
+
+def kv_slab(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """[num_layers * 2, slots, num_kv_heads, head_dim]: every layer's K and V over one storage."""
+    k0 = kv_caches[0][0]
+    slab = k0._base
+    if slab is None or slab.shape[:2] != (len(kv_caches), 2):
+        raise ValueError("KV caches not from allocate_kv_cache: no slab under them")
+    return slab.view(2 * len(kv_caches), -1, *k0.shape[2:])
 
 
 def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -33,7 +33,7 @@ from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.kv_cache import KVSlots
 from specserve.engine.request import Request
-from specserve.engine.runner import allocate_kv_cache
+from specserve.engine.runner import allocate_kv_cache, kv_slab
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
 from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
@@ -597,13 +597,9 @@ class EagleSpeculator:
                 dst.append(bt[b // bs] * bs + b % bs)
         if not src:
             return
-        src_t = host_to_device(src, self.device)
-        dst_t = host_to_device(dst, self.device)
-        for k_cache, v_cache in self.runner.kv_caches:
-            kf = k_cache.view(-1, *k_cache.shape[2:])
-            vf = v_cache.view(-1, *v_cache.shape[2:])
-            kf[dst_t] = kf[src_t]
-            vf[dst_t] = vf[src_t]
+        moved = host_to_device(src + dst, self.device)
+        slab = kv_slab(self.runner.kv_caches)  # every layer's K and V: one gather, one scatter
+        slab[:, moved[len(src):]] = slab[:, moved[: len(src)]]
 
     def _depth(self, s) -> int:
         """Draft positions a verify could accept: chain length, or a tree's depth."""
