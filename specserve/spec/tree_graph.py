@@ -18,8 +18,9 @@ makes (it may stop expanding early when deeper nodes can no longer enter; this p
 every depth: fixed shapes are what a graph replays).
 
 Attention: a frontier node sees its request's committed draft KV (gathered from the paged cache
-once per expansion, the whole block-table row masked by base_pos: graph-safe; the rows are short
-at the batch sizes where trees pay) and, among the tree nodes, itself and its ancestors. Tree
+once per expansion: the first ``width`` blocks of every block-table row, masked by base_pos, with
+``width`` the batch's longest prefix rounded up to a power of two: a graph per (padded batch,
+width)) and, among the tree nodes, itself and its ancestors. Tree
 nodes' K/V live in a dense buffer, never in the paged cache, so the expansion leaves nothing behind.
 """
 
@@ -37,6 +38,16 @@ from specserve.engine.host_copy import host_to_device
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.draft_graph import GraphStats, batch_buckets
 from specserve.spec.tree import Candidate
+
+
+def width_buckets(max_blocks: int, smallest: int = 8) -> list[int]:
+    """Block-table widths the expansion's graphs gather: powers of two up to max_blocks, and max_blocks."""
+    sizes = []
+    w = smallest
+    while w < max_blocks:
+        sizes.append(w)
+        w *= 2
+    return sizes + [max_blocks]
 
 
 def candidate_depths(topk: int, depth: int) -> list[int]:
@@ -127,11 +138,13 @@ class TreeDraftRunner:
         self._self_cols = [F.pad(eye, (i * topk, T - (i + 1) * topk)) for i in range(depth - 1)]
         self._first_parent = torch.full((topk,), -1, dtype=torch.long, device=device)
         self.batch_sizes = batch_buckets(min(max_batch, graph_max_batch))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.widths = width_buckets(block_tables.shape[1])
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
-    def _body(self, B: int) -> None:
-        """Expand rows [0, B) (reads only static buffers; writes the cand_* buffers)."""
+    def _body(self, B: int, W: int) -> None:
+        """Expand rows [0, B) over the first W blocks of their tables (reads only static buffers;
+        writes the cand_* buffers)."""
         head, K, D = self.head, self.topk, self.depth
         h = self.h0[:B]
         base = self.base_pos[:B]
@@ -142,7 +155,7 @@ class TreeDraftRunner:
         self.cand_parent[:B, :K].copy_(self._first_parent.expand(B, -1))
         if D < 2:
             return
-        prefix_valid = self.attn.begin(self.block_tables[:B], base)
+        prefix_valid = self.attn.begin(self.block_tables[:B, :W], base)
         front_idx = torch.arange(K, device=self.device).expand(B, -1)  # candidate slot of each frontier node
         front_h = h[:, None, :].expand(B, K, h.shape[-1]).reshape(B * K, -1)
         front_tok, front_score = tok, score
@@ -174,6 +187,11 @@ class TreeDraftRunner:
         i = bisect.bisect_left(self.batch_sizes, B)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
+    def width(self, base: list[int]) -> int:
+        """Blocks that hold the longest committed prefix, rounded up to a captured width."""
+        need = max(-(-max(base) // self.attn.block_size), 1)
+        return self.widths[bisect.bisect_left(self.widths, need)]
+
     def load(self, base: list[int], tables: list[list[int]], Bp: int) -> None:
         B = len(base)
         width = max(len(t) for t in tables)
@@ -191,15 +209,15 @@ class TreeDraftRunner:
         B = len(base)
         if B > self.max_batch:
             raise ValueError(f"tree batch {B} exceeds the expansion's {self.max_batch}")
-        Bp = self.padded_batch(B)
-        graph = self.graphs.get(Bp) if Bp is not None else None
+        Bp, W = self.padded_batch(B), self.width(base)
+        graph = self.graphs.get((Bp, W)) if Bp is not None else None
         if graph is not None:
             self.load(base, tables, Bp)
             graph.replay()
             path = "graph"
         else:
             self.load(base, tables, B)
-            self._body(B)
+            self._body(B, W)
             path = "eager"
         toks = self.cand_tok[:B].tolist()  # the expansion's one host sync
         scores = self.cand_score[:B].tolist()
@@ -211,7 +229,7 @@ class TreeDraftRunner:
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
-        """One CUDA graph per padded batch (up to ``graph_max_batch``)."""
+        """One CUDA graph per padded batch (up to ``graph_max_batch``) and block-table width."""
         dev = self.device
         torch.cuda.synchronize(dev)
         free_before = torch.cuda.mem_get_info(dev)[0]
@@ -220,12 +238,13 @@ class TreeDraftRunner:
         self.base_pos.zero_()
         self.block_tables.zero_()
         for Bp in reversed(self.batch_sizes):
-            self._body(Bp)  # warm-up
-            torch.cuda.synchronize(dev)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._body(Bp)
-            self.graphs[Bp] = g
+            for W in reversed(self.widths):
+                self._body(Bp, W)  # warm-up
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._body(Bp, W)
+                self.graphs[(Bp, W)] = g
         torch.cuda.synchronize(dev)
         self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
                                 max(0, free_before - torch.cuda.mem_get_info(dev)[0]))

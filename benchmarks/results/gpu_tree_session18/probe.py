@@ -46,6 +46,31 @@ def kernels(fn) -> dict:
     return {"kernels": len(evs), "cuda_ms": sum(e.device_time for e in evs) / 1e3, "top": names.most_common(12)}
 
 
+def phases(llm: LLM, prompt: list[int]) -> dict:
+    """Synchronized ms per call of the verify's and the draft's parts over one request."""
+    e = llm.engine
+    dr = e.drafter
+    targets = [(e.runner, "prepare"), (e.runner, "forward"), (dr, "_verify_all"), (dr, "_compact"),
+               (dr, "verify_step"), (dr, "draft_step"), (dr, "_catch_up")]
+    times: dict[str, list[float]] = {}
+    for obj, name in targets:
+        fn = getattr(obj, name)
+
+        def wrap(*a, _fn=fn, _name=name, **k):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = _fn(*a, **k)
+            torch.cuda.synchronize()
+            times.setdefault(_name, []).append(time.perf_counter() - t0)
+            return r
+
+        setattr(obj, name, wrap)
+    run_one(llm, prompt, 64)
+    for obj, name in targets:
+        delattr(obj, name)
+    return {k: {"calls": len(v), "ms_mean": 1e3 * sum(v[1:]) / max(len(v) - 1, 1)} for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -59,13 +84,16 @@ def main() -> None:
         p = chat_prompt_ids(llm.tokenizer, 1, seed=0)[0]
         r = run_one(llm, p, 64)
         dr = llm.engine.drafter
-        res = {"accept_length": r["accept_length"], "tok_s": r["tok_s"]}
+        res = {"accept_length": r["accept_length"], "tok_s": r["tok_s"], "phases": phases(llm, p)}
         if dr.tree_runner is not None:
             tr = dr.tree_runner
             tr.load([len(p) + 10], [list(range(1, 12))], 1)
-            res["replay_ms"] = timed(lambda: tr.graphs[1].replay())
-            res["eager_ms"] = timed(lambda: tr._body(1), 50)
-            res["eager_profile"] = kernels(lambda: tr._body(1))
+            W = tr.width([len(p) + 10])
+            res["width"] = W
+            res["replay_ms"] = timed(lambda: tr.graphs[(1, W)].replay())
+            res["replay_ms_full_width"] = timed(lambda: tr.graphs[(1, tr.widths[-1])].replay())
+            res["eager_ms"] = timed(lambda: tr._body(1, W), 50)
+            res["eager_profile"] = kernels(lambda: tr._body(1, W))
         else:
             ch = dr.chain_runner
             ch.load([len(p) + 10], [5], [list(range(1, 12))], 1)
@@ -73,9 +101,9 @@ def main() -> None:
             res["eager_ms"] = timed(lambda: ch._body(1, 5), 50)
             res["eager_profile"] = kernels(lambda: ch._body(1, 5))
         out[name] = res
-        print(name, {k: v for k, v in res.items() if k != "eager_profile"}, res["eager_profile"]["kernels"],
+        print(name, {k: v for k, v in res.items() if k not in ("eager_profile", "phases")}, res["eager_profile"]["kernels"],
               res["eager_profile"]["cuda_ms"], flush=True)
-        print("  ", res["eager_profile"]["top"], flush=True)
+        print("  ", {k: (v["calls"], round(v["ms_mean"], 3)) for k, v in res["phases"].items()}, flush=True)
         del llm, dr
     with open(args.output_file, "w") as f:
         json.dump(out, f, indent=1)
