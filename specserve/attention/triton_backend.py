@@ -420,18 +420,21 @@ class TritonBackend(AttentionBackend):
         self._meta.copy_(host, non_blocking=True)
 
         # tree bits: only tokens of tree requests read theirs, so stale entries elsewhere are harmless
-        starts = np.cumsum([0] + q_lens[:-1]) if trees else None
-        for b, tm in trees.items():
-            ql, s = int(q_lens[b]), int(starts[b])
-            if tm.device.type == "cpu":
-                bits = torch.from_numpy(_pack_rows(tm.numpy().astype(bool)))
-                if self._pin:
-                    bits = bits.pin_memory()
-            else:
+        if trees:
+            starts = np.cumsum([0] + q_lens[:-1])
+            on_host = all(tm.device.type == "cpu" for tm in trees.values())
+            if on_host:  # every tree's rows in one host buffer, one copy
+                hb, host_bits = host_buffer(T, torch.int64, self._meta.device)
+            for b, tm in trees.items():
+                ql, s = int(q_lens[b]), int(starts[b])
+                if on_host:
+                    hb[s : s + ql] = _pack_rows(tm.numpy().astype(bool))
+                    continue
                 weights = torch.ones(ql, dtype=torch.int64, device=tm.device).bitwise_left_shift_(
                     torch.arange(ql, dtype=torch.int64, device=tm.device))
-                bits = (tm.to(torch.int64) * weights).sum(-1)
-            self._tree_bits[s : s + ql].copy_(bits, non_blocking=True)
+                self._tree_bits[s : s + ql].copy_((tm.to(torch.int64) * weights).sum(-1), non_blocking=True)
+            if on_host:
+                self._tree_bits[:T].copy_(host_bits, non_blocking=True)
 
         self._block_table[:B, : bt.shape[1]].copy_(bt, non_blocking=True)
         self._slots[:T].copy_(slot_mapping, non_blocking=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -46,16 +47,21 @@ class DraftTree:
     def children(self, i: int) -> list[int]:
         return [j for j in range(1, len(self.tokens)) if self.parents[j] == i]
 
+    def ancestor_bits(self) -> list[int]:
+        """Per node i: bit j set iff j is i or an ancestor of i (parents come before children)."""
+        bits: list[int] = []
+        for i, p in enumerate(self.parents):
+            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
+        return bits
+
     def mask(self) -> torch.Tensor:
         """bool [n+1, n+1]: row i may attend column j iff j is i or an ancestor of i."""
         n = len(self.tokens)
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j != -1:
-                m[i, j] = True
-                j = self.parents[j]
-        return m
+        if n > 64:
+            raise ValueError(f"a tree of {n} tokens: at most 64 (one 64-bit word of ancestors per token)")
+        bits = np.array(self.ancestor_bits(), dtype=np.uint64)
+        cols = np.left_shift(np.uint64(1), np.arange(n, dtype=np.uint64))
+        return torch.from_numpy((bits[:, None] & cols[None, :]) != 0)
 
 
 def select_tree(root_token: int, cands: list[Candidate], num_nodes: int) -> DraftTree:
