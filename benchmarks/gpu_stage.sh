@@ -1,7 +1,8 @@
 #!/bin/bash
 # Staging the SmolLM2 GGUF on the device machine, one git-ignored part per call (a call carries
-# at most 64 MiB, the working tree included): split -n 3 -d -a 1 <gguf> into .stageg1/gguf.part0 ..
-# .stageg3/gguf.part2, the gguf wheel into .whl/, then per call: bash benchmarks/gpu_stage.sh .stageg<N> 3
+# at most 64 MiB, the working tree included, ~34 MB of it tracked): split -n 4 -d -a 1 <gguf> into
+# .stageg1/gguf.part0 .. .stageg4/gguf.part3, the gguf wheel into .whl/, then per call:
+# bash benchmarks/gpu_stage.sh .stageg<N> 4
 # (carry .stageg<N>, and .whl with the first); the last call leaves /tmp/m.gguf.
 # $1 = the part directory, $2 = how many parts there are (default 3).
 set -e
