@@ -188,7 +188,8 @@ def test_64_token_tree(backend):
 
 @pytest.mark.parametrize("opts", [NO_SPLIT, SPLIT, {}, {"target_programs": 64, "min_split_keys": 48}])
 def test_small_step_plan_in_python_equals_the_numpy_plan(opts):
-    """Steps of <= SMALL_PLAN_TOKENS tokens are planned in plain Python: the same work list as numpy's."""
+    """Steps of <= SMALL_PLAN_TOKENS tokens are planned in plain Python: the same work list as numpy's,
+    trees included."""
     import random
 
     import numpy as np
@@ -204,8 +205,9 @@ def test_small_step_plan_in_python_equals_the_numpy_plan(opts):
         T = sum(q)
         if T > triton_backend.SMALL_PLAN_TOKENS:
             continue
+        trees = {b: torch.ones(qi, qi, dtype=torch.bool) for b, qi in enumerate(q) if qi > 1 and rng.random() < 0.5}
         bm = be.block_m_for(T)
-        small, parts_small = be._work_small(q, s, T, bm)
-        ref, parts_ref = be._work(np.array(q), np.array(s), {}, T, bm)
+        small, parts_small = be._work_small(q, s, T, bm, trees)
+        ref, parts_ref = be._work(np.array(q), np.array(s), trees, T, bm)
         assert parts_small == parts_ref
         assert [list(map(int, c)) for c in small] == [list(map(int, c)) for c in ref], (q, s)

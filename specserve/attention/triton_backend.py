@@ -44,7 +44,7 @@ MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
 GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens (all captured sizes)
 LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; never split
 LARGE_STEP_TOKENS = 512
-SMALL_PLAN_TOKENS = 16  # steps of at most this many tokens (and no trees) are planned in plain Python
+SMALL_PLAN_TOKENS = 32  # steps of at most this many tokens are planned in plain Python
 _LOG2E = 1.4426950408889634
 
 # packed int32 metadata sections: per work item, per split tile (merge), per token
@@ -177,6 +177,15 @@ def _pack_rows(mask: np.ndarray) -> np.ndarray:
     return (mask.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64).view(np.int64)
 
 
+def _check_trees(trees: dict, q_lens: list[int]) -> None:
+    for b, tm in trees.items():
+        ql = q_lens[b]
+        if tuple(tm.shape) != (ql, ql):
+            raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
+        if ql > MAX_TREE_TOKENS:
+            raise ValueError(f"tree of request {b} has {ql} tokens; at most {MAX_TREE_TOKENS} are supported")
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Whether this launch is being recorded into a CUDA graph (then it must cover any step)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -299,8 +308,9 @@ class TritonBackend(AttentionBackend):
         # the same work list either way. On the H200's host numpy costs ~0.15 ms a step whatever its
         # size, plain Python ~0.02 ms plus ~1.5 us per work item (a request's keys split up to five
         # ways at low batch): 0.02 ms at 1 request, 0.49 ms at 64 (gpu_step_breakdown --profile)
-        if T <= SMALL_PLAN_TOKENS and not trees:
-            cols, n_parts = self._work_small(q_list, s_list, T, block_m)
+        _check_trees(trees, q_list)
+        if T <= SMALL_PLAN_TOKENS:
+            cols, n_parts = self._work_small(q_list, s_list, T, block_m, trees)
         else:
             cols, n_parts = self._work(np.asarray(q_list, dtype=np.int64), np.asarray(s_list, dtype=np.int64),
                                        trees, T, block_m)
@@ -309,18 +319,25 @@ class TritonBackend(AttentionBackend):
             raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
         self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
 
-    def _work_small(self, q_lens: list[int], seq_lens: list[int], T: int, block_m: int) -> tuple[list[list[int]], int]:
-        """``_work`` for a small step without trees, in plain Python."""
+    def _work_small(self, q_lens: list[int], seq_lens: list[int], T: int, block_m: int,
+                    trees: dict | None = None) -> tuple[list[list[int]], int]:
+        """``_work`` for a small step, in plain Python."""
         bq = block_m // self.group
         kv_limit: list[int] = []
+        tree_start: list[int] = []
         tiles = []  # (request, first token, tokens, keys of its last token)
         start = 0
         for b, (q, sl) in enumerate(zip(q_lens, seq_lens)):
-            base = sl - q + 1
-            kv_limit.extend(range(base, base + q))
+            if trees and b in trees:  # every tree token may see all keys, its bits decide
+                lim = [sl] * q
+                tree_start.extend([sl - q] * q)
+            else:
+                lim = list(range(sl - q + 1, sl + 1))
+                tree_start.extend(lim)
+            kv_limit.extend(lim)
             for i in range(0, q, bq):
                 n = min(bq, q - i)
-                tiles.append((b, start + i, n, base + i + n - 1))
+                tiles.append((b, start + i, n, lim[i + n - 1]))
             start += q
         nt = len(tiles)
         split = self.can_split(T)
@@ -347,7 +364,7 @@ class TritonBackend(AttentionBackend):
                 part.append(n_parts if ns > 1 else -1)
                 n_parts += ns > 1
         cols[10] = kv_limit
-        cols[11] = list(kv_limit)
+        cols[11] = tree_start
         return cols, n_parts
 
     def _work(self, q_lens: np.ndarray, seq_lens: np.ndarray, trees: dict, T: int,
@@ -361,12 +378,8 @@ class TritonBackend(AttentionBackend):
         idx_in_req = np.arange(T) - starts[req_of_tok]
         kv_limit = seq_lens[req_of_tok] - q_lens[req_of_tok] + idx_in_req + 1
         tree_start = kv_limit.copy()
-        for b, tm in trees.items():
+        for b in trees:
             ql, sl = int(q_lens[b]), int(seq_lens[b])
-            if tuple(tm.shape) != (ql, ql):
-                raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
-            if ql > MAX_TREE_TOKENS:
-                raise ValueError(f"tree of request {b} has {ql} tokens; at most {MAX_TREE_TOKENS} are supported")
             s = int(starts[b])
             kv_limit[s : s + ql] = sl
             tree_start[s : s + ql] = sl - ql
