@@ -97,6 +97,27 @@ class GraphStats:
     bytes: int = 0
 
 
+def capture_each(keys: list[tuple[int, ...]], body: Callable[..., None], device: torch.device,
+                 pool: Any = None) -> tuple[dict[tuple[int, ...], torch.cuda.CUDAGraph], GraphStats]:
+    """A CUDA graph of ``body(*key)`` per key (largest first, so smaller ones reuse the pool's
+    memory), each after one eager warm-up run (compiles Triton kernels, settles allocations)."""
+    torch.cuda.synchronize(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    t0 = time.perf_counter()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
+    for key in keys:
+        body(*key)
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            body(*key)
+        graphs[key] = g
+    torch.cuda.synchronize(device)
+    stats = GraphStats(len(graphs), time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0]))
+    return graphs, stats
+
+
 class ChainDraftRunner:
     """The greedy chain draft loop over static buffers; ``capture()`` records it per (padded batch, K)."""
 
@@ -184,27 +205,13 @@ class ChainDraftRunner:
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
         """One CUDA graph per (padded batch, K <= max_k): switching k never re-captures."""
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
-        t0 = time.perf_counter()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # capture-time inputs: every row inactive, so only the scratch slot is written
         self.base_pos.zero_()
         self.ks.zero_()
         self.block_tables.zero_()
         self.h0.zero_()
-        for Bp in reversed(self.batch_sizes):
-            for K in range(self.max_k, 0, -1):
-                self._body(Bp, K)  # warm-up: compiles the Triton kernel, settles allocations
-                torch.cuda.synchronize(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._body(Bp, K)
-                self.graphs[(Bp, K)] = g
-        torch.cuda.synchronize(dev)
-        self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
-                                max(0, free_before - torch.cuda.mem_get_info(dev)[0]))
+        keys = [(Bp, K) for Bp in reversed(self.batch_sizes) for K in range(self.max_k, 0, -1)]
+        self.graphs, self.stats = capture_each(keys, self._body, self.device, pool)
         return self.stats
 
 

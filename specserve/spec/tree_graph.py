@@ -27,7 +27,6 @@ nodes' K/V live in a dense buffer, never in the paged cache, so the expansion le
 from __future__ import annotations
 
 import bisect
-import time
 from typing import Any, Callable
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from specserve.attention.base import AttentionBackend, forward_context
 from specserve.engine.host_copy import host_to_device
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.spec.draft_graph import GraphStats, batch_buckets
+from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each
 from specserve.spec.tree import Candidate
 
 
@@ -230,22 +229,8 @@ class TreeDraftRunner:
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
         """One CUDA graph per padded batch (up to ``graph_max_batch``) and block-table width."""
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        free_before = torch.cuda.mem_get_info(dev)[0]
-        t0 = time.perf_counter()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.base_pos.zero_()
         self.block_tables.zero_()
-        for Bp in reversed(self.batch_sizes):
-            for W in reversed(self.widths):
-                self._body(Bp, W)  # warm-up
-                torch.cuda.synchronize(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._body(Bp, W)
-                self.graphs[(Bp, W)] = g
-        torch.cuda.synchronize(dev)
-        self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
-                                max(0, free_before - torch.cuda.mem_get_info(dev)[0]))
+        keys = [(Bp, W) for Bp in reversed(self.batch_sizes) for W in reversed(self.widths)]
+        self.graphs, self.stats = capture_each(keys, self._body, self.device, pool)
         return self.stats

@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from spec_single import CONFIGS, run_one  # noqa: E402
 from common import chat_prompt_ids  # noqa: E402
+from gpu_spec_profile import timed as time_calls  # noqa: E402
 
 from specserve import LLM  # noqa: E402
 
@@ -54,17 +55,7 @@ def phases(llm: LLM, prompt: list[int]) -> dict:
                (dr, "verify_step"), (dr, "draft_step"), (dr, "_catch_up")]
     times: dict[str, list[float]] = {}
     for obj, name in targets:
-        fn = getattr(obj, name)
-
-        def wrap(*a, _fn=fn, _name=name, **k):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            r = _fn(*a, **k)
-            torch.cuda.synchronize()
-            times.setdefault(_name, []).append(time.perf_counter() - t0)
-            return r
-
-        setattr(obj, name, wrap)
+        time_calls(obj, name, times)
     run_one(llm, prompt, 64)
     for obj, name in targets:
         delattr(obj, name)
