@@ -377,10 +377,9 @@ class EagleSpeculator:
             dec = TorchDecodeAttention(caches, bs, scale, tables)
         self.chain_runner = ChainDraftRunner(self.head, self.target.embed_tokens, dec, tables, bs, self.scratch_slot,
                                              max_batch, self.max_k, dev, e.dtype)
-        self.tree_runner = None
-        if self.topk > 1:  # the tree expansion reads the same h0 and tables
-            self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens, caches, tables, bs,
-                                               self.chain_runner.h0, max_batch, self.topk, self.cfg.num_steps, dev)
+        # trees expand over the same h0 and tables
+        self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens, caches, tables, bs, self.chain_runner.h0,
+                                           max_batch, self.topk, self.cfg.num_steps, dev) if self.topk > 1 else None
         if triton:
             cu_attn = TritonBackend(caches, bs, scale, num_heads=hc.num_attention_heads,
                                     max_num_tokens=e.config.max_num_batched_tokens, max_num_seqs=max_batch,
@@ -825,7 +824,7 @@ class EagleSpeculator:
         if marks is not None:
             marks[1].record()
         catch_up_s = clock() - t0
-        if self.topk > 1 and self.tree_runner is not None:
+        if self.tree_runner is not None:  # built only for trees
             self._draft_tree_static(todo)
         elif self.topk > 1:
             self._draft_tree(todo, h)
@@ -937,10 +936,7 @@ class EagleSpeculator:
         reqs = [r for r, _ in todo]
         cands, path = self.tree_runner.run([r.num_tokens - 1 for r in reqs], [r.kv.block_table for r in reqs])
         self.path_counts[f"tree:{path}"] += 1
-        for (r, k), c in zip(todo, cands):
-            tree = select_tree(r.all_token_ids[-1], c, k)
-            r.draft_tree = tree
-            r.draft_token_ids = tree.tokens[1:]
+        self._set_trees(todo, cands)
 
     def _draft_chain(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
         reqs = [r for r, _ in todo]
@@ -1015,8 +1011,13 @@ class EagleSpeculator:
             front_h = front_h.reshape(B * K, -1)
             front_tok = c_tok.gather(1, best)
             front_score = best_score
-        for b, (r, k) in enumerate(todo):
-            tree = select_tree(r.all_token_ids[-1], cands[b], k)
+        self._set_trees(todo, cands)
+
+    @staticmethod
+    def _set_trees(todo: list[tuple[Request, int]], cands: list[list[Candidate]]) -> None:
+        """Each request's tree: its best k candidates below its last committed token."""
+        for (r, k), c in zip(todo, cands):
+            tree = select_tree(r.all_token_ids[-1], c, k)
             r.draft_tree = tree
             r.draft_token_ids = tree.tokens[1:]
 

@@ -200,8 +200,8 @@ class TreeDraftRunner:
             flat.extend([0] * (width - len(t)))
         buf = host_to_device(flat, self.device)
         self.base_pos[:Bp].copy_(buf[:Bp])
+        # columns past a row's own table keep stale block ids: their keys are masked by base_pos
         self.block_tables[:B, :width].copy_(buf[Bp:].view(B, width))
-        self.block_tables[:B, width:].zero_()
 
     def run(self, base: list[int], tables: list[list[int]]) -> tuple[list[list[Candidate]], str]:
         """Every request's candidates (h0[:B] must hold the catch-up output) and the path taken."""
