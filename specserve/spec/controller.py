@@ -15,9 +15,8 @@ prompt is prefilled once), and in a closed loop it lands in the cycle after the 
 finished a request, so counted it would charge a depth for its predecessor's prefills. What
 sharing the step does to the cost of verify tokens stays in: on two CPU cores a prompt added
 ~100 ms to a plain cycle at 16 requests and ~89 / ~78 ms to one verifying 1 / 2 drafts per
-request (a bigger step uses the cores better), a gain of drafting that shows only in the cycles
-that carry prompts. A cycle where that share is most of its time is not measured at all
-(``prefill_share_limit``). Likewise the draft KV's catch-up over the tokens a verify committed is
+request (a bigger step uses the cores better). A cycle where that share is a large part of its
+time is not measured at all (``prefill_share_limit``), and that gain with it. Likewise the draft KV's catch-up over the tokens a verify committed is
 timed to the cycle of that verify (drafter.draft_step), not to the next one, whose depth may differ;
 the head's pass over a new request's prompt, a cost plain decoding does not have, to the cycle that
 first drafts for it (not the prompt's own cycle, which is seldom measured).
@@ -181,11 +180,14 @@ class SpecController:
     decide_budget: float = 0.01
     # a cycle whose prompt tokens' predicted share is above this part of its time is left out of the
     # arm's measure (charged to exploration only): what remains after subtracting a share that large
-    # is mostly the prediction's error (a 150-token prompt at one request on two CPU cores: ~90 %).
-    # At 0.25, at 16-32 requests on a CPU every cycle with a prompt (50-60 % of its time) was left
-    # out, and with them drafting's gain there: depth 1, 7 % above plain decoding in engine output,
-    # measured 1.5 % above it, depth 2 (4 % above) 8 % below (session 19's cycle_bias probe)
-    prefill_share_limit: float = 0.75
+    # is mostly the prediction's error (on two CPU cores, 150 prompt tokens cost ~1.5 decode steps).
+    # This leaves out, at 16-32 requests on a CPU, every cycle with a prompt (50-60 % of its time),
+    # and with them a gain of drafting that shows only there (session 19's cycle_bias probe: depth 1,
+    # 7 % above plain decoding in engine output, measured 1.5 % above). 0.75 was tried and reverted:
+    # a drafting cycle is longer, so its share is lower, and with the same prompt it counted where
+    # plain decoding's did not. Any error of the subtracted share then fell on the drafting arms
+    # alone: in a full run depth 3 measured 1.33x plain decoding at 32 requests where it made 0.96x
+    prefill_share_limit: float = 0.25
     nodraft_share_limit: float = 0.1  # see mixed_batch
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
