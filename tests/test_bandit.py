@@ -457,26 +457,3 @@ def test_turning_drafting_on_must_repay_its_catch_up():
         b.chosen[key] = 0
         picks[switch_s] = b.choose(key, priors, B, switch_s)[0]
     assert picks == {0.030: 0, 0.001: 2}, picks
-
-
-def test_a_long_stay_in_plain_decoding_lowers_the_bar_for_a_better_depth():
-    # 16 requests on a CPU: plain decoding at 74 ms a cycle, depth 1 measured 7 % better, and turning
-    # it on first catches up 0.45 s of draft KV. Repaid within 64 cycles it needs ~9.5 %: plain
-    # decoding would stay for good. Repaid over the pick's stay so far, the switch comes once plain
-    # decoding has been kept ~90 decisions (6.1 / stay > 7 %), and not before 64
-    B, key = 16, batch_key(16)
-    priors = {0: (B * 1.0, 0.074), 1: (B * 1.6, 0.074 * 1.6 / 1.07)}
-
-    def first_switch(stay_horizon: int) -> int | None:
-        b = GoodputBandit(explore_every=0, stay_horizon=stay_horizon)
-        fill(b, key, 0, 0.074, B, 0.074, requests=B, cycles=40)
-        fill(b, key, 1, priors[1][1], 1.6 * B, priors[1][1], requests=B, cycles=40)
-        b.chosen[key] = 0
-        for i in range(500):
-            if b.choose(key, priors, B, switch_s=0.45)[0] == 1:
-                return i
-        return None
-
-    assert first_switch(0) is None  # the 64-cycle bar alone
-    at = first_switch(1024)
-    assert at is not None and 64 <= at <= 120, at

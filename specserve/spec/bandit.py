@@ -28,9 +28,8 @@ depth's tokens per request: a drafting cycle does all a plain one does, and more
 Choice: the arm with the best goodput, kept unless another is better by ``margin`` and by ``band``
 standard errors of the difference (hysteresis), and out of plain decoding by enough to repay the
 catch-up that turning drafting on starts with (the caller's prediction) within ``switch_horizon``
-cycles, or within as many as the current pick has lasted (``stay_horizon`` at most). Start-up
-seeds (``seed``) stand in for an arm's time until served cycles displace them, and plain decoding
-counts as measured by its served cycles only. A cycle counts at most ``clip`` x its
+cycles. Start-up seeds (``seed``) stand in for an arm's time until served cycles displace them, and
+plain decoding counts as measured by its served cycles only. A cycle counts at most ``clip`` x its
 expected time (a pause of the machine is not the arm's). Exploration: every ``explore_every``
 decisions of a bucket, plain decoding or a neighbour of the chosen arm if measured less than ``min_cycles``, else
 the arm with the highest upper bound (``z`` standard errors) if that bound beats the chosen arm,
@@ -160,13 +159,12 @@ class GoodputBandit:
     budget_decay: float = 0.999
     borrow: float = 4.0  # cycles' worth of the excess time per request measured in all buckets
     cap_cycles: float = 4.0  # plain decoding's own cycles before it bounds the drafting arms
-    switch_horizon: float = 64.0  # cycles in which turning drafting on must repay its catch-up ...
-    # ... or as many as the bucket has kept its current pick, up to this many: a load that has been
-    # steady that long is likely to stay, and the catch-up is repaid over the stay. With 64 alone, at
-    # 16 requests on a CPU (74-ms cycles, a 0.45-s catch-up) depth 1 had to beat plain decoding by
-    # ~9 % where it was 7 % better, and the bucket stayed plain for the whole 40-s point; after a
-    # switch the count starts again, so a pick that flips back soon meets the 64-cycle bar again
-    stay_horizon: int = 1024
+    # cycles in which turning drafting on must repay its catch-up. At 16 requests on a CPU (74-ms
+    # cycles, a ~0.45-s catch-up) that asks ~9 % of a depth. Repaying over the pick's stay so far
+    # instead (up to 1,024 decisions) was tried in session 19 and reverted: level on the CPU in an
+    # A/B (0.964 vs 0.980, 0.993 vs 0.993 of the best fixed at 32 and 16 requests), and at 256
+    # requests on the H200 it drafted more where plain decoding was best (mean k 2.23 vs 0.60)
+    switch_horizon: float = 64.0
     # a cycle counts at most this x its predicted seconds x the arm's measured/predicted ratio so far
     # (in its bucket or over all of them, whichever is higher): a hiccup of the machine (a garbage
     # collection, another process) is not the arm's. Unclipped, one 0.3-s pause in one of plain
@@ -183,7 +181,6 @@ class GoodputBandit:
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
     _plain_turn: dict[int, bool] = field(default_factory=dict)  # bucket -> plain decoding's turn to be explored
-    _picked_at: dict[int, int] = field(default_factory=dict)  # bucket -> its decision that chose its current pick
 
     def excess_per_request(self) -> float:
         """Measured minus predicted seconds per cycle and request, over every bucket."""
@@ -260,16 +257,12 @@ class GoodputBandit:
             need = max(self.margin * gc, band)
             if cur == min(est) and switch_s > 0 and gc > 0:
                 # drafting again first catches every request's draft KV up over the plain steps:
-                # the gain must repay that within ``switch_horizon`` cycles, or the pick's stay so far
-                # (plain decoding's take batch / gc seconds). Without this, at 256 requests on the
-                # H200 depths measured level with plain decoding were switched to and back 23 times
-                # in 500 steps
-                stay = min(visit - self._picked_at.get(key, 0), self.stay_horizon)
-                need = max(need, gc * gc * switch_s / (max(self.switch_horizon, stay) * batch))
+                # the gain must repay that within ``switch_horizon`` cycles (plain decoding's take
+                # batch / gc seconds). Without this, at 256 requests on the H200 depths measured
+                # level with plain decoding were switched to and back 23 times in 500 steps
+                need = max(need, gc * gc * switch_s / (self.switch_horizon * batch))
             if gb - gc < need:
                 best = cur
-        if best != cur:
-            self._picked_at[key] = visit
         self.chosen[key] = best
         self._best_goodput[key] = est[best][0]
         if not self.explores_at(key, visit):
