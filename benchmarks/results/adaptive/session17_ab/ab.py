@@ -29,6 +29,16 @@ from specserve import LLM  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 
+def warm_up(clients: list[Client], pool: list) -> None:
+    """Two short requests through each engine (allocator, kernels, first acceptance observations),
+    then the start-up heap frozen as the server does; the sweep's prompts start at pool[2]."""
+    warm = [(p, 8) for p, _ in pool[:2]]
+    for c in clients:
+        c.reset()
+        run_side_by_side([c], lambda _: 2, lambda i: warm[i], 2, lambda cl: False if cl.live or cl.issued < 2 else True)
+    freeze_startup_heap()
+
+
 def run_ab(b_name: str, patch_b: Callable[[LLM], None], benchmark: str) -> None:
     """The committed adaptive engine ("adaptive") against one changed by ``patch_b`` (``b_name``),
     beside no-spec and static chains; writes --output-file after every point."""
@@ -56,11 +66,7 @@ def run_ab(b_name: str, patch_b: Callable[[LLM], None], benchmark: str) -> None:
     patch_b(llms[b_name])
     clients = [Client(n, llm) for n, llm in llms.items()]
     pool = prompt_pool(llms["none"].tokenizer, 600, args.max_input_len, args.output_len, 0)
-    warm = [(p, 8) for p, _ in pool[:2]]
-    for c in clients:
-        c.reset()
-        run_side_by_side([c], lambda _: 2, lambda i: warm[i], 2, lambda cl: False if cl.live or cl.issued < 2 else True)
-    freeze_startup_heap()
+    warm_up(clients, pool)
     offset, points = 2, []
     for C in cs:
         wait_for_quiet(0.3, args.max_wait)

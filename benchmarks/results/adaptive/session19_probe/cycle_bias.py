@@ -17,14 +17,12 @@ import sys
 
 import torch
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-sys.path.insert(0, ROOT)
-from adaptive import Client, prompt_pool, run_point, run_side_by_side  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "session17_ab"))
+from ab import warm_up  # noqa: E402  (also puts the repository and benchmarks/ on the path)
+from adaptive import Client, prompt_pool, run_point  # noqa: E402
 from common import run_metadata, wait_for_quiet  # noqa: E402
 
 from specserve import LLM  # noqa: E402
-from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 
 def log_cycles(llm: LLM, arm: int, logs: dict[str, list], name: str) -> None:
@@ -64,11 +62,7 @@ def main() -> None:
         log_cycles(llms[f"held{a}"], a, logs, f"held{a}")
     clients = [Client(n, llm) for n, llm in llms.items()]
     pool = prompt_pool(llms["none"].tokenizer, 600, args.max_input_len, args.output_len, 0)
-    warm = [(p, 8) for p, _ in pool[:2]]
-    for c in clients:
-        c.reset()
-        run_side_by_side([c], lambda _: 2, lambda i: warm[i], 2, lambda cl: False if cl.live or cl.issued < 2 else True)
-    freeze_startup_heap()
+    warm_up(clients, pool)
     offset, points = 2, []
     for C in cs:
         for a in arms:
