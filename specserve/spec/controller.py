@@ -16,8 +16,9 @@ finished a request, so counted it would charge a depth for its predecessor's pre
 sharing the step does to the cost of verify tokens stays in: on two CPU cores a prompt added
 ~100 ms to a plain cycle at 16 requests and ~89 / ~78 ms to one verifying 1 / 2 drafts per
 request (a bigger step uses the cores better). A cycle where that share is a large part of its
-time is not measured at all (``prefill_share_limit``), and that gain with it. Likewise the draft KV's catch-up over the tokens a verify committed is
-timed to the cycle of that verify (drafter.draft_step), not to the next one, whose depth may differ;
+time is not measured at all (``prefill_share_limit``), and that gain with it. Likewise the draft
+KV's catch-up over the tokens a verify committed is timed to the cycle of that verify
+(drafter.draft_step), not to the next one, whose depth may differ;
 the head's pass over a new request's prompt, a cost plain decoding does not have, to the cycle that
 first drafts for it (not the prompt's own cycle, which is seldom measured).
 
