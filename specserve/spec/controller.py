@@ -155,6 +155,7 @@ class Cycle:
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
     requests: int = 0  # in the decision
     prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
+    plain_seconds: float = 0.0  # the live cost model's time of its steps' decode rows alone (one per request)
 
 
 @dataclass
@@ -189,6 +190,7 @@ class SpecController:
     # plain decoding's did not. Any error of the subtracted share then fell on the drafting arms
     # alone: in a full run depth 3 measured 1.33x plain decoding at 32 requests where it made 0.96x
     prefill_share_limit: float = 0.25
+    share_of_plain: bool = False  # (A/B) the share of a plain step of the same requests, not of the cycle
     nodraft_share_limit: float = 0.1  # see mixed_batch
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
@@ -348,7 +350,9 @@ class SpecController:
         if c is None or c.tokens <= 0:
             return
         self._cycle_s = seconds if self._cycle_s <= 0 else 0.9 * self._cycle_s + 0.1 * seconds
-        measured = c.measured and c.prefill_seconds <= self.prefill_share_limit * seconds
+        # the share against a plain step of the same requests: the same test for every depth
+        base = c.plain_seconds + c.prefill_seconds if self.share_of_plain else seconds
+        measured = c.measured and c.prefill_seconds <= self.prefill_share_limit * base
         seconds = max(seconds - c.prefill_seconds, 0.2 * seconds)
         if not measured:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
@@ -371,7 +375,9 @@ class SpecController:
                 ref = self._reference()
                 c.target_predicted = (ref.step_time(num_tokens, num_seqs)
                                       - prefill_share(ref, decode_rows, prefill_tokens, num_seqs))
-            c.prefill_seconds += prefill_share(self.cost, decode_rows, prefill_tokens, num_seqs)
+            if prefill_tokens > 0:
+                c.prefill_seconds += prefill_share(self.cost, decode_rows, prefill_tokens, num_seqs)
+                c.plain_seconds += self.cost.step_time(max(decode_rows, 1), num_seqs)
         pred = self.cost.observe_step(num_tokens, seconds, num_seqs)
         if pred is not None:
             self.last_prediction = (pred, seconds)
