@@ -155,7 +155,6 @@ class Cycle:
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
     requests: int = 0  # in the decision
     prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
-    plain_seconds: float = 0.0  # the live cost model's time of its steps' decode rows alone (one per request)
 
 
 @dataclass
@@ -188,9 +187,11 @@ class SpecController:
     # 7 % above plain decoding in engine output, measured 1.5 % above). 0.75 was tried and reverted:
     # a drafting cycle is longer, so its share is lower, and with the same prompt it counted where
     # plain decoding's did not. Any error of the subtracted share then fell on the drafting arms
-    # alone: in a full run depth 3 measured 1.33x plain decoding at 32 requests where it made 0.96x
+    # alone: in a full run depth 3 measured 1.33x plain decoding at 32 requests where it made 0.96x.
+    # The same test for every depth (the share against a plain step of the same requests, up to
+    # 0.75) still drafted where plain decoding was best: 0.947 against 0.975 of the best fixed at 16
+    # requests, level at 32 (session 20's ab_share)
     prefill_share_limit: float = 0.25
-    share_of_plain: bool = False  # (A/B) the share of a plain step of the same requests, not of the cycle
     nodraft_share_limit: float = 0.1  # see mixed_batch
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
@@ -205,6 +206,7 @@ class SpecController:
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
     truncate_relative: float = 0.5
+    cut_min_batch: int = 2  # ... in batches of at least this many requests (see _decide_adaptive)
 
     def __post_init__(self) -> None:
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
@@ -350,9 +352,7 @@ class SpecController:
         if c is None or c.tokens <= 0:
             return
         self._cycle_s = seconds if self._cycle_s <= 0 else 0.9 * self._cycle_s + 0.1 * seconds
-        # the share against a plain step of the same requests: the same test for every depth
-        base = c.plain_seconds + c.prefill_seconds if self.share_of_plain else seconds
-        measured = c.measured and c.prefill_seconds <= self.prefill_share_limit * base
+        measured = c.measured and c.prefill_seconds <= self.prefill_share_limit * seconds
         seconds = max(seconds - c.prefill_seconds, 0.2 * seconds)
         if not measured:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
@@ -375,9 +375,7 @@ class SpecController:
                 ref = self._reference()
                 c.target_predicted = (ref.step_time(num_tokens, num_seqs)
                                       - prefill_share(ref, decode_rows, prefill_tokens, num_seqs))
-            if prefill_tokens > 0:
-                c.prefill_seconds += prefill_share(self.cost, decode_rows, prefill_tokens, num_seqs)
-                c.plain_seconds += self.cost.step_time(max(decode_rows, 1), num_seqs)
+            c.prefill_seconds += prefill_share(self.cost, decode_rows, prefill_tokens, num_seqs)
         pred = self.cost.observe_step(num_tokens, seconds, num_seqs)
         if pred is not None:
             self.last_prediction = (pred, seconds)
@@ -478,7 +476,7 @@ class SpecController:
         # where plain decoding wins, and stayed at plain decoding, where its rates are never measured
         # again: at one request on the H200 (a depth-5 cycle 2.2 ms, a plain one 1.4) that was 31 %
         # of request-steps, the engine at 0.76x its own held at depth 5 (session 19)
-        relative = self.truncate_relative if len(requests) > 1 else 0.0
+        relative = self.truncate_relative if len(requests) >= self.cut_min_batch else 0.0
         depths = arm_depths(arms, cumacc, caps, overall, relative)
         # arms that draft the same depths (a short cap, poor acceptance) are one arm: the shallowest
         # (depths grow with the arm, so equal rows are neighbours)
