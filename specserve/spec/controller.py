@@ -475,7 +475,7 @@ class SpecController:
         # against. Cut by its own rates, a request on a hard stretch had every depth cut to one token,
         # where plain decoding wins, and stayed at plain decoding, where its rates are never measured
         # again: at one request on the H200 (a depth-5 cycle 2.2 ms, a plain one 1.4) that was 31 %
-        # of request-steps and 0.76x static chain 5 (session 19); 12 of 871 and 0.97x without the cut
+        # of request-steps and 0.76x static chain 5 (session 19); 8 of 855 and 0.97x without the cut
         relative = self.truncate_relative if len(requests) >= self.cut_min_batch else 0.0
         depths = arm_depths(arms, cumacc, caps, overall, relative)
         # arms that draft the same depths (a short cap, poor acceptance) are one arm: the shallowest
