@@ -182,15 +182,9 @@ class SpecController:
     # a cycle whose prompt tokens' predicted share is above this part of its time is left out of the
     # arm's measure (charged to exploration only): what remains after subtracting a share that large
     # is mostly the prediction's error (on two CPU cores, 150 prompt tokens cost ~1.5 decode steps).
-    # This leaves out, at 16-32 requests on a CPU, every cycle with a prompt (50-60 % of its time),
-    # and with them a gain of drafting that shows only there (session 19's cycle_bias probe: depth 1,
-    # 7 % above plain decoding in engine output, measured 1.5 % above). 0.75 was tried and reverted:
-    # a drafting cycle is longer, so its share is lower, and with the same prompt it counted where
-    # plain decoding's did not. Any error of the subtracted share then fell on the drafting arms
-    # alone: in a full run depth 3 measured 1.33x plain decoding at 32 requests where it made 0.96x.
-    # The same test for every depth (the share against a plain step of the same requests, up to
-    # 0.75) still drafted where plain decoding was best: 0.947 against 0.975 of the best fixed at 16
-    # requests, level at 32 (session 20's ab_share)
+    # At 16-32 requests on a CPU that leaves out every prompt cycle, and a gain of drafting that
+    # shows only there. Counting them (0.75 of the cycle's time, session 19; of a plain step's,
+    # session 20) drafted where plain decoding was best: see BENCHMARKS.md, adaptive sessions 19-20
     prefill_share_limit: float = 0.25
     nodraft_share_limit: float = 0.1  # see mixed_batch
     _cycle: Cycle | None = None
