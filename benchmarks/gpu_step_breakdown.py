@@ -68,7 +68,7 @@ def instrument(llm: LLM, sync: bool) -> tuple[dict[str, list[float]], Wrapped]:
         wrap(d.controller, "decide", "decide (in draft_step)", acc, sync, wrapped)
         wrap(d, "_record", "record (in forward + verify)", acc, sync, wrapped)
         wrap(d, "_draft_chain_static", "chain loop (in draft loop)", acc, sync, wrapped)
-        for name in ("quick_arm", "uniform", "count_off", "finish_cycle", "observe_many", "observe_step"):
+        for name in ("quick_arm", "uniform", "count_off", "finish_cycle", "observe_many", "observe_step", "flush"):
             wrap(d.controller, name, f"controller.{name}", acc, sync, wrapped)
     else:
         wrap(eng.runner, "execute", "forward + sample", acc, sync, wrapped)

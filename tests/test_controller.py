@@ -515,3 +515,54 @@ def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free
             ctl.forget(req.request_id)
             req, left = R(str(next(ids))), 128
     assert plain_in_hard < 0.1 * hard_steps, (plain_in_hard, hard_steps, ctl.snapshot()["k_histogram"])
+
+
+def test_deferred_bookkeeping_leaves_every_decision_as_it_was():
+    # the drafter defers a cycle's outcome and the live cost model's updates to the next forward's
+    # launch (``defer``, ``flush``): in the drafter's order (flush, observe the verify, decide, end the
+    # last cycle) the controller must decide exactly as it does with them applied at once
+    def run(defer: bool) -> tuple[list[list[int]], dict, SpecController]:
+        rng = np.random.default_rng(3)
+        ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), defer=defer,
+                             cost=CostModel(target=Curve({n: true_ms(n) * 1e-3 for n in range(1, 129)}),
+                                            draft=Curve({1: 0.004, 64: 0.010})))
+        ids = iter(range(10**6))
+        reqs = [[R(str(next(ids))), int(rng.integers(32, 97))] for _ in range(6)]
+        ks = np.zeros(len(reqs), dtype=np.int64)
+        seen, prev_s = [], 0.0
+        for step in range(1500):
+            ctl.flush()  # the drafter: once the verify's forward is launched
+            n = len(reqs) + int(ks.sum())
+            target = true_ms(n) * 1e-3 * rng.lognormal(0, 0.05)
+            accepted = []
+            for k in ks:
+                a = 0
+                while a < k and rng.random() < COND[a]:
+                    a += 1
+                accepted.append(a)
+            ctl.observe_many([r.request_id for r, _ in reqs], [int(k) for k in ks], accepted)
+            ctl.observe_step(n, len(reqs), target, 0, len(reqs))
+            if defer:
+                assert ctl.pending  # held back, not applied
+            for i, a in enumerate(accepted):
+                reqs[i][1] -= a + 1
+                if reqs[i][1] <= 0:
+                    ctl.forget(reqs[i][0].request_id)
+                    reqs[i] = [R(str(next(ids))), int(rng.integers(32, 97))]
+            prev = ctl.detach_cycle()
+            ks = drafter_decision(ctl, [r for r, _ in reqs])
+            draft = sum(true_draft_ms(int((ks >= j).sum())) for j in range(1, ks.max() + 1)) * 1e-3
+            if ks.any():
+                ctl.observe_draft(int((ks > 0).sum()), int(ks.max()), draft)
+            ctl.finish_cycle(prev, prev_s)
+            prev_s = target + draft + HOST_MS * 1e-3
+            seen.append(ks.tolist())
+        snap = ctl.snapshot()  # flushes
+        return seen, snap, ctl
+
+    now, snap_now, _ = run(False)
+    later, snap_later, ctl = run(True)
+    assert later == now
+    assert snap_later["measured_goodput"] == snap_now["measured_goodput"] and snap_later["cycles"] > 1000
+    assert snap_later["cost"] == snap_now["cost"] and not ctl.pending
+    assert len({tuple(k) for k in now}) > 3  # the loop did decide (several depths), not sit at one

@@ -56,6 +56,7 @@ def calibrate(drafter: EagleSpeculator, steps: int = 3, warm: int = 1, prompt_le
     ctl = drafter.controller
     t_start = time.perf_counter()
     ctl._reference()  # frozen now: the steps below must not shift the prior the bandit is measured against
+    ctl.flush()  # (the calibration's own bookkeeping, left pending when it ends, is dropped with its state)
     saved_ctl = {k: copy.deepcopy(v) for k, v in vars(ctl).items() if k not in ("cfg", "cost", "reference")}
     saved_stats = copy.deepcopy(e.stats)
     saved_paths = copy.deepcopy(drafter.path_counts)

@@ -148,7 +148,8 @@ class EagleSpeculator:
         engine.blocks.require_draft_kv = True
         engine.scheduler.reuse_without_draft_kv = self._reuse_without_draft_kv
         self.states: dict[str, DraftState] = {}
-        self.controller = SpecController(cfg)
+        # its bookkeeping waits for the next target forward's launch (verify_step flushes it there)
+        self.controller = SpecController(cfg, defer=True)
         # requests that finished this step without draft KV over all they committed, with their
         # blocks (freed, still cached): see _catch_up_finished
         self._finished: list[tuple[Request, KVSlots]] = []
@@ -471,6 +472,9 @@ class EagleSpeculator:
         t0 = clock()
         inputs = self.runner.prepare(plan)
         out = self.runner.forward(inputs)
+        # launched: on a GPU the last cycle's bookkeeping runs while the device computes (a CPU forward
+        # has returned by now, and it costs what it would have anyway)
+        self.controller.flush()
         hidden, feats = out if isinstance(out, tuple) else (out, out)
         if not any(s.draft_token_ids for s in plan.scheduled):
             # nobody drafted (speculation off, prefill): the plain-decode sampler, and the target
