@@ -84,15 +84,25 @@ def unwrap(wrapped: Wrapped) -> None:
         delattr(obj, name)
 
 
-def log_cycles(llm: LLM) -> list[list[float]] | None:
+def log_cycles(llm: LLM) -> tuple[list[list[float]], list[list[Any]]] | None:
     """Record the adaptive controller's measured cycles, as the bandit gets them: [bucket, arm,
-    tokens, seconds, requests, measured (1) or charged only (0)]."""
+    tokens, seconds, requests, measured (1) or charged only (0)]; and its full decisions: [bucket,
+    visit, batch, arm picked, exploring, {arm: [goodput, standard error]} as it weighed them]."""
     d = llm.engine.drafter
     if d is None or d.cfg.policy != "adaptive":
         return None
     bandit = d.controller.bandit
     out: list[list[float]] = []
-    observe, charge = bandit.observe, bandit.charge
+    decisions: list[list[Any]] = []
+    observe, charge, choose = bandit.observe, bandit.charge, bandit.choose
+
+    def chosen(key: int, priors: dict, batch: int = 1, switch_s: float = 0.0) -> tuple[int, bool]:
+        est = bandit.estimates(key, priors, batch)  # pure: what choose weighs next
+        visit = bandit.visits.get(key, 0)
+        arm, exploring = choose(key, priors, batch, switch_s)
+        decisions.append([key, visit, batch, arm, int(exploring),
+                          {a: [round(g, 1), round(se, 1)] for a, (g, se) in est.items()}])
+        return arm, exploring
 
     def observed(key: int, arm: int, predicted: float, tokens: float, seconds: float, requests: int = 1) -> None:
         out.append([key, arm, tokens, round(seconds, 6), requests, 1])
@@ -102,8 +112,8 @@ def log_cycles(llm: LLM) -> list[list[float]] | None:
         out.append([key, arm, tokens, round(seconds, 6), 0, 0])
         charge(key, arm, tokens, seconds)
 
-    bandit.observe, bandit.charge = observed, charged  # type: ignore[method-assign]
-    return out
+    bandit.observe, bandit.charge, bandit.choose = observed, charged, chosen  # type: ignore[method-assign]
+    return out, decisions
 
 
 def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int) -> dict[str, Any]:
@@ -187,11 +197,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         point: dict[str, Any] = {"concurrency": c, "configs": {}}
         for n in names:
             acc, wrapped = instrument(engines[n], args.sync)
-            cycles = log_cycles(engines[n]) if args.log_cycles else None
+            logged = log_cycles(engines[n]) if args.log_cycles else None
             got = run_batch(engines[n], batch, c, args.output_len)
-            if cycles is not None:
+            if logged is not None:
                 bandit = engines[n].engine.drafter.controller.bandit
-                for k in ("observe", "charge"):
+                for k in ("observe", "charge", "choose"):
                     delattr(bandit, k)
             steps = len(acc["step"])
             phases = {k: {"calls": len(v), "ms_total": round(sum(v), 1),
@@ -205,8 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             point["configs"][n] = {**extra, "tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
                                    "phases": phases}
-            if cycles is not None:
-                point["configs"][n]["cycles"] = cycles
+            if logged is not None:
+                point["configs"][n]["cycles"], point["configs"][n]["decisions"] = logged
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
