@@ -152,6 +152,7 @@ class GoodputBandit:
     warm_visits: int = 32  # a bucket's first decisions ...
     warm_every: int = 4  # ... may explore this often, an arm not yet measured there whose bound beats the pick
     min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
+    pick_cycles: float = 0.3  # served (decayed) cycles an arm needs in a bucket to be picked there (see choose)
     explore_budget: float = 0.01  # share of a bucket's time explorations may lose ...
     # ... over this memory per decision (~1,000 cycles): over the arms' ~200 a catch-up out of plain
     # decoding (~2 cycles' time at 8-32 requests on a CPU) would never fit, and plain decoding, once
@@ -246,7 +247,14 @@ class GoodputBandit:
         again = self._explore_again.pop(key, None)
         if again in est:  # an exploration's second cycle (its first paid the switch)
             return again, True
-        best = max(est, key=lambda a: est[a][0])
+        arms = self.stats.get(key, {})
+        # once arms here have served cycles the pick is among them: an arm known only by its prior, or
+        # by start-up seeds fading towards it, earns an exploration (below), not the pick. At 256
+        # requests on the H200 the drafting arms' estimates rose past plain decoding's measured one as
+        # their seeds faded (the prior adds plain decoding's excess time per cycle, and drafting's
+        # host time per request is more), and depth 1 was picked unmeasured: 0.74x plain decoding
+        known = [a for a in est if served(arms.get(a)) >= self.pick_cycles]
+        best = max(known or est, key=lambda a: est[a][0])
         cur = self.chosen.get(key)
         if cur in est and cur != best:
             (gb, sb), (gc, sc) = est[best], est[cur]
@@ -268,7 +276,6 @@ class GoodputBandit:
         if not self.explores_at(key, visit):
             return best, False
         others = [a for a in est if a != best]
-        arms = self.stats.get(key, {})
         # the next exploration is expected to lose what the last one did, and out of plain decoding
         # at least the catch-up it starts with: it must fit in the budget. (Without the catch-up the
         # first exploration of a bucket was free: at 32 requests on a CPU, after a stretch of plain
