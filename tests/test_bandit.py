@@ -462,20 +462,20 @@ def test_turning_drafting_on_must_repay_its_catch_up():
 def test_an_arm_known_only_by_its_prior_and_fading_seeds_is_explored_not_picked():
     # 256 requests on the H200 (session 21): plain decoding served at 7.4 ms a cycle, depth 1 truly
     # 16 ms (1.58 tokens per request: 0.74x plain decoding's goodput). The profile sees the target
-    # forward only; start-up seeds timed depth 1 at 11.1 ms. As those seeds fade, depth 1's estimate
-    # goes back to the prior plus plain decoding's excess time, which is above plain decoding's:
-    # picked on that alone (7 cycles here, ~120 in the engine's 12-s point) it lost 2 %; it must be
-    # measured by an exploration first, and then it is not picked
+    # forward only; start-up seeds put the depths behind plain decoding, so the bucket's warm-up
+    # picks plain decoding. As the seeds fade, a depth's estimate goes back to its prior plus plain
+    # decoding's excess time, which is above plain decoding's: picked on that alone (from decision
+    # ~450 here; in the engine's 12-s point depth 1 drafted ~120 cycles) it loses. Past the warm-up
+    # it must be measured by an exploration first, and then it is not picked
     from specserve.spec.bandit import ArmStats
 
     B, key = 256, batch_key(256)
     tpr = {0: 1.0, 1: 1.58, 3: 2.2}
     true_s = {0: 7.4e-3, 1: 16e-3, 3: 22e-3}
     predicted = {0: 1.8e-3, 1: 2.6e-3, 3: 3.6e-3}
-    seeded = {0: 5.5e-3, 1: 11.1e-3, 3: 13.5e-3}
+    seeded = {0: 5.5e-3, 1: 14e-3, 3: 20e-3}
     priors = {a: (B * tpr[a], s) for a, s in predicted.items()}
-    ratios = []
-    for seed in range(4):
+    for seed in range(3):
         rng = np.random.default_rng(seed)
         b = GoodputBandit()
         for a, s in seeded.items():
@@ -484,7 +484,7 @@ def test_an_arm_known_only_by_its_prior_and_fading_seeds_is_explored_not_picked(
             for _ in range(100):
                 b.pooled.setdefault(a, ArmStats()).add(B * tpr[a], 1.0, 1.0, B, tpr[a] * rng.lognormal(0, 0.2))
         last, picked, tokens_sum, seconds_sum = 0, [], 0.0, 0.0
-        for _ in range(600):
+        for i in range(600):
             arm, exploring = b.choose(key, priors, B, switch_s=9e-3 if last == 0 else 0.0)
             seconds = true_s[arm] * rng.lognormal(0, 0.05)
             if arm and last == 0:  # a switch: every request's draft KV caught up first, charged only
@@ -493,10 +493,9 @@ def test_an_arm_known_only_by_its_prior_and_fading_seeds_is_explored_not_picked(
             else:
                 b.observe(key, arm, predicted[arm], B * tpr[arm], seconds, B)
             if arm and not exploring:
-                picked.append(arm)
+                picked.append(i)
             tokens_sum += B * tpr[arm]
             seconds_sum += seconds
             last = arm
         assert picked == [], (seed, picked)
-        ratios.append(tokens_sum / seconds_sum / (B / true_s[0]))
-    assert np.mean(ratios) > 0.99, ratios
+        assert tokens_sum / seconds_sum > 0.99 * B / true_s[0]

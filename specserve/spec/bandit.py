@@ -152,7 +152,7 @@ class GoodputBandit:
     warm_visits: int = 32  # a bucket's first decisions ...
     warm_every: int = 4  # ... may explore this often, an arm not yet measured there whose bound beats the pick
     min_cycles: float = 0.3  # (decayed) cycles plain decoding and the chosen arm's neighbours keep
-    pick_cycles: float = 0.3  # served (decayed) cycles an arm needs in a bucket to be picked there (see choose)
+    pick_cycles: float = 0.3  # served (decayed) cycles an arm needs in a bucket, past its warm-up, to be picked (choose)
     explore_budget: float = 0.01  # share of a bucket's time explorations may lose ...
     # ... over this memory per decision (~1,000 cycles): over the arms' ~200 a catch-up out of plain
     # decoding (~2 cycles' time at 8-32 requests on a CPU) would never fit, and plain decoding, once
@@ -248,12 +248,15 @@ class GoodputBandit:
         if again in est:  # an exploration's second cycle (its first paid the switch)
             return again, True
         arms = self.stats.get(key, {})
-        # once arms here have served cycles the pick is among them: an arm known only by its prior, or
-        # by start-up seeds fading towards it, earns an exploration (below), not the pick. At 256
-        # requests on the H200 the drafting arms' estimates rose past plain decoding's measured one as
-        # their seeds faded (the prior adds plain decoding's excess time per cycle, and drafting's
-        # host time per request is more), and depth 1 was picked unmeasured: 0.74x plain decoding
-        known = [a for a in est if served(arms.get(a)) >= self.pick_cycles]
+        # past a bucket's warm-up the pick is among arms with served cycles there: an arm known only by
+        # its prior, or by start-up seeds fading towards it, earns an exploration (below), not the pick.
+        # At 256 requests on the H200 the drafting arms' estimates rose past plain decoding's measured
+        # one as their seeds faded (the prior adds plain decoding's excess time per cycle, and
+        # drafting's host time per request is more), and depth 1 was picked unmeasured: 0.74x plain
+        # decoding. In the warm-up, fresh seeds may pick: required there, at 32 requests on a CPU
+        # drafting was never tried within a 40-s window (an exploration out of plain decoding waits
+        # for its catch-up to fit the budget), 0.922 of the best fixed against 1.041 (session 21)
+        known = [a for a in est if served(arms.get(a)) >= self.pick_cycles] if visit >= self.warm_visits else []
         best = max(known or est, key=lambda a: est[a][0])
         cur = self.chosen.get(key)
         if cur in est and cur != best:
