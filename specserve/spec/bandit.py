@@ -25,7 +25,8 @@ the same tokens for more seconds), while a ratio borrowed from elsewhere could. 
 decoding has a few cycles in a bucket, a depth's goodput is bounded by plain decoding's times the
 depth's tokens per request: a drafting cycle does all a plain one does, and more.
 
-Choice: the arm with the best goodput, kept unless another is better by ``margin`` and by ``band``
+Choice: the arm with the best goodput (past a bucket's warm-up, among arms with served cycles there;
+another is explored first), kept unless another is better by ``margin`` and by ``band``
 standard errors of the difference (hysteresis), and out of plain decoding by enough to repay the
 catch-up that turning drafting on starts with (the caller's prediction) within ``switch_horizon``
 cycles. Start-up seeds (``seed``) stand in for an arm's time until served cycles displace them, and
