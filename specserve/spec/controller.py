@@ -32,6 +32,7 @@ time (``end_cycle``) and each request's accepted count (``observe``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -353,6 +354,13 @@ class SpecController:
         """The wall time since the last adaptive decision: its outcome goes to the bandit."""
         self.finish_cycle(self.detach_cycle(), seconds)
 
+    def _later(self, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)`` now, or at the next ``flush`` when deferring."""
+        if self.defer:
+            self.pending.append(functools.partial(fn, *args))
+        else:
+            fn(*args)
+
     def flush(self) -> None:
         """Run the bookkeeping ``defer`` held back, in the order it came."""
         todo, self.pending = self.pending, []
@@ -363,10 +371,7 @@ class SpecController:
         """The wall time of a detached cycle (None: nothing to measure)."""
         if c is None or c.tokens <= 0:
             return
-        if self.defer:
-            self.pending.append(lambda: self._finish_cycle(c, seconds))
-        else:
-            self._finish_cycle(c, seconds)
+        self._later(self._finish_cycle, c, seconds)
 
     def _finish_cycle(self, c: Cycle, seconds: float) -> None:
         self._cycle_s = seconds if self._cycle_s <= 0 else 0.9 * self._cycle_s + 0.1 * seconds
@@ -387,12 +392,8 @@ class SpecController:
         """A target step of ``num_tokens`` for ``num_seqs`` requests took ``seconds``; of its tokens,
         ``prefill_tokens`` were prompt tokens before each prompt's last and ``decode_rows`` one per
         request that samples (the rest: drafts to verify)."""
-        c = self._cycle  # the cycle in flight now, whenever this runs
-        if self.defer:
-            self.pending.append(lambda: self._observe_step(c, num_tokens, num_seqs, seconds, prefill_tokens,
-                                                           decode_rows))
-        else:
-            self._observe_step(c, num_tokens, num_seqs, seconds, prefill_tokens, decode_rows)
+        # the cycle in flight now, whenever this runs
+        self._later(self._observe_step, self._cycle, num_tokens, num_seqs, seconds, prefill_tokens, decode_rows)
 
     def _observe_step(self, c: Cycle | None, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int,
                       decode_rows: int) -> None:
@@ -407,10 +408,7 @@ class SpecController:
             self.last_prediction = (pred, seconds)
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
-        if self.defer:
-            self.pending.append(lambda: self.cost.observe_draft(batch, steps, seconds))
-        else:
-            self.cost.observe_draft(batch, steps, seconds)
+        self._later(lambda: self.cost.observe_draft(batch, steps, seconds))  # self.cost as it is when this runs
 
     def _reference(self) -> CostModel:
         if self.reference is None:
