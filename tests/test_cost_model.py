@@ -197,3 +197,28 @@ def test_cost_profile_key_follows_cpu_packing(monkeypatch) -> None:
     unpacked = drafter.cost_profile_key(eng, head, 4, False)
     assert len({two, four, unpacked}) == 3
     assert drafter.cost_profile_key(eng, head, 4, True) != unpacked  # graphs change the kernels too
+
+
+def test_linear_cost_separates_a_fixed_part_from_the_rate_per_unit():
+    from specserve.spec.cost_model import LinearCost
+
+    lc = LinearCost()
+    assert lc.predict(100) is None
+    lc.observe(1000, 0.2)
+    assert lc.fit() == (0.0, pytest.approx(2e-4))  # one size: through the origin
+    lc = LinearCost()
+    # catch-ups of 0.4 ms + 20 ns per token, as at small batches on a GPU, and one larger
+    for tokens in (20, 40, 30, 60, 2000, 25):
+        lc.observe(tokens, 4e-4 + 2e-8 * tokens)
+    fixed, per = lc.fit()
+    assert fixed == pytest.approx(4e-4) and per == pytest.approx(2e-8)
+    # 50,000 tokens: ~1.4 ms, where the mean rate per token of those catch-ups (~10 us) says ~0.5 s
+    assert lc.predict(50_000) == pytest.approx(4e-4 + 1e-3)
+    lc.observe(0, 1.0)  # ignored
+    lc.observe(10, -1.0)
+    assert lc.predict(50_000) == pytest.approx(4e-4 + 1e-3)
+    # seconds falling with size (noise) give no negative rate: the ratio of the sums instead
+    lc = LinearCost()
+    lc.observe(100, 0.003)
+    lc.observe(1000, 0.001)
+    assert lc.fit() == (0.0, pytest.approx((0.8 * 0.003 + 0.001) / (0.8 * 100 + 1000)))  # decayed sums

@@ -418,6 +418,15 @@ class GoodputBandit:
             self._last_loss[key] = self._last_loss.get(key, 0.0) + lost
         self.spent[key] = self.spent.get(key, 0.0) * f + lost
 
+    def budget_summary(self) -> dict:
+        """Per bucket (as its batch size): seconds explorations lost and seconds of its cycles (both
+        decayed; explorations wait while the first plus the next one's expected loss exceeds
+        ``explore_budget`` of the second), and what the last exploration lost."""
+        return {round(2 ** (key / 2)): {"spent_s": round(self.spent.get(key, 0.0), 4),
+                                        "elapsed_s": round(self.elapsed[key], 3),
+                                        "last_loss_s": round(self._last_loss.get(key, 0.0), 4)}
+                for key in sorted(self.elapsed)}
+
     def summary(self) -> dict:
         """Per bucket (as its batch size) and arm: cycles (decayed), tok/s, measured/predicted time."""
         out: dict[int, dict[int, dict]] = {}

@@ -42,7 +42,7 @@ import numpy as np
 
 from specserve.config import SpeculativeConfig
 from specserve.spec.bandit import GoodputBandit, batch_key
-from specserve.spec.cost_model import CostModel
+from specserve.spec.cost_model import CostModel, LinearCost
 
 Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
 
@@ -197,7 +197,10 @@ class SpecController:
     _was_on: bool | None = None
     _decide_s: float = 0.0  # moving averages: host seconds of a full decision, seconds of a cycle
     _cycle_s: float = 0.0
-    _catch_up_rate: float = 0.0  # seconds per token of the catch-ups that ended a stretch of plain decoding
+    # seconds of the catch-ups that ended a stretch of plain decoding, against their tokens
+    catch_up_cost: LinearCost = field(default_factory=LinearCost)
+    # per bucket (as its batch size): the predicted catch-up of its last full decision (catch_up_seconds)
+    switch_seconds: dict[int, float] = field(default_factory=dict)
     forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
@@ -460,20 +463,18 @@ class SpecController:
         return self.spec_on
 
     def catch_up_seconds(self, tokens: int) -> float:
-        """Predicted seconds of a catch-up over ``tokens``: at the rate measured on past switches, else
-        as one head forward over that many rows by the reference profile (a draft step also computes
-        logits per row: an over-estimate, so the first exploration waits rather than overspends)."""
+        """Predicted seconds of a catch-up over ``tokens``: by the past switches' catch-ups (fixed +
+        per token, fitted), else as one head forward over that many rows by the reference profile (a
+        draft step also computes logits per row: an over-estimate, so the first exploration waits
+        rather than overspends)."""
         if tokens <= 0:
             return 0.0
-        if self._catch_up_rate > 0:
-            return tokens * self._catch_up_rate
-        return self._reference().draft.predict(tokens)
+        s = self.catch_up_cost.predict(tokens)
+        return s if s is not None else self._reference().draft.predict(tokens)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A switch's catch-up (after plain decoding) over ``tokens`` took ``seconds``."""
-        if tokens > 0 and seconds > 0:
-            r = seconds / tokens
-            self._catch_up_rate = r if self._catch_up_rate <= 0 else 0.7 * self._catch_up_rate + 0.3 * r
+        self.catch_up_cost.observe(tokens, seconds)
 
     def _decide_adaptive(self, requests: list, caps: np.ndarray, n_base: int, prefill: int,
                          switch_s: float = 0.0) -> tuple[np.ndarray, bool]:
@@ -512,6 +513,7 @@ class SpecController:
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree, prefill)
         key = batch_key(len(requests))
+        self.switch_seconds[round(2 ** (key / 2))] = switch_s
         arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
@@ -543,6 +545,10 @@ class SpecController:
         self.k_changes += changed
         self._last_ids, self._last_ks = ids, ks
 
+    def _catch_up_fit(self) -> dict | None:
+        f = self.catch_up_cost.fit()
+        return None if f is None else {"fixed_ms": round(f[0] * 1e3, 4), "us_per_token": round(f[1] * 1e6, 4)}
+
     def snapshot(self) -> dict:
         """Observable state: decisions, switches, k histogram, measured goodput per arm, cost model
         (what ``defer`` held back included: call it from the thread that steps the engine)."""
@@ -554,4 +560,7 @@ class SpecController:
                 "mean_k": sum(k * v for k, v in self.k_histogram.items()) / n if n else None,
                 "acceptance": [round(float(x), 4) for x in self.overall.rates()],
                 "measured_goodput": self.bandit.summary(),
+                "exploration_budget": {b: {**v, "switch_s": round(self.switch_seconds.get(b, 0.0), 4)}
+                                       for b, v in self.bandit.budget_summary().items()},
+                "catch_up_fit": self._catch_up_fit(),
                 "last_prediction": self.last_prediction, "cost": self.cost.summary()}

@@ -188,6 +188,49 @@ class Curve:
 
 
 @dataclass
+class LinearCost:
+    """seconds = fixed + per_unit x units, fitted by least squares over decayed sums of what was
+    measured (each observation weighs ``decay`` x the one after it). A catch-up of the draft KV is
+    a few launches per chunk plus a head pass per token: one rate per token, averaged over catch-ups
+    of a few dozen tokens at small batches, put the fixed part into every token and predicted one
+    over 50,000 tokens (256 requests after a stretch of plain decoding) many times what it costs."""
+
+    decay: float = 0.8
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, units: float, seconds: float) -> None:
+        if units <= 0 or seconds <= 0:
+            return
+        d = self.decay
+        self.n = d * self.n + 1
+        self.sx = d * self.sx + units
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + units * units
+        self.sxy = d * self.sxy + units * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_unit), both >= 0; None before any observation. Through the origin (the ratio
+        of the sums: large observations weigh most) where the sizes seen do not separate the two."""
+        if self.n <= 0 or self.sx <= 0:
+            return None
+        den = self.n * self.sxx - self.sx * self.sx
+        if den > 1e-9 * self.n * self.sxx:  # at least two distinct sizes
+            b = (self.n * self.sxy - self.sx * self.sy) / den
+            a = (self.sy - b * self.sx) / self.n
+            if b > 0 and a >= 0:
+                return a, b
+        return 0.0, self.sy / self.sx
+
+    def predict(self, units: float) -> float | None:
+        f = self.fit()
+        return None if f is None else f[0] + f[1] * units
+
+
+@dataclass
 class CostModel:
     target: Curve = field(default_factory=Curve)  # seconds per target step vs. tokens in it, all batches
     by_batch: dict[int, Curve] = field(default_factory=dict)  # the same per batch_bucket(requests in the step)

@@ -477,18 +477,21 @@ class EagleSpeculator:
         self.controller.flush()
         hidden, feats = out if isinstance(out, tuple) else (out, out)
         if not any(s.draft_token_ids for s in plan.scheduled):
-            # nobody drafted (speculation off, prefill): the plain-decode sampler, and the target
-            # features of every computed token kept for the head's catch-up
-            result = self.runner.sample(plan, inputs, hidden)
-            # the runner's outputs are the step's own tensors (a graph replay returns copies of its
+            # nobody drafted (speculation off, prefill): the target features of every computed token
+            # are kept for the head's catch-up, before the sampler's host sync (on a GPU this runs
+            # while the device computes), then the plain-decode sampler.
+            # The runner's outputs are the step's own tensors (a graph replay returns copies of its
             # output buffers), so every row (one per computed token: no drafts) is kept as it is
-            off = 0
-            for s in plan.scheduled:
-                if not s.req.no_draft_kv:  # a request that never drafts needs no features
-                    self._state(s.req).pending.append((feats, off, s.num_new_tokens))
-                off += s.num_new_tokens
-            sampling = [s for s in plan.scheduled if s.samples]
-            self._record(plan, sampling, [0] * len(sampling), clock() - t0)
+            self._keep_all_features(plan, feats)
+            result = self.runner.sample(plan, inputs, hidden)
+            n_sampling = len(result.token_ids)  # one per request that samples
+            if self.controller.cycle_open:  # a drafting decision's requests, none of which drafted
+                sampling = [s for s in plan.scheduled if s.samples]
+                self._record(plan, sampling, [0] * n_sampling, clock() - t0)
+            else:  # nothing per request to record: only the step's time
+                T = inputs.input_ids.shape[0]
+                self.controller.observe_step(T, len(plan.scheduled), clock() - t0, T - n_sampling, n_sampling)
+                self._check_stale()
             return result
 
         sampling = [s for s in plan.scheduled if s.samples]
@@ -586,6 +589,20 @@ class EagleSpeculator:
                 results[i] = TreeVerifyResult(list(range(1, a + 1)), d[:a] + [b], a)
         return results  # type: ignore[return-value]
 
+    def _keep_all_features(self, plan: StepPlan, feats: torch.Tensor) -> None:
+        """Keep a plain step's target features (every row: one per computed token) per request, as
+        a reference to the step's tensor and a row range (a request that never drafts needs none)."""
+        states = self.states
+        off = 0
+        for s in plan.scheduled:
+            r, n = s.req, s.num_new_tokens
+            if not r.no_draft_kv:
+                st = states.get(r.request_id)
+                if st is None:
+                    st = states[r.request_id] = DraftState(draft_pos=r.num_computed_tokens)
+                st.pending.append((feats, off, n))
+            off += n
+
     def _compact(self, s, path: list[int]) -> None:
         """Move the target KV of accepted tree nodes to the slots right after the root."""
         r = s.req
@@ -632,6 +649,10 @@ class EagleSpeculator:
                                          accepted)
         prefill = sum(s.num_new_tokens - s.samples for s in plan.scheduled)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling))
+        self._check_stale()
+
+    def _check_stale(self) -> None:
+        """Every 32 steps: whether the cached cost profile is far from what steps measure."""
         cost = self.controller.cost
         # (the staleness check takes a median of the last 256 steps' ratios: not every step)
         if self.engine.stats.steps % 32 == 0 and not cost.meta.get("stale_reported") and cost.stale:
