@@ -68,17 +68,17 @@ def stager(device: torch.device) -> PinnedStager | None:
     return st
 
 
-def host_to_device(values: list[int] | list[float] | list[list[int]], device: torch.device,
+def host_to_device(values: list[int] | list[float] | list[list[int]] | np.ndarray, device: torch.device,
                    dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A host list (or a list of equal-length rows) as a device tensor with no host sync
-    (``torch.tensor(..., device=cuda)`` waits for the whole stream)."""
+    """A host list (or a list of equal-length rows, or a 1-D numpy array) as a device tensor with no
+    host sync (``torch.tensor(..., device=cuda)`` waits for the whole stream)."""
     st = stager(device) if dtype in _NP else None
     if st is None:
         t = torch.tensor(values, dtype=dtype)
         if device.type != "cuda":
             return t.to(device)
         return t.pin_memory().to(device, non_blocking=True)
-    if values and isinstance(values[0], (list, tuple)):  # rows of equal length (block tables)
+    if len(values) and isinstance(values[0], (list, tuple)):  # rows of equal length (block tables)
         a = np.asarray(values, dtype=_NP[dtype])
         h, t = st.array(a.size, dtype)
         h[:] = a.reshape(-1)

@@ -69,10 +69,12 @@ def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_token(mc, dtype) * config.block_size
+    if config.speculative is not None:
+        # the draft head keeps one KV layer per block, shaped like the target's (EAGLE heads), and
+        # the drafter the target's features of every token (three layers' hidden states, EAGLE-3)
+        per_block = (per_block * (mc.num_hidden_layers + 1) // mc.num_hidden_layers
+                     + 3 * mc.hidden_size * dtype.itemsize * config.block_size)
     if device.type == "cuda":
-        if config.speculative is not None:
-            # the draft head keeps one KV layer per block, shaped like the target's (EAGLE heads)
-            per_block = per_block * (mc.num_hidden_layers + 1) // mc.num_hidden_layers
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total - reserve_bytes
     else:

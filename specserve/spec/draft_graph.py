@@ -25,8 +25,9 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -249,20 +250,20 @@ class CatchUpRunner:
         h = self._forward(self.ids[:n], self.feats[:n], self.pos[:n])
         self.h_out.copy_(h.index_select(0, self.last))
 
-    def run(self, ids: list[int], pos: list[int], slots: list[int], q_lens: list[int], seq_lens: list[int],
-            tables: list[list[int]], feats: torch.Tensor) -> str:
-        """Fills h_out[:B]; returns the path taken ("graph" or "eager")."""
+    def run(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
+            seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor) -> str:
+        """Fills h_out[:B]; returns the path taken ("graph" or "eager"). ``ids``, ``pos`` and ``slots``
+        are lists or numpy arrays (a catch-up's are built vectorised)."""
         T, B = len(ids), len(q_lens)
         width = max(len(t) for t in tables)
-        last, acc = [], 0
-        for q in q_lens:
-            acc += q
-            last.append(acc - 1)
         n_last = self.last.shape[0]
-        flat = ids + pos + slots + last + [0] * (n_last - B)
-        for t in tables:
-            flat.extend(t)
-            flat.extend([0] * (width - len(t)))
+        last = np.zeros(n_last, dtype=np.int64)
+        last[:B] = np.cumsum(q_lens) - 1
+        tab = np.zeros((B, width), dtype=np.int64)
+        for i, t in enumerate(tables):
+            tab[i, : len(t)] = t
+        flat = np.concatenate([np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64),
+                               np.asarray(slots, dtype=np.int64), last, tab.reshape(-1)])
         buf = host_to_device(flat, self.device)
         o = 3 * T + n_last
         meta = AttentionMetadata(query_lens=q_lens, seq_lens=seq_lens, slot_mapping=buf[2 * T : 3 * T],

@@ -1,0 +1,109 @@
+"""The drafter keeps the target's features of every computed token by KV slot (``features``): a
+plain step writes all its rows, a verify step the rows it keeps (the accepted drafts' at the slots
+of the positions they are committed at), and a catch-up reads them back by slot. Checked against
+the features of one prefill over the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from tiny_model import make_random_head, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("feature_store")
+    model = make_tiny_model(str(d / "model"), vocab=64, logit_scale=3.0)
+    head = make_random_head(model, str(d / "head"), std=0.3)  # some drafts accepted, some not
+    return model, head
+
+
+def spec_llm(model: str, head: str, **kw) -> LLM:
+    return LLM(model=model, device="cpu", max_num_seqs=4, block_size=4, speculative_algorithm="EAGLE3",
+               speculative_draft_model_path=head, speculative_num_steps=3, **kw)
+
+
+def stored(llm: LLM, req, n: int) -> torch.Tensor:
+    """The feature rows kept for positions 0..n-1 of ``req``."""
+    d = llm.engine.drafter
+    _, slots = d._catch_up_slots([req], [0], [n])
+    return d.features[torch.as_tensor(slots)]
+
+
+def reference(model: str, head: str, tokens: list[int]) -> torch.Tensor:
+    """Features of ``tokens`` from one prefill of them: the target forward's own output (a fresh
+    engine, speculation off), not what the drafter kept of it."""
+    llm = spec_llm(model, head, speculative_policy="threshold", speculative_disable_batch_threshold=0)
+    runner = llm.engine.runner
+    forward, outs = runner.forward, []
+    runner.forward = lambda inputs: (outs.append(forward(inputs)), outs[-1])[1]
+    llm.engine.add_request("ref", tokens, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.engine.step()
+    return outs[0][1][: len(tokens)]
+
+
+@pytest.mark.parametrize("policy", ["static", "tree", "off"])
+def test_kept_features_are_the_targets_at_each_position(tiny, policy):
+    model, head = tiny
+    kw = {"static": dict(speculative_policy="static"),
+          # trees: accepted nodes off the first branch move up to the slots after the root (_compact)
+          "tree": dict(speculative_policy="static", speculative_eagle_topk=4, speculative_num_draft_tokens=8),
+          "off": dict(speculative_policy="threshold", speculative_disable_batch_threshold=0)}[policy]
+    llm = spec_llm(model, head, **kw)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain = LLM(model=model, device="cpu", max_num_seqs=4, block_size=4)
+    future = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, sp))}
+    d = llm.engine.drafter
+    draft = d._draft
+
+    def two_right_then_wrong(todo, **kw):
+        # (a random head's drafts are seldom accepted: the greedy continuation's next two tokens, then
+        # a wrong one, so that every verify keeps some drafts' rows and drops others)
+        s = draft(todo, **kw)
+        for r, k in todo:
+            nxt = future[r.request_id][r.num_output_tokens :]
+            r.draft_token_ids = (nxt[:2] + [(nxt[2] + 1) % 64 if len(nxt) > 2 else 0])[:k]
+        return s
+
+    if policy != "tree":  # (a tree's own candidates: with 4 per node some are accepted)
+        d._draft = two_right_then_wrong
+    moved = []
+    compact = d._compact
+    d._compact = lambda s, path: (moved.append(path != list(range(1, len(path) + 1))), compact(s, path))[1]
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", p, sp)
+    for _ in range(20):
+        llm.engine.step()
+    st = llm.engine.stats
+    if policy != "off":
+        assert st.spec_accepted_tokens > 0 and st.spec_draft_tokens > st.spec_accepted_tokens  # both kinds of row
+        assert any(moved) or policy != "tree"
+    else:
+        assert st.spec_draft_tokens == 0
+    for i in range(len(prompts)):
+        req = llm.engine.requests[f"r{i}"]
+        n = req.num_computed_tokens  # (the last committed token has no KV, nor a feature, yet)
+        assert n > len(prompts[i]) + 15
+        torch.testing.assert_close(stored(llm, req, n), reference(model, head, req.all_token_ids[:n]),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_catch_up_slots_are_the_block_tables(tiny):
+    model, head = tiny
+    llm = spec_llm(model, head, speculative_policy="static")
+    d = llm.engine.drafter
+    reqs = []
+    for i, p in enumerate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [7, 8], [10, 11, 12, 13, 14, 15]]):
+        llm.engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        reqs.append(llm.engine.requests[f"r{i}"])
+    llm.engine.step()
+    starts, q_lens = [2, 0, 5], [6, 2, 1]
+    positions, slots = d._catch_up_slots(reqs, starts, q_lens)
+    want_pos = [p for a, q in zip(starts, q_lens) for p in range(a, a + q)]
+    assert positions.tolist() == want_pos
+    assert slots.tolist() == d._slots(reqs, q_lens, want_pos)
+    assert slots.dtype == np.int64
