@@ -84,10 +84,12 @@ def unwrap(wrapped: Wrapped) -> None:
         delattr(obj, name)
 
 
-def log_cycles(llm: LLM) -> tuple[list[list[float]], list[list[Any]]] | None:
+def log_cycles(llm: LLM) -> tuple[list[list[float]], list[list[Any]], list[list[float]]] | None:
     """Record the adaptive controller's measured cycles, as the bandit gets them: [bucket, arm,
-    tokens, seconds, requests, measured (1) or charged only (0)]; and its full decisions: [bucket,
-    visit, batch, arm picked, exploring, {arm: [goodput, standard error]} as it weighed them]."""
+    tokens, seconds, requests, measured (1) or charged only (0)]; its full decisions: [bucket,
+    visit, batch, arm picked, exploring, {arm: [goodput, standard error]} as it weighed them]; and
+    every finished cycle before the prompt tokens' share is taken out: [bucket, arm, tokens, wall
+    seconds, prompt tokens' predicted seconds (left out), measured (1) or not (0)]."""
     d = llm.engine.drafter
     if d is None or d.cfg.policy != "adaptive":
         return None
@@ -113,7 +115,16 @@ def log_cycles(llm: LLM) -> tuple[list[list[float]], list[list[Any]]] | None:
         charge(key, arm, tokens, seconds)
 
     bandit.observe, bandit.charge, bandit.choose = observed, charged, chosen  # type: ignore[method-assign]
-    return out, decisions
+    ctl = d.controller
+    raw: list[list[float]] = []
+    finish = ctl._finish_cycle
+
+    def finished(c: Any, seconds: float) -> None:
+        raw.append([c.key, c.arm, c.tokens, round(seconds, 6), round(c.prefill_seconds, 6), int(c.measured)])
+        finish(c, seconds)
+
+    ctl._finish_cycle = finished  # type: ignore[method-assign]
+    return out, decisions, raw
 
 
 def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int) -> dict[str, Any]:
@@ -203,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 bandit = engines[n].engine.drafter.controller.bandit
                 for k in ("observe", "charge", "choose"):
                     delattr(bandit, k)
+                del engines[n].engine.drafter.controller._finish_cycle
             steps = len(acc["step"])
             phases = {k: {"calls": len(v), "ms_total": round(sum(v), 1),
                           "ms_per_step": round(sum(v) / steps, 3)} for k, v in acc.items()}
@@ -216,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
                                    "phases": phases}
             if logged is not None:
-                point["configs"][n]["cycles"], point["configs"][n]["decisions"] = logged
+                point["configs"][n]["cycles"], point["configs"][n]["decisions"], point["configs"][n]["cycles_raw"] = logged
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
