@@ -107,3 +107,23 @@ def test_catch_up_slots_are_the_block_tables(tiny):
     assert positions.tolist() == want_pos
     assert slots.tolist() == d._slots(reqs, q_lens, want_pos)
     assert slots.dtype == np.int64
+
+
+def test_catch_up_of_a_request_that_stopped_inside_its_accepted_drafts(tiny):
+    """A stop inside the drafts a verify accepted leaves the request's KV ahead of its last token
+    (commit advances num_computed_tokens by every accepted draft before it appends them): its
+    catch-up (_catch_up_finished) covers the positions whose next token is known, no further."""
+    model, head = tiny
+    llm = spec_llm(model, head, speculative_policy="static")
+    llm.engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        llm.engine.step()
+    d = llm.engine.drafter
+    r = llm.engine.requests["r"]
+    st = d.states["r"]
+    assert st.draft_pos == r.num_computed_tokens == r.num_tokens - 1  # caught up by the last draft step
+    st.draft_pos -= 3  # three positions behind, as after a verify
+    r.num_computed_tokens += 2  # and two more accepted drafts computed, then a stop before them
+    with torch.inference_mode():  # (as draft_step runs it)
+        d._catch_up([r])
+    assert st.draft_pos == r.num_tokens - 1

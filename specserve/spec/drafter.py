@@ -455,6 +455,11 @@ class EagleSpeculator:
         catch_up_s = ctl.catch_up_seconds(COST_PROBE_TOKENS)
         if prefill_s <= 0 or catch_up_s <= 0 or self._reuse_lost * prefill_s <= self._finish_pending * catch_up_s:
             return
+        # (one that stopped on its first token past the draft KV has nothing to catch up)
+        done = [(r, kv) for r, kv in done
+                if min(r.num_computed_tokens, r.num_tokens - 1) > self.states[r.request_id].draft_pos]
+        if not done:
+            return
         reqs = [r for r, _ in done]
         for r, kv in done:
             r.kv = kv  # the freed blocks, for the catch-up's slots
@@ -875,37 +880,38 @@ class EagleSpeculator:
         token); with the static draft path that is a view of the loop's input buffer ``h0``.
         """
         starts = [self.states[r.request_id].draft_pos for r in reqs]
-        q_lens = [r.num_computed_tokens - a for r, a in zip(reqs, starts)]
+        # up to the last committed position, whose next token is known: all computed ones, but for a
+        # request that stopped inside the drafts it accepted (_catch_up_finished), whose KV ran ahead
+        ends = [max(min(r.num_computed_tokens, r.num_tokens - 1), a) for r, a in zip(reqs, starts)]
+        q_lens = [e - a for e, a in zip(ends, starts)]
         positions, slots = self._catch_up_slots(reqs, starts, q_lens)
         next_tokens = np.fromiter(itertools.chain.from_iterable(
-            r.all_token_ids[a + 1 : r.num_computed_tokens + 1] for r, a in zip(reqs, starts)), np.int64, len(slots))
+            r.all_token_ids[a + 1 : e + 1] for r, a, e in zip(reqs, starts, ends)), np.int64, len(slots))
         slots_d = host_to_device(slots, self.device)
         feats = self.features.index_select(0, slots_d)
-        seq_lens = [r.num_computed_tokens for r in reqs]
+        seq_lens = ends
         cu = self.catch_up_runner
         if cu is not None and max(q_lens) <= cu.max_tokens:
             h = self._catch_up_in_chunks(cu, reqs, q_lens, positions, next_tokens, seq_lens, feats, slots)
         else:  # the CPU path, and on the GPU a request with more tokens than a step (a long prompt)
             emb = self.target.embed_tokens(host_to_device(next_tokens, self.device))
             h = self._run_head(reqs, q_lens, positions, seq_lens, emb, self.head.combine(feats), slots_d)
-            ends, acc = [], 0
-            for q in q_lens:
-                acc += q
-                ends.append(acc - 1)
-            h = h[host_to_device(ends, self.device)]
+            last_rows = (np.cumsum(q_lens) - 1).tolist()  # each request's last position's row
+            h = h[host_to_device(last_rows, self.device)]
             self.path_counts["catch_up:torch"] += 1
             if self.chain_runner is not None:
                 self.chain_runner.h0[: len(reqs)].copy_(h)
         bs = self.engine.config.block_size
-        for r in reqs:
+        for r, e in zip(reqs, ends):
             st = self.states[r.request_id]
             # the blocks this catch-up filled (those before were marked by the last one, or came
             # from the prefix cache with draft KV: a request whose cached blocks lack it never drafts)
-            self.engine.blocks.mark_draft_ready(r.kv.block_table[st.draft_pos // bs : r.num_computed_tokens // bs])
-            st.draft_pos = r.num_computed_tokens
+            self.engine.blocks.mark_draft_ready(r.kv.block_table[st.draft_pos // bs : e // bs])
+            st.draft_pos = e
         return h
 
-    def _catch_up_slots(self, reqs: list[Request], starts: list[int], q_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _catch_up_slots(self, reqs: list[Request], starts: list[int],
+                        q_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Positions start..start+q-1 of each request, and their KV slots, vectorised (a catch-up after
         a stretch of plain decoding covers ~50,000 positions at 256 requests)."""
         bs = self.engine.config.block_size
