@@ -59,6 +59,11 @@ def batch_key(batch: int) -> int:
     return int(round(2 * math.log2(max(batch, 1))))
 
 
+def bucket_batch(key: int) -> int:
+    """The batch size at the centre of bucket ``key`` (``batch_key``'s inverse, for reports)."""
+    return round(2 ** (key / 2))
+
+
 @dataclass
 class ArmStats:
     """Decayed sums over the cycles an arm ran (in one bucket, or pooled over all of them)."""
@@ -419,12 +424,12 @@ class GoodputBandit:
         self.spent[key] = self.spent.get(key, 0.0) * f + lost
 
     def budget_summary(self) -> dict:
-        """Per bucket (as its batch size): seconds explorations lost and seconds of its cycles (both
-        decayed; explorations wait while the first plus the next one's expected loss exceeds
-        ``explore_budget`` of the second), and what the last exploration lost."""
-        return {round(2 ** (key / 2)): {"spent_s": round(self.spent.get(key, 0.0), 4),
-                                        "elapsed_s": round(self.elapsed[key], 3),
-                                        "last_loss_s": round(self._last_loss.get(key, 0.0), 4)}
+        """Per bucket key: seconds explorations lost and seconds of its cycles (both decayed;
+        explorations wait while the first plus the next one's expected loss exceeds ``explore_budget``
+        of the second), and what the last exploration lost."""
+        return {key: {"spent_s": round(self.spent.get(key, 0.0), 4),
+                      "elapsed_s": round(self.elapsed[key], 3),
+                      "last_loss_s": round(self._last_loss.get(key, 0.0), 4)}
                 for key in sorted(self.elapsed)}
 
     def summary(self) -> dict:
@@ -434,7 +439,7 @@ class GoodputBandit:
             for arm, st in sorted(arms.items()):
                 if st.n >= 1e-3:
                     run = st.seconds - st.seed_seconds  # tokens were counted in served cycles only
-                    out.setdefault(round(2 ** (key / 2)), {})[arm] = {
+                    out.setdefault(bucket_batch(key), {})[arm] = {
                         "cycles": round(st.n, 1), "tok_per_s": round(st.tokens / run, 2) if run > 1e-9 else None,
                         "time_ratio": round(st.seconds / st.predicted, 3)}
         return out

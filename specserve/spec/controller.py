@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.bandit import GoodputBandit, batch_key
+from specserve.spec.bandit import GoodputBandit, batch_key, bucket_batch
 from specserve.spec.cost_model import CostModel, LinearCost
 
 Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
@@ -199,7 +199,7 @@ class SpecController:
     _cycle_s: float = 0.0
     # seconds of the catch-ups that ended a stretch of plain decoding, against their tokens
     catch_up_cost: LinearCost = field(default_factory=LinearCost)
-    # per bucket (as its batch size): the predicted catch-up of its last full decision (catch_up_seconds)
+    # per bucket: the predicted catch-up of its last full decision (catch_up_seconds)
     switch_seconds: dict[int, float] = field(default_factory=dict)
     forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
     # a request whose own expected gain at a position is under this x the average request's drafts
@@ -513,7 +513,7 @@ class SpecController:
         ref = self._reference()
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree, prefill)
         key = batch_key(len(requests))
-        self.switch_seconds[round(2 ** (key / 2))] = switch_s
+        self.switch_seconds[key] = switch_s
         arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
@@ -560,7 +560,7 @@ class SpecController:
                 "mean_k": sum(k * v for k, v in self.k_histogram.items()) / n if n else None,
                 "acceptance": [round(float(x), 4) for x in self.overall.rates()],
                 "measured_goodput": self.bandit.summary(),
-                "exploration_budget": {b: {**v, "switch_s": round(self.switch_seconds.get(b, 0.0), 4)}
-                                       for b, v in self.bandit.budget_summary().items()},
+                "exploration_budget": {bucket_batch(k): {**v, "switch_s": round(self.switch_seconds.get(k, 0.0), 4)}
+                                       for k, v in self.bandit.budget_summary().items()},
                 "catch_up_fit": self._catch_up_fit(),
                 "last_prediction": self.last_prediction, "cost": self.cost.summary()}

@@ -104,6 +104,13 @@ COST_PROBE_TOKENS = 256
 CATCH_UP_TIMING_EVERY = 8  # steady catch-ups per one timed with device events (the adaptive policy on a GPU)
 
 
+def catch_up_end(r: Request) -> int:
+    """Where a catch-up of ``r`` stops: its last committed position, whose next token is known. All
+    its computed positions, but for a request that stopped inside the drafts it accepted (its KV ran
+    ahead of its last token: _catch_up_finished)."""
+    return min(r.num_computed_tokens, r.num_tokens - 1)
+
+
 def steady_share(caught_up: int, prompt_rows: int) -> float:
     """The part of a catch-up over ``caught_up`` rows that replays tokens the last verify committed
     (the rest, ``prompt_rows``, is the head's pass over prompts of requests new to drafting), by rows."""
@@ -456,8 +463,7 @@ class EagleSpeculator:
         if prefill_s <= 0 or catch_up_s <= 0 or self._reuse_lost * prefill_s <= self._finish_pending * catch_up_s:
             return
         # (one that stopped on its first token past the draft KV has nothing to catch up)
-        done = [(r, kv) for r, kv in done
-                if min(r.num_computed_tokens, r.num_tokens - 1) > self.states[r.request_id].draft_pos]
+        done = [(r, kv) for r, kv in done if catch_up_end(r) > self.states[r.request_id].draft_pos]
         if not done:
             return
         reqs = [r for r, _ in done]
@@ -493,14 +499,14 @@ class EagleSpeculator:
             # while the device computes), then the plain-decode sampler.
             # The runner's outputs are the step's own tensors (a graph replay returns copies of its
             # output buffers), so every row (one per computed token: no drafts) is kept as it is
-            self._keep_all_features(plan, feats[: inputs.input_ids.shape[0]], inputs.meta.slot_mapping)
+            T = inputs.input_ids.shape[0]
+            self._keep_all_features(plan, feats[:T], inputs.meta.slot_mapping)
             result = self.runner.sample(plan, inputs, hidden)
             n_sampling = len(result.token_ids)  # one per request that samples
             if self.controller.cycle_open:  # a drafting decision's requests, none of which drafted
                 sampling = [s for s in plan.scheduled if s.samples]
                 self._record(plan, sampling, [0] * n_sampling, clock() - t0)
             else:  # nothing per request to record: only the step's time
-                T = inputs.input_ids.shape[0]
                 self.controller.observe_step(T, len(plan.scheduled), clock() - t0, T - n_sampling, n_sampling)
                 self._check_stale()
             return result
@@ -880,9 +886,7 @@ class EagleSpeculator:
         token); with the static draft path that is a view of the loop's input buffer ``h0``.
         """
         starts = [self.states[r.request_id].draft_pos for r in reqs]
-        # up to the last committed position, whose next token is known: all computed ones, but for a
-        # request that stopped inside the drafts it accepted (_catch_up_finished), whose KV ran ahead
-        ends = [max(min(r.num_computed_tokens, r.num_tokens - 1), a) for r, a in zip(reqs, starts)]
+        ends = [max(catch_up_end(r), a) for r, a in zip(reqs, starts)]
         q_lens = [e - a for e, a in zip(ends, starts)]
         positions, slots = self._catch_up_slots(reqs, starts, q_lens)
         next_tokens = np.fromiter(itertools.chain.from_iterable(
