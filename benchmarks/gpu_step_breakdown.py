@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
-from gpu_adaptive import engine_args, run_batch  # noqa: E402
+from gpu_adaptive import engine_args, output_lens, run_batch  # noqa: E402
 from spec_single import DEFAULT_HEAD  # noqa: E402
 
 from specserve import LLM  # noqa: E402
@@ -84,12 +84,17 @@ def unwrap(wrapped: Wrapped) -> None:
         delattr(obj, name)
 
 
-def log_cycles(llm: LLM) -> tuple[list[list[float]], list[list[Any]], list[list[float]]] | None:
+def log_cycles(llm: LLM) -> tuple[tuple[list[list[float]], list[list[Any]], list[list[float]], list[list[float]]],
+                                  Callable[[], None]] | None:
     """Record the adaptive controller's measured cycles, as the bandit gets them: [bucket, arm,
     tokens, seconds, requests, measured (1) or charged only (0)]; its full decisions: [bucket,
-    visit, batch, arm picked, exploring, {arm: [goodput, standard error]} as it weighed them]; and
+    visit, batch, arm picked, exploring, {arm: [goodput, standard error]} as it weighed them];
     every finished cycle before the prompt tokens' share is taken out: [bucket, arm, tokens, wall
-    seconds, prompt tokens' predicted seconds (left out), measured (1) or not (0)]."""
+    seconds, prompt tokens' predicted seconds (left out), measured (1) or not (0), draft_step calls
+    so far (the one finishing it included)]; and per draft_step call, the wall clock at its start
+    and its target step as the controller saw it: [perf_counter, tokens, requests, seconds, prompt
+    tokens, sampling rows] (the wall time between two starts is a cycle's whole time: what the
+    cycle measure leaves out of it shows against these). Returns the logs and what undoes the logging."""
     d = llm.engine.drafter
     if d is None or d.cfg.policy != "adaptive":
         return None
@@ -114,8 +119,20 @@ def log_cycles(llm: LLM) -> tuple[list[list[float]], list[list[Any]], list[list[
         out.append([key, arm, tokens, round(seconds, 6), 0, 0])
         charge(key, arm, tokens, seconds)
 
-    bandit.observe, bandit.charge, bandit.choose = observed, charged, chosen  # type: ignore[method-assign]
     ctl = d.controller
+    # what was there before (an instance attribute: instrument's timing wrapper), put back by restore
+    before = [(obj, name, obj.__dict__.get(name)) for obj, name in
+              ((bandit, "observe"), (bandit, "charge"), (bandit, "choose"), (ctl, "_finish_cycle"),
+               (ctl, "observe_step"), (d, "draft_step"))]
+
+    def restore() -> None:
+        for obj, name, old in before:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+    bandit.observe, bandit.charge, bandit.choose = observed, charged, chosen  # type: ignore[method-assign]
     raw: list[list[float]] = []
     finish = ctl._finish_cycle
 
@@ -123,8 +140,27 @@ def log_cycles(llm: LLM) -> tuple[list[list[float]], list[list[Any]], list[list[
         raw.append([c.key, c.arm, c.tokens, round(seconds, 6), round(c.prefill_seconds, 6), int(c.measured)])
         finish(c, seconds)
 
-    ctl._finish_cycle = finished  # type: ignore[method-assign]
-    return out, decisions, raw
+    marks: list[list[float]] = []
+    last_step: list[float] = [0, 0, 0.0, 0, 0]
+    observe_step, draft_step = ctl.observe_step, d.draft_step
+
+    def stepped(num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0, decode_rows: int = 0) -> None:
+        last_step[:] = [num_tokens, num_seqs, round(seconds, 6), prefill_tokens, decode_rows]
+        observe_step(num_tokens, num_seqs, seconds, prefill_tokens, decode_rows)
+
+    def drafting(plan: Any, result: Any) -> None:
+        marks.append([time.perf_counter(), *last_step])
+        draft_step(plan, result)
+
+    def finished_n(c: Any, seconds: float) -> None:
+        # a cycle decided in draft_step call i is finished in call i + 1, its bookkeeping run there or
+        # (deferred, on a GPU) at the next verify's flush: before call i + 2 starts either way
+        finished(c, seconds)
+        raw[-1].append(len(marks))
+
+    ctl._finish_cycle = finished_n  # type: ignore[method-assign]
+    ctl.observe_step, d.draft_step = stepped, drafting  # type: ignore[method-assign]
+    return (out, decisions, raw, marks), restore
 
 
 def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int) -> dict[str, Any]:
@@ -167,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--configs", default="nospec,static_chain1,adaptive",
                     help="names from gpu_adaptive.SPEC; NAME@K holds that engine's controller at depth K")
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--length-spread", type=float, default=0.5,
+                    help="output lengths uniform over mean x [1 - s, 1 + s] (0: all equal, requests run in waves)")
     ap.add_argument("--requests-per-c", type=int, default=2)
     ap.add_argument("--sync", action="store_true", help="synchronize the device after every timed phase")
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
@@ -209,12 +247,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n in names:
             acc, wrapped = instrument(engines[n], args.sync)
             logged = log_cycles(engines[n]) if args.log_cycles else None
-            got = run_batch(engines[n], batch, c, args.output_len)
+            got = run_batch(engines[n], batch, c, output_lens(len(batch), args.output_len, args.length_spread))
             if logged is not None:
-                bandit = engines[n].engine.drafter.controller.bandit
-                for k in ("observe", "charge", "choose"):
-                    delattr(bandit, k)
-                del engines[n].engine.drafter.controller._finish_cycle
+                logged[1]()
             steps = len(acc["step"])
             phases = {k: {"calls": len(v), "ms_total": round(sum(v), 1),
                           "ms_per_step": round(sum(v) / steps, 3)} for k, v in acc.items()}
@@ -224,15 +259,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             extra = {"prefix_hits": bm.prefix_hits, "prefix_refused": bm.prefix_refused,  # engine totals so far
                      "finish_catch_ups": getattr(d, "finish_catch_ups", None),
                      "finish_catch_up_tokens": getattr(d, "finish_catch_up_tokens", None)}
-            point["configs"][n] = {**extra, "tok_s": got["tok_s"], "engine_steps": got["engine_steps"],
+            point["configs"][n] = {**extra, "tok_s": got["tok_s"], "steady_tok_s": got["steady_tok_s"],
+                                   "steady_s": got["steady_s"], "engine_steps": got["engine_steps"],
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
                                    "phases": phases}
             if logged is not None:
-                point["configs"][n]["cycles"], point["configs"][n]["decisions"], point["configs"][n]["cycles_raw"] = logged
+                cfg = point["configs"][n]
+                cfg["cycles"], cfg["decisions"], cfg["cycles_raw"], cfg["draft_steps"] = logged[0]
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
-            print(f"C={c} {n}: {got['tok_s']:.0f} tok/s, {got['ms_per_step']:.2f} ms/step, {extra} | " + ", ".join(
+            print(f"C={c} {n}: {got['tok_s']:.0f} tok/s (steady {got['steady_tok_s'] or 0:.0f}), {got['ms_per_step']:.2f} ms/step, {extra} | " + ", ".join(
                 f"{k} {v['ms_per_step']:.2f}" for k, v in phases.items()), flush=True)
         result["points"].append(point)
     write_json(args.output_file, result)
