@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import os
 import random
 import statistics
@@ -57,6 +58,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import OtherCpu, chat_prompt_ids, run_metadata, wait_for_quiet, write_json  # noqa: E402
+from cycle_log import CycleLog  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
@@ -508,6 +510,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the engines in reach of full garbage collections (the server freezes them)")
+    ap.add_argument("--log-cycles", action="store_true",
+                    help="per sweep point, the adaptive engine's cycles as its bandit measured them beside its own "
+                         "time (cycle_summary in the point; every cycle in cycles_c<C>.json)")
     ap.add_argument("--quick", action="store_true", help="tiny end-to-end check: C 1,4, few requests, short ramp")
     ap.add_argument("--output-dir", default="benchmarks/results/adaptive")
     args = ap.parse_args(argv)
@@ -562,7 +567,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for attempt in range(1 + args.retry_noisy):
             src = source(offset)
             quiet = wait_for_quiet(args.quiet_threshold, args.max_wait)
+            log = CycleLog(llms["adaptive"]) if args.log_cycles else None
+            if log is not None:
+                log.attach()
             p = run_point(clients, C, src, args.point_s)
+            if log is not None:
+                log.detach()
+                p["configs"]["adaptive"]["cycle_summary"] = log.summary()
+                with open(os.path.join(args.output_dir, f"cycles_c{C}.json"), "w") as f:
+                    json.dump(log.logs(), f)  # compact: thousands of short rows
             offset += max(c.issued for c in clients)
             p["attempt"], p["other_cpu_before"] = attempt, quiet
             if (p["other_cpu_cores"] or 0) < args.quiet_threshold:

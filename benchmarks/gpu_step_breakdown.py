@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from cycle_log import CycleLog  # noqa: E402
 from gpu_adaptive import engine_args, output_lens, run_batch  # noqa: E402
 from spec_single import DEFAULT_HEAD  # noqa: E402
 
@@ -84,85 +85,6 @@ def unwrap(wrapped: Wrapped) -> None:
         delattr(obj, name)
 
 
-def log_cycles(llm: LLM) -> tuple[tuple[list[list[float]], list[list[Any]], list[list[float]], list[list[float]]],
-                                  Callable[[], None]] | None:
-    """Record the adaptive controller's measured cycles, as the bandit gets them: [bucket, arm,
-    tokens, seconds, requests, measured (1) or charged only (0)]; its full decisions: [bucket,
-    visit, batch, arm picked, exploring, {arm: [goodput, standard error]} as it weighed them];
-    every finished cycle before the prompt tokens' share is taken out: [bucket, arm, tokens, wall
-    seconds, prompt tokens' predicted seconds (left out), measured (1) or not (0), draft_step calls
-    so far (the one finishing it included)]; and per draft_step call, the wall clock at its start
-    and its target step as the controller saw it: [perf_counter, tokens, requests, seconds, prompt
-    tokens, sampling rows] (the wall time between two starts is a cycle's whole time: what the
-    cycle measure leaves out of it shows against these). Returns the logs and what undoes the logging."""
-    d = llm.engine.drafter
-    if d is None or d.cfg.policy != "adaptive":
-        return None
-    bandit = d.controller.bandit
-    out: list[list[float]] = []
-    decisions: list[list[Any]] = []
-    observe, charge, choose = bandit.observe, bandit.charge, bandit.choose
-
-    def chosen(key: int, priors: dict, batch: int = 1, switch_s: float = 0.0) -> tuple[int, bool]:
-        est = bandit.estimates(key, priors, batch)  # pure: what choose weighs next
-        visit = bandit.visits.get(key, 0)
-        arm, exploring = choose(key, priors, batch, switch_s)
-        decisions.append([key, visit, batch, arm, int(exploring),
-                          {a: [round(g, 1), round(se, 1)] for a, (g, se) in est.items()}])
-        return arm, exploring
-
-    def observed(key: int, arm: int, predicted: float, tokens: float, seconds: float, requests: int = 1) -> None:
-        out.append([key, arm, tokens, round(seconds, 6), requests, 1])
-        observe(key, arm, predicted, tokens, seconds, requests)
-
-    def charged(key: int, arm: int, tokens: float, seconds: float) -> None:
-        out.append([key, arm, tokens, round(seconds, 6), 0, 0])
-        charge(key, arm, tokens, seconds)
-
-    ctl = d.controller
-    # what was there before (an instance attribute: instrument's timing wrapper), put back by restore
-    before = [(obj, name, obj.__dict__.get(name)) for obj, name in
-              ((bandit, "observe"), (bandit, "charge"), (bandit, "choose"), (ctl, "_finish_cycle"),
-               (ctl, "observe_step"), (d, "draft_step"))]
-
-    def restore() -> None:
-        for obj, name, old in before:
-            if old is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-    bandit.observe, bandit.charge, bandit.choose = observed, charged, chosen  # type: ignore[method-assign]
-    raw: list[list[float]] = []
-    finish = ctl._finish_cycle
-
-    def finished(c: Any, seconds: float) -> None:
-        raw.append([c.key, c.arm, c.tokens, round(seconds, 6), round(c.prefill_seconds, 6), int(c.measured)])
-        finish(c, seconds)
-
-    marks: list[list[float]] = []
-    last_step: list[float] = [0, 0, 0.0, 0, 0]
-    observe_step, draft_step = ctl.observe_step, d.draft_step
-
-    def stepped(num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0, decode_rows: int = 0) -> None:
-        last_step[:] = [num_tokens, num_seqs, round(seconds, 6), prefill_tokens, decode_rows]
-        observe_step(num_tokens, num_seqs, seconds, prefill_tokens, decode_rows)
-
-    def drafting(plan: Any, result: Any) -> None:
-        marks.append([time.perf_counter(), *last_step])
-        draft_step(plan, result)
-
-    def finished_n(c: Any, seconds: float) -> None:
-        # a cycle decided in draft_step call i is finished in call i + 1, its bookkeeping run there or
-        # (deferred, on a GPU) at the next verify's flush: before call i + 2 starts either way
-        finished(c, seconds)
-        raw[-1].append(len(marks))
-
-    ctl._finish_cycle = finished_n  # type: ignore[method-assign]
-    ctl.observe_step, d.draft_step = stepped, drafting  # type: ignore[method-assign]
-    return (out, decisions, raw, marks), restore
-
-
 def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int) -> dict[str, Any]:
     """The batch again under torch.profiler (device kernel time per engine step: what the GPU was
     busy with; the rest of a step is host time the GPU waited for) and cProfile (host functions)."""
@@ -213,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="run each point once more under torch.profiler and cProfile: GPU busy time per step "
                          "(sum of kernel times) and the host functions with the most own time")
     ap.add_argument("--log-cycles", action="store_true",
-                    help="keep every cycle an adaptive engine's bandit measured (bucket, arm, tokens, seconds, requests)")
+                    help="keep every cycle an adaptive engine's bandit measured, beside the engine's own time (cycle_log.py)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit("gpu_step_breakdown needs a CUDA device")
@@ -246,10 +168,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         point: dict[str, Any] = {"concurrency": c, "configs": {}}
         for n in names:
             acc, wrapped = instrument(engines[n], args.sync)
-            logged = log_cycles(engines[n]) if args.log_cycles else None
+            logged = None
+            if args.log_cycles and engines[n].engine.drafter is not None and engines[n].engine.drafter.cfg.policy == "adaptive":
+                logged = CycleLog(engines[n])
+                logged.attach()
             got = run_batch(engines[n], batch, c, output_lens(len(batch), args.output_len, args.length_spread))
             if logged is not None:
-                logged[1]()
+                logged.detach()
             steps = len(acc["step"])
             phases = {k: {"calls": len(v), "ms_total": round(sum(v), 1),
                           "ms_per_step": round(sum(v) / steps, 3)} for k, v in acc.items()}
@@ -264,8 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
                                    "phases": phases}
             if logged is not None:
-                cfg = point["configs"][n]
-                cfg["cycles"], cfg["decisions"], cfg["cycles_raw"], cfg["draft_steps"] = logged[0]
+                point["configs"][n].update(cycle_summary=logged.summary(), **logged.logs())
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
