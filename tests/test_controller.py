@@ -390,7 +390,7 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     d.max_k, d.states, d._time_catch_up, d._drafted_last, d._cycle_head = 1, {}, False, False, None
     d._finished, d._reuse_lost = [], 0.0
     d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], _reserve=lambda r, n: True),
-                               step_started=0.0, max_model_len=10**6)
+                               step_started=0.0, step_ended=0.0, max_model_len=10**6)
 
     def draft(todo, time_catch_up=False):
         rows = sum(r.num_computed_tokens - d.states[r.request_id].draft_pos for r, _ in todo)
@@ -424,12 +424,17 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
         if step == 3:
             reqs.append(req("new", 200))  # prefilled in this step, drafts from the next
         d.draft_step(SimpleNamespace(scheduled=[SimpleNamespace(samples=1, req=r) for r in reqs]), None)
-    # cycle i ends in step i + 1: its step's 100 ms, the 10 ms draft before it and the catch-up of
-    # what its verify committed (2 rows per request; cycle 0 also caught up at its start). The new
-    # request's prompt (200 rows) goes to the cycle that first drafts for it (cycle 3), not to cycle
-    # 2, whose step prefilled the prompt (before: 0.318 and 0.120)
-    assert seen == pytest.approx([0.126, 0.118, 0.118, 0.100 + 0.010 + 0.200 + 0.010, 0.120], abs=1e-6)
-    assert sum(seen) + d._cycle_head == pytest.approx(clock[0] - 0.100, abs=1e-6)  # all but step 0, timed once
+        clock[0] += 0.005  # the rest of the step: the requests' outputs
+        d.engine.step_ended = clock[0]
+        clock[0] += 0.050  # the caller's own work between steps: no cycle's
+    # cycle i ends in step i + 1: its step's 100 ms, the 10 ms draft before it, the 5 ms rest of
+    # its step and the catch-up of what its verify committed (2 rows per request; cycle 0 also caught
+    # up at its start). The new request's prompt (200 rows) goes to the cycle that first drafts for it
+    # (cycle 3), not to cycle 2, whose step prefilled the prompt (before: 0.323 and 0.125)
+    assert seen == pytest.approx([0.131, 0.123, 0.123, 0.100 + 0.010 + 0.200 + 0.010 + 0.005, 0.125], abs=1e-6)
+    # every second of the engine's own steps but step 0's target forward and the last step's outputs,
+    # timed once (the caller's 50 ms between steps in none)
+    assert sum(seen) + d._cycle_head == pytest.approx(clock[0] - 0.100 - 6 * 0.050 - 0.005, abs=1e-6)
 
 
 def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():

@@ -110,6 +110,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         gc_pauses.install()
         self.step_started = 0.0  # gc_pauses.clock() at the start of the current step()
+        self.step_ended = 0.0  # ... and at the end of the last step() that served requests
         self.stats = EngineStats()
         self.drafter = None
         if config.speculative is not None:
@@ -185,7 +186,9 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.draft_step(plan, result)  # decide k, propose drafts for the next step
         self._account(plan)
-        return [self._output(r) for r in touched]
+        outputs = [self._output(r) for r in touched]
+        self.step_ended = gc_pauses.clock()
+        return outputs
 
     # -- helpers -----------------------------------------------------------------------------
     def _detokenize(self, req: Request) -> None:

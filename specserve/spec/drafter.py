@@ -173,7 +173,8 @@ class EagleSpeculator:
         self.finish_catch_up_tokens = 0
         if cfg.policy == "adaptive":
             engine.scheduler.on_finish = self._on_finish
-        self._cycle_head: float | None = None  # seconds from the last decision to the end of its step
+        self._cycle_head: float | None = None  # seconds from the last decision to the end of its draft_step
+        self._head_ended = 0.0  # clock() when _cycle_head was taken (the rest of that step follows it)
         self._drafted_last = False  # whether the last decision drafted for anyone
         # the adaptive controller times catch-ups to their end on the GPU (device events): every
         # switch's, and one steady catch-up in CATCH_UP_TIMING_EVERY (timing one costs ~0.08 ms of
@@ -687,18 +688,22 @@ class EagleSpeculator:
     @torch.inference_mode()
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         sched = self.engine.scheduler
-        t_finished = clock()
         if self._finished or self._reuse_lost > 0:
             self._catch_up_finished()  # first: before any block is reserved again
         now = clock()
         prev, prev_s = None, 0.0
         if self._cycle_head is not None:
-            # the last decision's cycle, in this engine's own time (a caller may run other work
-            # between steps): its draft at the end of the last step, then this step up to here;
-            # ended once this step's catch-up is timed (below)
-            # (the finished requests' catch-up just run is no arm's cost: left out; so are the
-            # garbage collector's full collections: clock() is the process's running time)
-            prev_s = self._cycle_head + t_finished - self.engine.step_started
+            # the last decision's cycle, in this engine's own time: its draft, the rest of its step
+            # (the requests' outputs), then this step up to here; ended once this step's catch-up is
+            # timed (below). Left out: what the caller ran between the two steps (in a benchmark that
+            # interleaves engines, the others' steps) and the garbage collector's full collections
+            # (clock() is the process's running time). The rest of the step and the finished requests'
+            # catch-up just run were left out too until session 23: ~0.9 ms a cycle at 256 requests
+            # on the H200 (outputs ~0.6, a catch-up of each finished request's plain steps ~0.3), the
+            # same for every depth, so the bandit saw plain decoding ~20 % faster than it ran and a
+            # depth of ~150 committed tokens per cycle ~10 %
+            tail = max(self.engine.step_ended - self._head_ended, 0.0)
+            prev_s = self._cycle_head + tail + now - self.engine.step_started
             prev = self.controller.detach_cycle()
             self._cycle_head = None
         # requests that produced a token this step and decode next step
@@ -714,7 +719,8 @@ class EagleSpeculator:
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
             self._drafted_last = False
-            self._cycle_head = clock() - now  # measured like any other cycle
+            self._head_ended = clock()
+            self._cycle_head = self._head_ended - now  # measured like any other cycle
             return
         caps = []
         never = 0  # requests that cannot draft (cached blocks without draft KV)
@@ -794,7 +800,8 @@ class EagleSpeculator:
         # exploration is one (quick decisions, 3 in 4 or fewer, only re-apply the pick). Counted in the
         # cycle it decides, it charged explored depths alone ~0.3 ms at one request on the H200 (~12 %
         # of a cycle) and ~0.8 ms at 256
-        self._cycle_head = clock() - now - shift - decide_s
+        self._head_ended = clock()
+        self._cycle_head = self._head_ended - now - shift - decide_s
 
     def _prefill_tokens_next_step(self) -> int:
         """Prompt tokens the next step will also carry: running prefills, and waiting requests for
