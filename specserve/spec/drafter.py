@@ -700,8 +700,8 @@ class EagleSpeculator:
             # (clock() is the process's running time). The rest of the step and the finished requests'
             # catch-up just run were left out too until session 23: ~0.9 ms a cycle at 256 requests
             # on the H200 (outputs ~0.6, a catch-up of each finished request's plain steps ~0.3), the
-            # same for every depth, so the bandit saw plain decoding ~20 % faster than it ran and a
-            # depth of ~150 committed tokens per cycle ~10 %
+            # same for every depth, so the bandit saw plain decoding 15-20 % faster than it ran and a
+            # depth committing ~150 tokens a cycle 5-10 % (benchmarks/cycle_log.py measures both)
             tail = max(self.engine.step_ended - self._head_ended, 0.0)
             prev_s = self._cycle_head + tail + now - self.engine.step_started
             prev = self.controller.detach_cycle()
