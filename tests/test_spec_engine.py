@@ -108,16 +108,25 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
             paused.append(gc_pauses.pause_seconds() - before)
         return forward(*args, **kwargs)
 
+    others = []
+
     def record(cycle, seconds):
-        if paused and len(timed) < len(paused) and cycle is not None:
-            timed.append(seconds)  # the first cycle ended after the pause: the one holding it
+        if cycle is not None:
+            if paused and len(timed) < len(paused):
+                timed.append(seconds)  # the first cycle ended after the pause: the one holding it
+            else:
+                others.append(seconds)
         return finish_cycle(cycle, seconds)
 
     runner.forward, ctl.finish_cycle = slow_forward, record
     llm.chat(chat_prompts[:4], SP)
     del heap
     assert paused and paused[0] > 0.1, paused
-    assert timed and timed[0] < 0.5 * paused[0], (timed, paused)
+    # over the other cycles' median (a cycle on two busy CPU cores can itself take ~0.1 s, as long as
+    # the pause: compared with the pause alone, that failed once)
+    import statistics
+
+    assert timed and others and timed[0] - statistics.median(others) < 0.5 * paused[0], (timed, others, paused)
 
 
 def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_head, chat_prompts):
