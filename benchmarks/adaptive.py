@@ -567,9 +567,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for attempt in range(1 + args.retry_noisy):
             src = source(offset)
             quiet = wait_for_quiet(args.quiet_threshold, args.max_wait)
-            log = CycleLog(llms["adaptive"]) if args.log_cycles else None
-            if log is not None:
-                log.attach()
+            log = CycleLog.start(llms["adaptive"]) if args.log_cycles else None
             p = run_point(clients, C, src, args.point_s)
             if log is not None:
                 log.detach()

@@ -8,7 +8,7 @@ saw it and, per engine step, when the step and its ``draft_step`` started and en
 cycle's measure can be set against the engine's own time over the same stretch (everything inside
 ``LLMEngine.step`` from one decision to the next: what a user of that engine waits for).
 
-    log = CycleLog(llm); log.attach(); ...serve...; log.detach(); log.summary()
+    log = CycleLog.start(llm); ...serve...; log.detach(); log.summary()
 """
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ class CycleLog:
         self.steps: list[list[float]] = []
         self.draft_calls: list[int] = []  # the step index of each draft_step call
         self._before: list[tuple[Any, str, Any]] = []
+
+    @classmethod
+    def start(cls, llm: LLM) -> "CycleLog | None":
+        """A log attached to ``llm``'s engine, or None where it has no adaptive controller."""
+        d = llm.engine.drafter
+        if d is None or d.cfg.policy != "adaptive":
+            return None
+        log = cls(llm)
+        log.attach()
+        return log
 
     def attach(self) -> None:
         eng, d, ctl, bandit = self.engine, self.drafter, self.ctl, self.bandit
@@ -113,10 +123,12 @@ class CycleLog:
         ms, the raw measure's ms (x own), the prompt share taken out, and tok/s by each (the bandit's:
         measured cycles after the prompt share, as it counts them)."""
         by: dict[tuple[int, int], collections.Counter] = collections.defaultdict(collections.Counter)
+        covered = 0.0
         for key, arm, tokens, sec, pf, measured, calls in self.raw:
             own = self.own_seconds(calls)
             if own is None or own <= 0:
                 continue
+            covered += own
             b = by[(key, arm)]
             b["n"] += 1
             b["tokens"] += tokens
@@ -139,7 +151,6 @@ class CycleLog:
                 "tok_s_bandit": round(b["m_tokens"] / b["m_s"], 1) if b["m_s"] > 0 else None,
                 "measured_share": round(b["measured"] / b["n"], 3)}
         steps = [s for s in self.steps if s[2] > 0]
-        covered = sum(o for o in (self.own_seconds(r[6]) for r in self.raw) if o)
         total = sum(s[2] - s[0] for s in steps)
         return {"by_bucket": out, "engine_steps": len(steps), "engine_s": round(total, 4),
                 "cycles_own_s": round(covered, 4), "cycles_raw_s": round(sum(r[3] for r in self.raw), 4)}

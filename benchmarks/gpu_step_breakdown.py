@@ -85,7 +85,7 @@ def unwrap(wrapped: Wrapped) -> None:
         delattr(obj, name)
 
 
-def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int) -> dict[str, Any]:
+def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int | list[int]) -> dict[str, Any]:
     """The batch again under torch.profiler (device kernel time per engine step: what the GPU was
     busy with; the rest of a step is host time the GPU waited for) and cProfile (host functions)."""
     import cProfile
@@ -165,14 +165,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["gc_frozen_objects"] = freeze_startup_heap()  # as the server does once its engine is built
     for c in cs:
         batch = [prompts[i % len(prompts)] for i in range(args.requests_per_c * c)]
+        lens = output_lens(len(batch), args.output_len, args.length_spread)
         point: dict[str, Any] = {"concurrency": c, "configs": {}}
         for n in names:
             acc, wrapped = instrument(engines[n], args.sync)
-            logged = None
-            if args.log_cycles and engines[n].engine.drafter is not None and engines[n].engine.drafter.cfg.policy == "adaptive":
-                logged = CycleLog(engines[n])
-                logged.attach()
-            got = run_batch(engines[n], batch, c, output_lens(len(batch), args.output_len, args.length_spread))
+            logged = CycleLog.start(engines[n]) if args.log_cycles else None
+            got = run_batch(engines[n], batch, c, lens)
             if logged is not None:
                 logged.detach()
             steps = len(acc["step"])
@@ -192,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 point["configs"][n].update(cycle_summary=logged.summary(), **logged.logs())
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
-                point["configs"][n]["profile"] = profile_run(engines[n], batch, c, args.output_len)
+                point["configs"][n]["profile"] = profile_run(engines[n], batch, c, lens)
             print(f"C={c} {n}: {got['tok_s']:.0f} tok/s (steady {got['steady_tok_s'] or 0:.0f}), {got['ms_per_step']:.2f} ms/step, {extra} | " + ", ".join(
                 f"{k} {v['ms_per_step']:.2f}" for k, v in phases.items()), flush=True)
         result["points"].append(point)

@@ -91,6 +91,7 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
     """A full collection over a large heap inside one step: the adaptive controller's cycle that
     holds it is measured without it (it is the process's pause, not the draft depth's)."""
     import gc
+    import statistics
 
     from specserve.engine import gc_pauses
 
@@ -124,8 +125,6 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
     assert paused and paused[0] > 0.1, paused
     # over the other cycles' median (a cycle on two busy CPU cores can itself take ~0.1 s, as long as
     # the pause: compared with the pause alone, that failed once)
-    import statistics
-
     assert timed and others and timed[0] - statistics.median(others) < 0.5 * paused[0], (timed, others, paused)
 
 

@@ -719,8 +719,7 @@ class EagleSpeculator:
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
             self._drafted_last = False
-            self._head_ended = clock()
-            self._cycle_head = self._head_ended - now  # measured like any other cycle
+            self._open_head(now)  # measured like any other cycle
             return
         caps = []
         never = 0  # requests that cannot draft (cached blocks without draft KV)
@@ -800,8 +799,13 @@ class EagleSpeculator:
         # exploration is one (quick decisions, 3 in 4 or fewer, only re-apply the pick). Counted in the
         # cycle it decides, it charged explored depths alone ~0.3 ms at one request on the H200 (~12 %
         # of a cycle) and ~0.8 ms at 256
+        self._open_head(now, shift + decide_s)
+
+    def _open_head(self, now: float, left_out: float = 0.0) -> None:
+        """The new decision's cycle so far: from ``now`` to here, less ``left_out`` seconds; the rest
+        of this step, from here, is added when the next draft_step ends the cycle."""
         self._head_ended = clock()
-        self._cycle_head = self._head_ended - now - shift - decide_s
+        self._cycle_head = self._head_ended - now - left_out
 
     def _prefill_tokens_next_step(self) -> int:
         """Prompt tokens the next step will also carry: running prefills, and waiting requests for
