@@ -42,7 +42,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # adaptive, held at plain decoding (its quick decisions), features kept for a later catch-up
     "adaptive_at_0": {"speculative_policy": "adaptive", "speculative_calibrate": False},
     "static_chain1": {"speculative_policy": "static", "speculative_num_steps": 1},
+    # adaptive with every decision forced to plain decoding: its plain path without explorations
+    "adaptive_forced0": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 0},
+    # adaptive as shipped (on the tiny model's random head it stays at plain decoding; on a real one it drafts)
+    "adaptive": {"speculative_policy": "adaptive"},
 }
+DEFAULT_CONFIGS = "nospec,spec_off,adaptive_at_0,static_chain1"
 
 
 class GCTimer:
@@ -67,9 +72,11 @@ class GCTimer:
         gc.callbacks.remove(self._cb)
 
 
-def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int]:
-    """Closed loop: seconds and engine steps to serve every prompt with ``concurrency`` in flight."""
+def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int | list[int]) -> tuple[float, int]:
+    """Closed loop: seconds and engine steps to serve every prompt with ``concurrency`` in flight
+    (``max_tokens``: one for all, or one per prompt)."""
     eng = llm.engine
+    lens = list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     queue = list(prompts)
     live: set[str] = set()
     steps = 0
@@ -79,7 +86,7 @@ def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int)
         while queue and len(live) < concurrency:
             rid = f"h{n}"
             n += 1
-            eng.add_request(rid, queue.pop(), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            eng.add_request(rid, queue.pop(), SamplingParams(temperature=0.0, max_tokens=lens[len(queue)], ignore_eos=True))
             live.add(rid)
         for out in eng.step():
             if out.finished:
@@ -93,51 +100,76 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
+    ap.add_argument("--model", default=None, help="a real model (GGUF or HF folder) with the shipped head; "
+                    "default: the tiny random model and head")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--length-spread", type=float, default=0.0,
+                    help="output lengths uniform in max-tokens x [1 - s, 1 + s] (0: all the same: waves)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per engine, interleaved")
     ap.add_argument("--top", type=int, default=25, help="functions listed per engine from cProfile")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the engines in reach of full garbage collections (the server freezes them)")
     ap.add_argument("--output-file", required=True)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     tmp = tempfile.mkdtemp(prefix="host_overhead_")
-    model_dir = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS)
-    head_dir = make_random_head(model_dir, os.path.join(tmp, "head"))
+    if args.model is None:
+        model_dir, vocab = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS), VOCAB
+        head_dir: str | None = make_random_head(model_dir, os.path.join(tmp, "head"))
+    else:
+        model_dir, head_dir, vocab = args.model, None, 49152
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, VOCAB, (int(L),), generator=g).tolist()
+    prompts = [torch.randint(3, vocab, (int(L),), generator=g).tolist()
                for L in torch.randint(16, 128, (args.requests,), generator=g)]
+    s_ = args.length_spread
+    lens: int | list[int] = args.max_tokens if s_ <= 0 else [
+        max(1, round(args.max_tokens * (1 - s_ + 2 * s_ * float(u)))) for u in torch.rand(args.requests, generator=g)]
+    longest = max(lens) if isinstance(lens, list) else lens
+    blocks_per_request = -(-(128 + longest + 8) // 16) + 1  # prompt, output, drafts: no preemption
+    total_tokens = sum(lens) if isinstance(lens, list) else lens * len(prompts)
     engines = {}
     for n in names:
         kw = dict(CONFIGS[n])
+        forced = kw.pop("forced_arm", None)
         if kw:
             kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
-        engines[n] = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=args.concurrency,
-                         num_kv_blocks=args.concurrency * 16, max_num_batched_tokens=4096, **kw)
+        dtype = "float32" if args.device == "cpu" else "auto"
+        engines[n] = LLM(model_dir, device=args.device, dtype=dtype, max_num_seqs=args.concurrency,
+                         num_kv_blocks=args.concurrency * blocks_per_request, max_num_batched_tokens=4096, **kw)
+        if forced is not None:
+            engines[n].engine.drafter.controller.forced_arm = forced
         serve(engines[n], prompts[:16], 8, 8)  # warm-up
     if not args.no_gc_freeze:
         freeze_startup_heap()
     gc_timer = GCTimer()
     timing: dict[str, list[float]] = {n: [] for n in names}
+    seconds: dict[str, list[float]] = {n: [] for n in names}
     gc_ms: dict[str, list[list[float]]] = {n: [] for n in names}
     steps_of: dict[str, int] = {}
     for r in range(args.rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
             gc_timer.take()
-            s, steps = serve(engines[n], prompts, args.concurrency, args.max_tokens)
+            s, steps = serve(engines[n], prompts, args.concurrency, lens)
             timing[n].append(1000 * s / steps)
+            seconds[n].append(s)
             gc_ms[n].append([round(1000 * x / steps, 3) for x in gc_timer.take()])
             steps_of[n] = steps
     gc_timer.close()  # (main() also runs inside the test process)
     result: dict[str, Any] = {"benchmark": "host_overhead", **run_metadata(),
                               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                              "model": {"vocab": VOCAB, "layers": LAYERS, "made_by": "tests/tiny_model.py"}, "settings": vars(args), "configs": {}}
+                              "model": ({"vocab": VOCAB, "layers": LAYERS, "made_by": "tests/tiny_model.py"} if args.model is None
+                                        else {"path": args.model, "head": "shipped"}), "settings": vars(args), "configs": {}}
     base = min(timing[names[0]])
     for n in names:
         prof = cProfile.Profile()
         prof.enable()
-        serve(engines[n], prompts, args.concurrency, args.max_tokens)
+        serve(engines[n], prompts, args.concurrency, lens)
         prof.disable()
         buf = io.StringIO()
         st = pstats.Stats(prof, stream=buf)
@@ -145,9 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ms = min(timing[n])
         result["configs"][n] = {"ms_per_step": round(ms, 3), "ms_per_step_rounds": [round(x, 3) for x in timing[n]],
                                 "over_first": round(ms / base, 3), "engine_steps": steps_of[n],
+                                "tok_s_rounds": [round(total_tokens / x, 1) for x in seconds[n]],
+                                "tok_s_over_first": round(min(seconds[names[0]]) / min(seconds[n]), 3),
                                 "gc_ms_per_step_rounds": gc_ms[n],
                                 "profile_top": [ln for ln in buf.getvalue().splitlines() if ln.strip()][:args.top + 8]}
-        print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps; "
+        print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps, tok/s "
+              f"{result['configs'][n]['tok_s_over_first']:.3f}x {names[0]}; "
               f"collector ms/step per round (gen 0, 1, 2): {gc_ms[n]}", flush=True)
     write_json(args.output_file, result)
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -82,3 +83,24 @@ def test_ramp_k0_share_per_window_counts_only_the_ramp() -> None:
     client = adaptive.Client("adaptive", SimpleNamespace(engine=eng))
     out = adaptive.run_ramp([client], [1, 2], 0.1, 0.1, lambda i: ([i], 3))
     assert out["configs"]["adaptive"]["windows_k0_share"] == [0.0, 0.0]
+
+
+def test_slices_run_each_engine_for_its_slice_in_turn() -> None:
+    """--slice-s: an engine's turn is steps for that many seconds of its own clock (one step without)."""
+    pool = [([i], 50) for i in range(50)]
+    engines = {"a": FakeEngine(0.002), "b": FakeEngine(0.002)}
+    clients = [adaptive.Client(n, SimpleNamespace(engine=e)) for n, e in engines.items()]
+    order: list[str] = []
+    for c in clients:
+        c.reset()
+        step = c.step
+        c.step = lambda c=c, step=step: (order.append(c.name), step())[1]
+    adaptive.run_side_by_side(clients, lambda c: 2, lambda i: pool[i], None, lambda c: c.clock >= 0.1, slice_s=0.02)
+    runs = [len(list(g)) for _, g in itertools.groupby(order)]
+    assert len(runs) >= 4 and all(r >= 5 for r in runs[:-2]), runs  # ~0.02 s of 2-ms steps per turn
+    assert all(c.clock >= 0.1 for c in clients)
+    order.clear()
+    for c in clients:
+        c.reset()
+    adaptive.run_side_by_side(clients, lambda c: 2, lambda i: pool[i], None, lambda c: c.clock >= 0.02)
+    assert order[:4] == ["a", "b", "b", "a"]  # one step per turn, the order reversed every round
