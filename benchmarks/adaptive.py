@@ -43,6 +43,7 @@ Writes --output-dir/adaptive.json, adaptive.md, adaptive_sweep.png, adaptive_ram
 from __future__ import annotations
 
 import argparse
+import ast
 import bisect
 import json
 import os
@@ -75,7 +76,35 @@ def configs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                                            "speculative_num_steps": args.threshold_steps}
     out["adaptive"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "adaptive",
                        "speculative_num_steps": args.adaptive_steps, "speculative_calibrate": args.adaptive_calibrate}
+    if args.variant:
+        out[variant(args.variant)[0]] = dict(out["adaptive"])
     return out
+
+
+def variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME:FIELD=VALUE[,FIELD=VALUE]`` -> ("adaptive_NAME", {field path under the controller: value})."""
+    name, sep, rest = spec.partition(":")
+    if not sep or not name or not rest:
+        raise ValueError(f"--variant wants NAME:FIELD=VALUE[,FIELD=VALUE], got {spec!r}")
+    fields = {}
+    for item in rest.split(","):
+        path, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--variant: {item!r} is not FIELD=VALUE")
+        fields[path.strip()] = ast.literal_eval(value.strip())
+    return f"adaptive_{name}", fields
+
+
+def apply_variant(llm: LLM, fields: dict[str, Any]) -> None:
+    """Set each dotted field path under the engine's controller (e.g. bandit.memory_s)."""
+    for path, value in fields.items():
+        *parents, last = path.split(".")
+        obj = controller(llm)
+        for p in parents:
+            obj = getattr(obj, p)
+        if not hasattr(obj, last):
+            raise ValueError(f"--variant: the controller has no field {path!r}")
+        setattr(obj, last, value)
 
 
 @dataclass
@@ -366,6 +395,9 @@ def summarise(points: list[dict[str, Any]], names: list[str]) -> list[dict[str, 
                "adaptive_vs_best_static": (cf["adaptive"]["tok_s"] / cf[best_static]["tok_s"]) if best_static else None,
                "adaptive_vs_best_fixed_halves": halves}
         for n in names:
+            if n.startswith("adaptive_"):  # a --variant
+                row[f"{n}_vs_best_fixed"] = cf[n]["tok_s"] / ref if ref and cf[n]["tok_s"] else None
+        for n in names:
             row[n] = {k: cf[n].get(k) for k in ("tok_s", "tpot_ms_mean", "mean_k", "k0_share", "accept_length",
                                                "switches")}
             row[n]["vs_none"] = cf[n]["tok_s"] / base if base else None
@@ -493,6 +525,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="each engine's turn in the round robin: steps for this many seconds of its own clock "
                          "(0: one step). On the H200 host, stepping five engines in turn ran each one's steps "
                          "~30 %% slower at 256 requests than alone (caches), the speculative engines' more")
+    ap.add_argument("--variant", default=None, metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+                    help="one more adaptive engine (adaptive_NAME) with fields under its controller set, e.g. "
+                         "mem0:bandit.memory_s=0: an A/B in the same run, reported beside adaptive")
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--threshold-n", type=int, default=4)
     ap.add_argument("--threshold-steps", type=int, default=3)
@@ -550,6 +585,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         llms[n] = LLM(args.model, kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(max_c, 8), seed=args.seed,
                       num_kv_blocks=args.num_kv_blocks, **kw)
+        if args.variant and n == variant(args.variant)[0]:
+            apply_variant(llms[n], variant(args.variant)[1])
         print(f"engine {n}: {time.perf_counter() - t0:.1f}s", flush=True)
     ctl = controller(llms["adaptive"])
     result["cost_profile"] = dict(ctl.cost.meta)

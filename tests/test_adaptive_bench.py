@@ -104,3 +104,16 @@ def test_slices_run_each_engine_for_its_slice_in_turn() -> None:
         c.reset()
     adaptive.run_side_by_side(clients, lambda c: 2, lambda i: pool[i], None, lambda c: c.clock >= 0.02)
     assert order[:4] == ["a", "b", "b", "a"]  # one step per turn, the order reversed every round
+
+
+def test_a_variant_sets_fields_under_its_controller() -> None:
+    name, fields = adaptive.variant("mem0:bandit.memory_s=0,full_every=8")
+    assert name == "adaptive_mem0" and fields == {"bandit.memory_s": 0, "full_every": 8}
+    ctl = SimpleNamespace(bandit=SimpleNamespace(memory_s=4.0), full_every=4)
+    llm = SimpleNamespace(engine=SimpleNamespace(drafter=SimpleNamespace(controller=ctl)))
+    adaptive.apply_variant(llm, fields)
+    assert ctl.bandit.memory_s == 0 and ctl.full_every == 8
+    with pytest.raises(ValueError, match="no field"):
+        adaptive.apply_variant(llm, {"bandit.memroy_s": 1})
+    with pytest.raises(ValueError):
+        adaptive.variant("mem0")
