@@ -44,6 +44,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "static_chain1": {"speculative_policy": "static", "speculative_num_steps": 1},
     # adaptive with every decision forced to plain decoding: its plain path without explorations
     "adaptive_forced0": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 0},
+    # a drafting depth, fixed (static) against the adaptive engine held at it: the adaptive policy's own cost
+    "static_chain3": {"speculative_policy": "static", "speculative_num_steps": 3},
+    "adaptive_forced3": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 3},
     # adaptive as shipped (on the tiny model's random head it stays at plain decoding; on a real one it drafts)
     "adaptive": {"speculative_policy": "adaptive"},
 }
