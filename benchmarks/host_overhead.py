@@ -33,6 +33,7 @@ from tiny_model import make_random_head, make_tiny_model  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
+from specserve.loader import load_model_source  # noqa: E402
 
 VOCAB, LAYERS = 2048, 2  # a tiny random Llama (tests/tiny_model.py: hidden 32) and a random EAGLE-3 head
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -75,11 +76,10 @@ class GCTimer:
         gc.callbacks.remove(self._cb)
 
 
-def serve(llm: LLM, prompts: list[list[int]], concurrency: int, max_tokens: int | list[int]) -> tuple[float, int]:
-    """Closed loop: seconds and engine steps to serve every prompt with ``concurrency`` in flight
-    (``max_tokens``: one for all, or one per prompt)."""
+def serve(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int]) -> tuple[float, int]:
+    """Closed loop: seconds and engine steps to serve every prompt (``lens``: its output tokens) with
+    ``concurrency`` in flight."""
     eng = llm.engine
-    lens = list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     queue = list(prompts)
     live: set[str] = set()
     steps = 0
@@ -122,32 +122,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     tmp = tempfile.mkdtemp(prefix="host_overhead_")
+    head_dir: str | None = None  # the shipped head, for a real model
     if args.model is None:
-        model_dir, vocab = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS), VOCAB
-        head_dir: str | None = make_random_head(model_dir, os.path.join(tmp, "head"))
+        model_dir = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS)
+        head_dir = make_random_head(model_dir, os.path.join(tmp, "head"))
     else:
-        model_dir, head_dir, vocab = args.model, None, 49152
+        model_dir = args.model
+    vocab = load_model_source(model_dir).config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (int(L),), generator=g).tolist()
                for L in torch.randint(16, 128, (args.requests,), generator=g)]
     s_ = args.length_spread
-    lens: int | list[int] = args.max_tokens if s_ <= 0 else [
+    lens = [args.max_tokens] * args.requests if s_ <= 0 else [
         max(1, round(args.max_tokens * (1 - s_ + 2 * s_ * float(u)))) for u in torch.rand(args.requests, generator=g)]
-    longest = max(lens) if isinstance(lens, list) else lens
-    blocks_per_request = -(-(128 + longest + 8) // 16) + 1  # prompt, output, drafts: no preemption
-    total_tokens = sum(lens) if isinstance(lens, list) else lens * len(prompts)
+    blocks_per_request = -(-(128 + max(lens) + 8) // 16) + 1  # prompt, output, drafts: no preemption
+    dtype = "float32" if args.device == "cpu" else "auto"
     engines = {}
     for n in names:
         kw = dict(CONFIGS[n])
         forced = kw.pop("forced_arm", None)
         if kw:
             kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
-        dtype = "float32" if args.device == "cpu" else "auto"
         engines[n] = LLM(model_dir, device=args.device, dtype=dtype, max_num_seqs=args.concurrency,
                          num_kv_blocks=args.concurrency * blocks_per_request, max_num_batched_tokens=4096, **kw)
         if forced is not None:
             engines[n].engine.drafter.controller.forced_arm = forced
-        serve(engines[n], prompts[:16], 8, 8)  # warm-up
+        serve(engines[n], prompts[:16], 8, [8] * 16)  # warm-up
     if not args.no_gc_freeze:
         freeze_startup_heap()
     gc_timer = GCTimer()
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ms = min(timing[n])
         result["configs"][n] = {"ms_per_step": round(ms, 3), "ms_per_step_rounds": [round(x, 3) for x in timing[n]],
                                 "over_first": round(ms / base, 3), "engine_steps": steps_of[n],
-                                "tok_s_rounds": [round(total_tokens / x, 1) for x in seconds[n]],
+                                "tok_s_rounds": [round(sum(lens) / x, 1) for x in seconds[n]],
                                 "tok_s_over_first": round(min(seconds[names[0]]) / min(seconds[n]), 3),
                                 "gc_ms_per_step_rounds": gc_ms[n],
                                 "profile_top": [ln for ln in buf.getvalue().splitlines() if ln.strip()][:args.top + 8]}
