@@ -1,10 +1,10 @@
 #!/bin/bash
 # Staging the SmolLM2 GGUF on the device machine, one git-ignored part per call (a call carries
-# at most 64 MiB, the working tree included, ~34 MB of it tracked): split -n 4 -d -a 1 <gguf> into
-# .stageg1/gguf.part0 .. .stageg4/gguf.part3, the gguf wheel into .whl/, then per call:
-# bash benchmarks/gpu_stage.sh .stageg<N> 4
-# (carry .stageg<N>, and .whl with the first); the last call leaves /tmp/m.gguf.
-# $1 = the part directory, $2 = how many parts there are (default 4).
+# at most 64 MiB, the working tree included, ~42 MB of it tracked): split -n 5 -d -a 1 <gguf> into
+# .stageg1/gguf.part0 .. .stageg5/gguf.part4, the gguf wheel into .whl/, then per call:
+# bash benchmarks/gpu_stage.sh .stageg<N> 5
+# (carry .stageg<N>; .whl in a call of its own); the last part leaves /tmp/m.gguf.
+# $1 = the part directory, $2 = how many parts there are (default 5).
 set -e
 mkdir -p /tmp/st
 if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
@@ -12,7 +12,7 @@ if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
 fi
 cp "$1"/gguf.part* /tmp/st/
 ls -la /tmp/st
-parts=$(seq -f /tmp/st/gguf.part%g 0 $(( ${2:-4} - 1 )))
+parts=$(seq -f /tmp/st/gguf.part%g 0 $(( ${2:-5} - 1 )))
 if ls $parts >/dev/null 2>&1; then
   cat $parts > /tmp/m.gguf
   md5sum /tmp/m.gguf
