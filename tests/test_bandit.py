@@ -499,3 +499,25 @@ def test_an_arm_known_only_by_its_prior_and_fading_seeds_is_explored_not_picked(
             last = arm
         assert picked == [], (seed, picked)
         assert tokens_sum / seconds_sum > 0.99 * B / true_s[0]
+
+
+def test_plain_decoding_keeps_its_own_measured_speed_as_its_cycles_fade():
+    # session 25, 256 requests on the H200: plain decoding's cycles ran 4.2x the profile (1.5 -> 6.25 ms),
+    # depth 3's 4.7x (3.2 -> 15 ms). Plain decoding measured 41k tok/s against depth 3's 36.9k, then
+    # depth 3 ran on; as plain decoding's few cycles faded, the bucket's excess seconds per cycle (depth
+    # 3's, ~12 ms) took their place in its estimate and it sank below depth 3 with no new measurement
+    B = 256
+    key = batch_key(B)
+    priors = {0: (float(B), 0.0015), 3: (2.16 * B, 0.0032)}
+
+    def estimates_after(own: bool) -> dict:
+        b = GoodputBandit(plain_own_ratio=own)
+        fill(b, key, 0, 0.0015, float(B), 0.00625, requests=B, cycles=11)
+        fill(b, key, 3, 0.0032, 2.16 * B, 0.015, requests=B, cycles=700)
+        return b.estimates(key, priors, B)
+
+    est = estimates_after(True)
+    assert est[0][0] > est[3][0]
+    assert abs(est[0][0] / (B / 0.00625) - 1) < 0.05  # still its measured goodput
+    old = estimates_after(False)  # the bucket's excess per cycle, borrowed whole
+    assert old[0][0] < old[3][0] and old[0][0] < 0.8 * (B / 0.00625)

@@ -178,6 +178,10 @@ class GoodputBandit:
     # decoding's first cycles at 8 requests on a CPU put it at 0.4x a useless depth's goodput, and
     # the loss charged to that exploration held every later one back: drafting stayed on
     clip: float = 3.0
+    # plain decoding's prior time, once it has cycles in a bucket: its own measured/predicted ratio
+    # there, not the bucket's excess seconds per cycle (see estimates). False: the bucket's, as before
+    # session 25 (kept for A/Bs: benchmarks/adaptive.py --variant NAME:bandit.plain_own_ratio=False)
+    plain_own_ratio: bool = True
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
@@ -232,6 +236,15 @@ class GoodputBandit:
             # machine puts multi-token verifies and draft steps high), and taken whole it made plain
             # decoding, never run in the bucket, look faster than anything it was measured at
             borrowed = max(bucket, 0.0) if arm == 0 else bucket
+            if arm == 0 and self.plain_own_ratio and st.predicted > 0:
+                # once plain decoding has cycles here, its own excess, scaled to its predicted cycle.
+                # The bucket's excess is measured almost all on drafting cycles and is seconds per
+                # cycle: at 256 requests on the H200 depth 3's 15-ms cycles ran ~12 ms over the
+                # profile and plain decoding's ~6 ms ones ~4.8. Borrowed whole as plain decoding's
+                # own cycles faded, it took plain decoding's estimate from 40,500 tok/s (measured)
+                # to 25,600 with no new measurement, below depth 3's 36,800, and plain decoding, 11 %
+                # faster, was not served again (0.900 of the best fixed, session 25)
+                borrowed = (st.seconds / st.predicted - 1.0) * psec
             own = (st.seconds - st.predicted + borrowed) / (st.n + 1)
             denom = st.seconds + w * max(psec + own, 0.1 * psec)
             rate = (st.requests + w * batch) / denom if denom > 0 else 0.0
