@@ -94,10 +94,9 @@ def profile_run(llm: LLM, batch: list[list[int]], c: int, output_len: int | list
 
     from torch.profiler import ProfilerActivity, profile
 
-    # cProfile first: once torch.profiler has traced the device, its hooks stay in the driver for the
-    # process and every launch after it is slower (a graph launch of ~310 kernels took ~220 us under
-    # it against ~9 us without: results/gpu_session25/launch_probe.json), which cProfile then charged
-    # to the engine's replay calls
+    # cProfile first, before torch.profiler has attached to the device: under the trace a graph launch
+    # of ~310 kernels held the host ~220 us against ~9 us without (results/gpu_session25/), and a
+    # configuration timed after another's trace once ran 30 % slow (cause not isolated)
     pr = cProfile.Profile()
     pr.enable()
     got2 = run_batch(llm, batch, c, output_len)
