@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.drafter import DEFAULT_HEAD
+from specserve.spec.drafter import DEFAULT_HEAD, PENDING
 from tiny_model import make_random_head, make_tiny_model
 
 SHIPPED = (DEFAULT_HEAD / "config.json").exists()
@@ -31,14 +31,17 @@ def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
     """Wrap the drafter so every draft step's (request, drafts) are logged."""
     dr = llm.engine.drafter
     log: list[list[tuple[str, list[int]]]] = []
-    orig = dr._draft
+    orig = dr.draft_step
 
-    def wrapped(todo, **kw):
-        catch_up_s = orig(todo, **kw)
-        log.append([(r.request_id, list(r.draft_token_ids)) for r, _ in todo])
-        return catch_up_s
+    def wrapped(plan, result):
+        orig(plan, result)
+        # (the static loop's drafts stay on the device; with the static policy most are launched
+        # before the verify's sync, not in _draft)
+        step = [(s.req.request_id, dr.host_drafts(s.req)) for s in plan.scheduled if s.req.draft_token_ids]
+        if step:
+            log.append(step)
 
-    dr._draft = wrapped
+    dr.draft_step = wrapped
     return log
 
 
@@ -119,14 +122,85 @@ def test_static_chain_with_preemption_matches_no_spec(tiny):
     assert out == ref
 
 
+@pytest.mark.parametrize("budget", [9, None])
+def test_static_chain_drafts_verified_from_the_device(tiny, budget):
+    """The static loop's drafts stay on the device (PENDING on the host) until the verify writes them
+    into its input ids. With drafts that are two right then wrong (written where each loop keeps them:
+    the device tensor, or the host list) and a token budget that cuts drafts short and leaves drafted
+    requests out of a step, the static loop's run accepts exactly what the eager loop's does, and both
+    give plain decoding's outputs. Steps that verify chains only launch the next catch-up and chain
+    before the verify's sync ("fused": the accepted rows chosen on the device)."""
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    runs = []
+    for static in (None, "torch"):
+        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_policy="static", max_num_seqs=8, speculative_num_steps=3,
+                  **({} if budget is None else {"max_num_batched_tokens": budget}))
+        dr = llm.engine.drafter
+        if static is not None:
+            dr.enable_static_draft(attention=static)
+        draft_step = dr.draft_step
+
+        def two_right_then_wrong(plan, result):
+            draft_step(plan, result)
+            for s in plan.scheduled:
+                r = s.req
+                if not r.draft_token_ids:
+                    continue
+                nxt = ref[int(r.request_id)][r.num_output_tokens :]
+                want = (nxt[:2] + [(nxt[2] + 1) % 64 if len(nxt) > 2 else 0])[: len(r.draft_token_ids)]
+                if r.draft_token_ids[0] == PENDING:
+                    toks, row = dr.states[r.request_id].device_drafts
+                    with torch.inference_mode():
+                        toks[row, : len(want)] = torch.tensor(want)
+                else:
+                    r.draft_token_ids = want
+
+        dr.draft_step = two_right_then_wrong
+        cut = []
+        schedule = llm.engine.scheduler.schedule
+
+        def logged_schedule():
+            drafted = {r.request_id: len(r.draft_token_ids) for r in llm.engine.scheduler.running}
+            plan = schedule()
+            verified = {s.req.request_id: len(s.draft_token_ids) for s in plan.scheduled}
+            cut.append(sum(verified.get(i, 0) < n for i, n in drafted.items()))
+            return plan
+
+        llm.engine.scheduler.schedule = logged_schedule
+        for i, p in enumerate(PROMPTS):
+            llm.engine.add_request(str(i), p, sp)
+        outs = {}
+        while llm.engine.has_unfinished_requests():
+            for o in llm.engine.step():
+                outs[o.request_id] = o.outputs[0].token_ids
+        st = llm.engine.stats
+        runs.append(([outs[str(i)] for i in range(len(PROMPTS))], st.spec_draft_tokens, st.spec_accepted_tokens,
+                     sum(cut), dict(dr.path_counts)))
+    (ref_out, ref_drafted, ref_acc, _, _), (out, drafted, acc, cut_static, paths) = runs
+    assert paths.get("chain:eager", 0) > 5 and paths.get("fused", 0) > 0
+    if budget is None:  # every step past the prompts' and the end of the shorter requests'
+        assert paths["fused"] > paths["chain:eager"] / 2
+    else:
+        assert cut_static > 0  # the budget did leave drafts unverified or cut
+    assert acc > 0 and (drafted, acc) == (ref_drafted, ref_acc)
+    assert out == ref_out == ref
+
+
 @pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree")
 def test_static_chain_smollm2_chat(chat_prompts):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = chat_prompts[:2]
     eng = dict(max_num_seqs=2, speculative_num_steps=3)
     ref_out, ref_log, _ = run(None, str(DEFAULT_HEAD), None, prompts, sp, **eng)
-    out, log, _ = run(None, str(DEFAULT_HEAD), "torch", prompts, sp, **eng)
+    out, log, paths = run(None, str(DEFAULT_HEAD), "torch", prompts, sp, **eng)
     assert out == ref_out
+    # drafts accepted, most cycles launched before the verify's sync (the accepted rows picked on the
+    # device), and every draft the eager loop's
+    assert sum(len(d) for step in log for _, d in step) > len(log) and paths.get("fused", 0) > len(log) / 2
     assert log == ref_log
     plain = LLM(device="cpu", max_num_seqs=2)
     assert out == [o.outputs[0].token_ids for o in plain.chat(prompts, sp)]

@@ -167,7 +167,8 @@ class ChainDraftRunner:
             tok = head.draft_to_target(head.compute_logits(h).argmax(-1))
             self.tokens[:B, j - 1].copy_(tok)
 
-    def load(self, base: list[int], ks: list[int], tables: list[list[int]], Bp: int) -> None:
+    def load(self, base: list[int], ks: list[int], tables: list[list[int]], Bp: int,
+             device_base: torch.Tensor | None = None) -> None:
         """Write the step's per-request numbers into the static buffers (padding rows: k = 0)."""
         B = len(ks)
         width = max(len(t) for t in tables)
@@ -180,23 +181,28 @@ class ChainDraftRunner:
         self.base_pos[:Bp].copy_(buf[:Bp])
         self.ks[:Bp].copy_(buf[Bp : 2 * Bp])
         self.block_tables[:B, :width].copy_(buf[2 * Bp :].view(B, width))
+        if device_base is not None:
+            self.base_pos[:B].copy_(device_base)
 
-    def run(self, base: list[int], ks: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, str]:
-        """Drafts [B, max(ks)] (device tensor; h0[:B] must hold the catch-up output) and the path taken."""
+    def run(self, base: list[int], ks: list[int], tables: list[list[int]],
+            device_base: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+        """Drafts [B, max(ks)] (device tensor; h0[:B] must hold the catch-up output) and the path taken.
+        ``device_base``: the base positions as a device tensor, computed there (``base`` is then an
+        upper bound of each, for the eager loop's key gathers)."""
         B, K = len(ks), max(ks)
         if B > self.max_batch or K > self.max_k:
             raise ValueError(f"draft batch {B} x {K} exceeds the loop's {self.max_batch} x {self.max_k}")
         graph = self.graphs.get((self.padded_batch(B), K)) if self.graphs else None
         if graph is not None:
-            self.load(base, ks, tables, self.padded_batch(B))
+            self.load(base, ks, tables, self.padded_batch(B), device_base)
             graph.replay()
             return self.tokens[:B, :K], "graph"
         if self.pad_batches:  # the graph's shapes exactly (GPU: eager and graph drafts are bitwise equal)
             Bp = self.padded_batch(B)
-            self.load(base, ks, tables, Bp)
+            self.load(base, ks, tables, Bp, device_base)
             self._body(Bp, K)
             return self.tokens[:B, :K], "eager"
-        self.load(base, ks, tables, B)
+        self.load(base, ks, tables, B, device_base)
         max_kv = None
         if isinstance(self.attn, TorchDecodeAttention):  # gather only the keys in use, as the eager loop
             max_kv = [max(b + j - 1 for b, k in zip(base, ks) if k >= j) for j in range(2, K + 1)]
@@ -251,9 +257,12 @@ class CatchUpRunner:
         self.h_out.copy_(h.index_select(0, self.last))
 
     def run(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
-            seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor) -> str:
+            seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor,
+            device_ids: torch.Tensor | None = None, device_last: torch.Tensor | None = None) -> str:
         """Fills h_out[:B]; returns the path taken ("graph" or "eager"). ``ids``, ``pos`` and ``slots``
-        are lists or numpy arrays (a catch-up's are built vectorised)."""
+        are lists or numpy arrays (a catch-up's are built vectorised). ``device_ids`` / ``device_last``:
+        the token ids / each request's output row as device tensors, computed there (they replace
+        ``ids`` and the last row of each request's ``q_lens``)."""
         T, B = len(ids), len(q_lens)
         width = max(len(t) for t in tables)
         n_last = self.last.shape[0]
@@ -271,18 +280,20 @@ class CatchUpRunner:
         self.attn.plan(meta)
         if self.sizes and T <= self.sizes[-1]:  # static buffers padded to a captured size
             n = self.sizes[bisect.bisect_left(self.sizes, T)]
-            self.ids[:T].copy_(buf[:T])
+            self.ids[:T].copy_(buf[:T] if device_ids is None else device_ids)
             self.pos[:T].copy_(buf[T : 2 * T])
             self.feats[:T].copy_(feats)
             self.last.copy_(buf[3 * T : o])
+            if device_last is not None:
+                self.last[:B].copy_(device_last)
             graph = self.graphs.get(n)
             if graph is not None:
                 graph.replay()
                 return "graph"
             self._graph_body(n)  # the graph's computation, eagerly (tests compare the two)
             return "eager"
-        h = self._forward(buf[:T], feats, buf[T : 2 * T])
-        self.h_out[:B].copy_(h.index_select(0, buf[3 * T : 3 * T + B]))
+        h = self._forward(buf[:T] if device_ids is None else device_ids, feats, buf[T : 2 * T])
+        self.h_out[:B].copy_(h.index_select(0, buf[3 * T : 3 * T + B] if device_last is None else device_last))
         return "eager"
 
     @torch.inference_mode()

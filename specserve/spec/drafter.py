@@ -95,6 +95,13 @@ class DraftState:
 
     draft_pos: int  # first position whose draft KV is not computed (its target feature is in ``features``)
     draft_probs: torch.Tensor | None = None  # [k, V] q of the current drafts (sampled requests only)
+    # (drafts [B, K], row) when the static chain loop left this request's drafts on the device: its
+    # draft_token_ids then hold PENDING until the verify that reads them (see EagleSpeculator._fill_drafts)
+    device_drafts: tuple[torch.Tensor, int] | None = None
+
+
+# a draft token whose value is still on the device (draft_token_ids keep the count on the host)
+PENDING = -1
 
 
 # finished requests' catch-up (Drafter._catch_up_finished): memory per step of the tokens it weighs,
@@ -176,6 +183,11 @@ class EagleSpeculator:
         self._cycle_head: float | None = None  # seconds from the last decision to the end of its draft_step
         self._head_ended = 0.0  # clock() when _cycle_head was taken (the rest of that step follows it)
         self._drafted_last = False  # whether the last decision drafted for anyone
+        # drafts launched before the last verify's sync (_launch_fused): request -> (row, k), the rows
+        self._fused: dict[str, tuple[int, int]] | None = None
+        self._fused_toks: torch.Tensor | None = None
+        self._readback: torch.Tensor | None = None  # pinned: the verify's picks, read after the fused launch
+        self._readback_done: torch.cuda.Event | None = None
         # the adaptive controller times catch-ups to their end on the GPU (device events): every
         # switch's, and one steady catch-up in CATCH_UP_TIMING_EVERY (timing one costs ~0.08 ms of
         # host time, 3 % of a step at one request); the others take the timed ones' mean for their rows
@@ -488,7 +500,9 @@ class EagleSpeculator:
     @torch.inference_mode()
     def verify_step(self, plan: StepPlan) -> CommitResult:
         t0 = clock()
+        self._fused = None
         inputs = self.runner.prepare(plan)
+        pending, pending_rows = self._fill_drafts(plan, inputs)
         out = self.runner.forward(inputs)
         # launched: on a GPU the last cycle's bookkeeping runs while the device computes (a CPU forward
         # has returned by now, and it costs what it would have anyway)
@@ -520,8 +534,20 @@ class EagleSpeculator:
         # sampled requests only: building the batch copies its parameters to the device
         sb_all = None if all(s.req.params.greedy for s in sampling) else sampler.SamplingBatch.build(
             [s.req.params for s in sampling], [s.req.generator for s in sampling], self.device)
-        # the step's one host sync: greedy acceptance is a comparison of these with the (host) drafts
-        greedy_argmax = logits.argmax(-1).tolist() if logits is not None else []
+        # the step's one host sync: greedy acceptance is a comparison of these with the drafts, which
+        # come back with them where the draft loop left them on the device
+        greedy_argmax = []
+        if logits is not None:
+            argmax = logits.argmax(-1)
+            back = torch.cat((argmax, inputs.input_ids.index_select(0, pending_rows))) if pending else argmax
+            fused = self._fused_targets(plan) if sb_all is None else None
+            if fused:  # the next cycle's catch-up and drafts go to the device before the host waits
+                vals = self._read_back_around(back, lambda: self._launch_fused(fused, inputs, argmax, feats))
+            else:
+                vals = back.tolist()
+            greedy_argmax = vals[: argmax.shape[0]]
+            if pending:
+                self._resolve_drafts(pending, vals[argmax.shape[0]:])
 
         results = self._verify_all(sampling, logits, greedy_argmax, sb_all)
         token_ids = [r.tokens for r in results]
@@ -560,6 +586,206 @@ class EagleSpeculator:
                                   feats.index_select(0, idx[: len(keep)]))
         self._record(plan, sampling, accepted, clock() - t0)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
+
+    def _fill_drafts(self, plan: StepPlan, inputs) -> tuple[list, torch.Tensor | None]:
+        """Write drafts still on the device (PENDING on the host) into the step's input ids, device to
+        device: the draft loop then needs no host sync of its own, and the host prepares this step
+        while the device drafts. Returns the requests filled and their input rows (the verify's sync
+        brings the values back)."""
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        pending = []
+        spans = iter(inputs.sample_spans)
+        states = self.states
+        for s in plan.scheduled:
+            if not s.samples:
+                continue
+            a, n = next(spans)
+            d = s.draft_token_ids
+            if not d or d[0] != PENDING:
+                continue
+            toks, row = states[s.req.request_id].device_drafts  # type: ignore[misc]
+            K = toks.shape[1]
+            _, src, dst = groups.setdefault(id(toks), (toks, [], []))
+            src.extend(range(row * K, row * K + n - 1))  # (the scheduler may have cut the drafts short)
+            dst.extend(range(a + 1, a + n))
+            pending.append(s)
+        if not pending:
+            return pending, None
+        rows = []
+        for toks, src, dst in groups.values():
+            idx = host_to_device(dst + src, self.device)
+            rows.append(idx[: len(dst)])
+            inputs.input_ids.index_copy_(0, rows[-1], toks.view(-1).index_select(0, idx[len(dst):]))
+        return pending, rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    # -- the next cycle's drafts launched before the verify's sync ----------------------------------
+    def _next_k_fixed(self, r: Request, k: int) -> int:
+        """The k ``r``'s next decision gives whatever this verify (of ``k`` drafts) accepts, where the
+        policy fixes it in advance and no length cap can bind; else 0."""
+        # (the static policy only: a forced depth is the adaptive policy's calibration, which must time
+        # the cycles its decisions run)
+        if self.cfg.policy != "static" or self.controller.forced_arm is not None:
+            return 0
+        kk = self.max_k
+        p = r.params
+        if p.max_spec_tokens is not None:
+            kk = min(kk, p.max_spec_tokens)
+        # the caps draft_step applies after commit, at their lowest: this verify commits up to k + 1 tokens
+        if p.max_tokens is not None and p.max_tokens - (r.num_output_tokens + k + 1) - 1 < kk:
+            return 0
+        if self.engine.max_model_len - (r.num_tokens + k + 1) - 1 < kk:
+            return 0
+        return kk
+
+    def _fused_targets(self, plan: StepPlan) -> list[tuple[Request, int, int]] | None:
+        """(request, drafts verified, next k) for every request of a step that only verifies greedy
+        chains whose draft KV is current, when each one's next k is known in advance (_next_k_fixed)
+        and the static loop can draft it; None otherwise. Their catch-up (over every verified row:
+        which rows hold accepted tokens is computed on the device) and next chain are then launched
+        before the verify's host sync, and run on the device while the host commits this step."""
+        if self.chain_runner is None or self.tree_runner is not None or self.topk > 1:
+            return None
+        out = []
+        for s in plan.scheduled:
+            r, k = s.req, len(s.draft_token_ids)
+            if not (k and s.samples and s.num_new_tokens == 1 and s.tree is None and r.params.greedy
+                    and r.params.logprobs is None and not r.no_draft_kv):
+                return None
+            st = self.states.get(r.request_id)
+            kk = self._next_k_fixed(r, k)
+            if st is None or st.draft_pos != r.num_computed_tokens or not kk:
+                return None
+            out.append((r, k, kk))
+        sched = self.engine.scheduler
+        # every slot the catch-up, the chain and the next verify can write (draft_step reserves as much)
+        if not all(sched._reserve(r, r.num_tokens + 1 + k + kk) for r, k, kk in out):
+            return None
+        return out
+
+    def _launch_fused(self, targets: list[tuple[Request, int, int]], inputs, argmax: torch.Tensor,
+                      feats: torch.Tensor) -> None:
+        """The catch-up over each request's verified rows and its next chain, computed on the device
+        from the verify's picks (``argmax``, one per row: the step has no other rows). Row j of a
+        request (position nc + j) pairs its target feature with the token after it: draft j + 1 while
+        j < accepted, the bonus token at j = accepted; rows past that write draft KV at positions the
+        next catch-up rewrites before anything reads them. The drafts wait for draft_step to adopt."""
+        reqs = [r for r, _, _ in targets]
+        ks = np.asarray([k for _, k, _ in targets], dtype=np.int64)
+        B, K = len(reqs), int(ks.max())
+        q_lens = ks + 1
+        T = int(q_lens.sum())
+        assert argmax.shape[0] == T == inputs.input_ids.shape[0], "a fused step verifies chains only"
+        first = np.cumsum(q_lens) - q_lens  # each request's first row
+        nc = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        req = np.repeat(np.arange(B), q_lens)
+        j_row = np.arange(T) - first[req]
+        nxt = np.minimum(np.arange(T) + 1, first[req] + ks[req])  # the row holding the next draft
+        drow = np.minimum(first[:, None] + np.arange(K)[None, :], T - 1)
+        valid = (np.arange(K)[None, :] < ks[:, None]).astype(np.int64)
+        positions, slots = self._catch_up_slots(reqs, nc.tolist(), q_lens.tolist())
+        buf = host_to_device(np.concatenate([nxt, j_row, req, drow.ravel(), valid.ravel(), first, nc + 1]),
+                             self.device)
+        o = np.cumsum([0, T, T, T, B * K, B * K, B, B])
+        nxt_d, j_d, req_d, drow_d, valid_d, first_d, base_d = (buf[o[i] : o[i + 1]] for i in range(7))
+        ids_in = inputs.input_ids
+        following = ids_in.index_select(0, nxt_d)
+        match = (following == argmax).index_select(0, drow_d).view(B, K) & valid_d.view(B, K).bool()
+        accepted = match.long().cumprod(1).sum(1)
+        bonus = argmax.index_select(0, first_d + accepted)
+        ids = torch.where(j_d < accepted.index_select(0, req_d), following, bonus.index_select(0, req_d))
+        last = first_d + accepted
+        tables = [r.kv.block_table for r in reqs]
+        seq_lens = (nc + q_lens).tolist()
+        f = feats[:T]
+        cu = self.catch_up_runner
+        if cu is not None and T <= cu.max_tokens:
+            path = cu.run(j_row, positions, slots, q_lens.tolist(), seq_lens, tables, f, device_ids=ids,
+                          device_last=last)
+            self.path_counts[f"catch_up:{path}"] += 1
+        else:
+            emb = self.target.embed_tokens(ids)
+            h = self._run_head(reqs, q_lens.tolist(), positions, seq_lens, emb, self.head.combine(f),
+                               host_to_device(slots, self.device))
+            self.chain_runner.h0[:B].copy_(h.index_select(0, last))  # type: ignore[union-attr]
+            self.path_counts["catch_up:torch"] += 1
+        nk = [kk for _, _, kk in targets]
+        # (the chain starts at nc + 1 + accepted, on the device; nc + 1 + k bounds it for the eager loop)
+        toks, path = self.chain_runner.run((nc + 1 + ks).tolist(), nk, tables,  # type: ignore[union-attr]
+                                           device_base=base_d + accepted)
+        self.path_counts[f"chain:{path}"] += 1
+        self.path_counts["fused"] += 1
+        self._fused = {r.request_id: (i, kk) for i, (r, kk) in enumerate(zip(reqs, nk))}
+        self._fused_toks = toks.clone()
+
+    def _read_back_around(self, t: torch.Tensor, launch) -> list[int]:
+        """``t``'s values on the host, with ``launch()`` queued on the device after ``t`` is computed
+        but before the host waits for it (on a GPU: a copy to pinned memory, an event, then the wait)."""
+        if self.device.type != "cuda":
+            vals = t.tolist()
+            launch()
+            return vals
+        n = t.shape[0]
+        if self._readback is None or self._readback.shape[0] < n:
+            self._readback = torch.empty(max(n, 1024), dtype=torch.long, pin_memory=True)
+        host = self._readback[:n]
+        host.copy_(t, non_blocking=True)
+        if self._readback_done is None:
+            self._readback_done = torch.cuda.Event()
+        self._readback_done.record()
+        launch()
+        self._readback_done.synchronize()
+        return host.tolist()
+
+    def _adopt_fused(self, todo: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Take the drafts _launch_fused made for the requests of ``todo`` that draft the k it drafted
+        (their draft KV is caught up over what the verify committed); returns the others."""
+        fused, self._fused = self._fused, None
+        if not fused:
+            return todo
+        bs = self.engine.config.block_size
+        rest, adopted, rows = [], [], []
+        for r, k in todo:
+            row, kk = fused.get(r.request_id, (0, -1))
+            if kk != k:
+                rest.append((r, k))
+                continue
+            st = self.states[r.request_id]
+            e = catch_up_end(r)
+            self.engine.blocks.mark_draft_ready(r.kv.block_table[st.draft_pos // bs : e // bs])
+            st.draft_pos = e
+            adopted.append((r, k))
+            rows.append(row)
+        if adopted:
+            self._pend(adopted, self._fused_toks, rows)
+        return rest
+
+    def _pend(self, todo: list[tuple[Request, int]], toks: torch.Tensor, rows: list[int]) -> None:
+        """Drafts left on the device: row ``rows[i]`` of ``toks`` for request i (PENDING on the host)."""
+        for (r, k), i in zip(todo, rows):
+            r.draft_token_ids = [PENDING] * k
+            r.draft_tree = None
+            st = self.states[r.request_id]
+            st.draft_probs = None
+            st.device_drafts = (toks, i)
+
+    def _resolve_drafts(self, pending: list, values: list[int]) -> None:
+        """The host values of the drafts _fill_drafts wrote, in its order."""
+        off = 0
+        for s in pending:
+            n = len(s.draft_token_ids)
+            s.draft_token_ids = values[off : off + n]
+            s.req.draft_token_ids = s.draft_token_ids
+            self.states[s.req.request_id].device_drafts = None
+            off += n
+
+    def host_drafts(self, r: Request) -> list[int]:
+        """``r``'s drafts with their values (a host sync if they are still on the device)."""
+        d = r.draft_token_ids
+        st = self.states.get(r.request_id)
+        if d and d[0] == PENDING and st is not None and st.device_drafts is not None:
+            toks, row = st.device_drafts
+            return toks[row, : len(d)].tolist()
+        return list(d)
 
     def _verify_all(self, sampling, logits, greedy_argmax: list[int], sb_all) -> list[TreeVerifyResult]:
         """Per sampling request: accepted node path, tokens to commit. Sampled chains go in one batch."""
@@ -752,6 +978,7 @@ class EagleSpeculator:
             if k > 0 and sched._reserve(r, r.num_tokens + k):
                 todo.append((r, k))
         shift = 0.0
+        rest = self._adopt_fused(todo)  # drafted before the verify's sync: only their bookkeeping is left
         if todo:
             # the draft time per step includes a steady catch-up (the tokens the last verify
             # committed, and the prompts of requests new to drafting: a cost of drafting itself);
@@ -769,7 +996,7 @@ class EagleSpeculator:
                 rows_key = batch_key(caught_up)
                 known = self._steady_s.get(rows_key)
                 timed = not steady or known is None or self._steady_count % CATCH_UP_TIMING_EVERY == 0
-            catch_up_s = self._draft(todo, time_catch_up=timed)
+            catch_up_s = self._draft(rest, time_catch_up=timed) if rest else 0.0
             if self._time_catch_up and steady:
                 self._steady_count += 1
                 if not timed:
@@ -975,11 +1202,10 @@ class EagleSpeculator:
         toks, path = self.chain_runner.run([r.num_tokens - 1 for r in reqs], [k for _, k in todo],
                                            [r.kv.block_table for r in reqs])
         self.path_counts[f"chain:{path}"] += 1
-        toks_l = toks.tolist()  # the draft step's one host sync
-        for (r, k), t in zip(todo, toks_l):
-            r.draft_token_ids = t[:k]
-            r.draft_tree = None
-            self.states[r.request_id].draft_probs = None
+        # no host sync: the drafts stay on the device until the next verify reads them there
+        # (_fill_drafts); a copy, as the loop's buffer is rewritten by its next run, and a request
+        # the scheduler leaves out of the next step keeps its drafts for a later one
+        self._pend(todo, toks.clone(), list(range(len(todo))))
 
     def _draft_tree_static(self, todo: list[tuple[Request, int]]) -> None:
         """The tree expansion on static buffers (a CUDA graph per padded batch on the GPU), then each
