@@ -521,3 +521,30 @@ def test_plain_decoding_keeps_its_own_measured_speed_as_its_cycles_fade():
     assert abs(est[0][0] / (B / 0.00625) - 1) < 0.05  # still its measured goodput
     old = estimates_after(False)  # the bucket's excess per cycle, borrowed whole
     assert old[0][0] < old[3][0] and old[0][0] < 0.8 * (B / 0.00625)
+
+
+def test_a_new_buckets_warm_up_may_leave_plain_decoding_on_every_buckets_budget():
+    # 64 requests enter a new bucket after ~40 s in another; plain decoding is the prior's pick and
+    # depth 1's upper bound beats it. Trying depth 1 costs a catch-up of 0.2 s: far over 1 % of the
+    # new bucket's few cycles, so on its own budget the warm-up never leaves plain decoding (and by the
+    # time the bucket has the time, the catch-up has grown with it); on every bucket's budget it
+    # does, unless explorations elsewhere have spent that budget already (a head that is never right)
+    B, key, other = 64, batch_key(64), batch_key(16)
+    priors = {0: (64.0, 0.60), 1: (80.0, 0.90)}
+
+    def warm_up(warm_global: bool, spent_elsewhere: bool) -> list[int]:
+        b = GoodputBandit(warm_global=warm_global)
+        fill(b, other, 0, 0.1, 16.0, 0.1, requests=16, cycles=400)
+        if spent_elsewhere:
+            b.spent[other] = b.explore_budget * b.elapsed[other]
+        explored = []
+        for i in range(b.warm_visits):
+            arm, exploring = b.choose(key, priors, B, switch_s=0.2)
+            b.observe(key, arm, priors[arm][1], priors[arm][0], priors[arm][1], requests=B)
+            if exploring:
+                explored.append(arm)
+        return explored
+
+    assert warm_up(False, False) == []
+    assert 1 in warm_up(True, False)
+    assert warm_up(True, True) == []

@@ -182,6 +182,11 @@ class GoodputBandit:
     # there, not the bucket's excess seconds per cycle (see estimates). False: the bucket's, as before
     # session 25 (kept for A/Bs: benchmarks/adaptive.py --variant NAME:bandit.plain_own_ratio=False)
     plain_own_ratio: bool = True
+    # a bucket's warm-up explorations out of plain decoding may draw on every bucket's budget (the
+    # sum of what explorations lost against 1 % of all buckets' time) when its own is too small:
+    # a new bucket has no time yet, and by the time it has, the catch-up of its plain stretch has
+    # grown with it (at 64 requests on the H200 no depth was tried for ~450 decisions, session 25)
+    warm_global: bool = False
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
@@ -304,6 +309,9 @@ class GoodputBandit:
         # decoding it caught up ~6,000 tokens, 2.5 % of a 40-s window where plain decoding was right)
         expected = max(self._last_loss.get(key, 0.0), switch_s if best == min(est) else 0.0)
         within_budget = self.spent.get(key, 0.0) + expected <= self.explore_budget * self.elapsed.get(key, 0.0)
+        if self.warm_global and not within_budget and visit < self.warm_visits and best == min(est):
+            within_budget = (sum(self.spent.values()) + expected
+                             <= self.explore_budget * sum(self.elapsed.values()))
         # (while plain decoding is the pick, warm-up explorations too: each pays a catch-up, and a
         # head that is never right must cost nothing)
         if visit < self.warm_visits and (best != min(est) or within_budget):
