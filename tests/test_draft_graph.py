@@ -190,6 +190,37 @@ def test_static_chain_drafts_verified_from_the_device(tiny, budget):
     assert out == ref_out == ref
 
 
+def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
+    """With ``fuse_quick`` the adaptive policy's quick decision is taken before the verify's sync and
+    its catch-up and chain launched there; draft_step applies that decision instead of taking
+    another (one quick_arm call per decision), and outputs stay plain decoding's."""
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="adaptive", speculative_num_steps=3)
+    dr = llm.engine.drafter
+    dr.enable_static_draft(attention="torch")
+    ctl = dr.controller
+    ctl.fuse_quick = True
+    calls, decisions = [], []
+    ctl.quick_arm = lambda batch, running=None: calls.append(batch) or 2  # every decision a quick one: depth 2
+    draft_step = dr.draft_step
+
+    def counted(plan, result):
+        if any(s.samples and not s.req.is_finished for s in plan.scheduled):
+            decisions.append(1)
+        draft_step(plan, result)
+
+    dr.draft_step = counted
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    assert out == ref
+    assert dr.path_counts["fused"] > 5
+    assert len(calls) <= len(decisions)
+    assert llm.engine.stats.spec_draft_tokens > 0
+
+
 @pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree")
 def test_static_chain_smollm2_chat(chat_prompts):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -186,6 +186,7 @@ class EagleSpeculator:
         # drafts launched before the last verify's sync (_launch_fused): request -> (row, k), the rows
         self._fused: dict[str, tuple[int, int]] | None = None
         self._fused_toks: torch.Tensor | None = None
+        self._pre_arm: tuple[int, int] | None = None  # (batch, depth) of a quick decision taken early
         self._readback: torch.Tensor | None = None  # pinned: the verify's picks, read after the fused launch
         self._readback_done: torch.cuda.Event | None = None
         # the adaptive controller times catch-ups to their end on the GPU (device events): every
@@ -619,15 +620,29 @@ class EagleSpeculator:
         return pending, rows[0] if len(rows) == 1 else torch.cat(rows)
 
     # -- the next cycle's drafts launched before the verify's sync ----------------------------------
-    def _next_k_fixed(self, r: Request, k: int) -> int:
-        """The k ``r``'s next decision gives whatever this verify (of ``k`` drafts) accepts, where the
-        policy fixes it in advance and no length cap can bind; else 0."""
-        # (the static policy only: a forced depth is the adaptive policy's calibration, which must time
-        # the cycles its decisions run)
-        if self.cfg.policy != "static" or self.controller.forced_arm is not None:
+    def _fused_arm(self, batch: int) -> int:
+        """The depth the next decision of a batch of ``batch`` requests gives whatever this verify
+        accepts, where it is known before the verify's outcome: the static policy's, a forced depth's
+        (the adaptive policy's calibration) and, with ``fuse_quick``, the adaptive policy's quick
+        decision, taken here for draft_step to apply (_pre_arm); 0 where it is not known."""
+        ctl = self.controller
+        if self.cfg.policy == "static":
+            return self.max_k
+        if self.cfg.policy != "adaptive" or not ctl.fuse_quick:
             return 0
-        kk = self.max_k
+        if ctl.forced_arm is not None:
+            return min(ctl.forced_arm, self.max_k)
+        arm = ctl.quick_arm(batch, len(self.engine.scheduler.running))
+        if arm is None:  # a full decision (it weighs what this step measures): after the commit
+            return 0
+        self._pre_arm = (batch, arm)  # quick_arm counted the decision: draft_step applies it
+        return arm
+
+    def _capped(self, r: Request, k: int, arm: int) -> int:
+        """min(arm, r's own cap), where no cap that depends on what this verify (of ``k`` drafts)
+        commits can bind; else 0."""
         p = r.params
+        kk = min(arm, self.max_k)
         if p.max_spec_tokens is not None:
             kk = min(kk, p.max_spec_tokens)
         # the caps draft_step applies after commit, at their lowest: this verify commits up to k + 1 tokens
@@ -639,23 +654,26 @@ class EagleSpeculator:
 
     def _fused_targets(self, plan: StepPlan) -> list[tuple[Request, int, int]] | None:
         """(request, drafts verified, next k) for every request of a step that only verifies greedy
-        chains whose draft KV is current, when each one's next k is known in advance (_next_k_fixed)
-        and the static loop can draft it; None otherwise. Their catch-up (over every verified row:
-        which rows hold accepted tokens is computed on the device) and next chain are then launched
-        before the verify's host sync, and run on the device while the host commits this step."""
+        chains whose draft KV is current, when each one's next k is known in advance (_fused_arm) and
+        the static loop can draft it; None otherwise. Their catch-up (over every verified row: which
+        rows hold accepted tokens is computed on the device) and next chain are then launched before
+        the verify's host sync, and run on the device while the host commits this step."""
         if self.chain_runner is None or self.tree_runner is not None or self.topk > 1:
             return None
-        out = []
+        found = []
         for s in plan.scheduled:
             r, k = s.req, len(s.draft_token_ids)
             if not (k and s.samples and s.num_new_tokens == 1 and s.tree is None and r.params.greedy
                     and r.params.logprobs is None and not r.no_draft_kv):
                 return None
             st = self.states.get(r.request_id)
-            kk = self._next_k_fixed(r, k)
-            if st is None or st.draft_pos != r.num_computed_tokens or not kk:
+            if st is None or st.draft_pos != r.num_computed_tokens:
                 return None
-            out.append((r, k, kk))
+            found.append((r, k))
+        arm = self._fused_arm(len(found))
+        out = [(r, k, self._capped(r, k, arm)) for r, k in found] if arm > 0 else []
+        if not out or not all(kk for _, _, kk in out):
+            return None
         sched = self.engine.scheduler
         # every slot the catch-up, the chain and the next verify can write (draft_step reserves as much)
         if not all(sched._reserve(r, r.num_tokens + 1 + k + kk) for r, k, kk in out):
@@ -939,7 +957,10 @@ class EagleSpeculator:
             self.controller.finish_cycle(prev, prev_s)
             return
         arm = self.controller.forced_arm
-        if arm is None:
+        pre, self._pre_arm = self._pre_arm, None
+        if arm is None and pre is not None and pre[0] == len(candidates):
+            arm = pre[1]  # the quick decision taken before the verify's sync (_fused_arm)
+        elif arm is None:
             arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
             self.controller.count_off(len(candidates))
@@ -979,24 +1000,26 @@ class EagleSpeculator:
                 todo.append((r, k))
         shift = 0.0
         rest = self._adopt_fused(todo)  # drafted before the verify's sync: only their bookkeeping is left
-        if todo:
+        # (adopted drafts ran inside the last step, with the catch-up of what its verify committed: that
+        # cycle's time has them already, and their host time here is no draft step's cost)
+        if rest:
             # the draft time per step includes a steady catch-up (the tokens the last verify
             # committed, and the prompts of requests new to drafting: a cost of drafting itself);
             # one after a stretch of plain decoding is a one-off switch, kept out of the measurement
             caught_up = prompt_rows = 0
-            for r, _ in todo:
+            for r, _ in rest:
                 pos = self.states[r.request_id].draft_pos
                 caught_up += r.num_computed_tokens - pos
                 prompt_rows += max(min(r.num_computed_tokens, r.num_prompt_tokens) - pos, 0)
             t0 = clock()
-            usual = caught_up <= len(todo) * (self.max_k + 2)  # what a verify commits, no stretch of plain steps
+            usual = caught_up <= len(rest) * (self.max_k + 2)  # what a verify commits, no stretch of plain steps
             steady = self._drafted_last and usual
             timed, rows_key, known = False, 0, None
             if self._time_catch_up:
                 rows_key = batch_key(caught_up)
                 known = self._steady_s.get(rows_key)
                 timed = not steady or known is None or self._steady_count % CATCH_UP_TIMING_EVERY == 0
-            catch_up_s = self._draft(rest, time_catch_up=timed) if rest else 0.0
+            catch_up_s = self._draft(rest, time_catch_up=timed)
             if self._time_catch_up and steady:
                 self._steady_count += 1
                 if not timed:
@@ -1004,7 +1027,7 @@ class EagleSpeculator:
                 else:
                     self._steady_s[rows_key] = catch_up_s if known is None else 0.8 * known + 0.2 * catch_up_s
             if usual:
-                self.controller.observe_draft(len(todo), max(k for _, k in todo), clock() - t0)
+                self.controller.observe_draft(len(rest), max(k for _, k in rest), clock() - t0)
             elif not self._drafted_last:  # nor is it what this depth costs per cycle once on
                 self.controller.skip_cycle()
                 self.controller.observe_catch_up(caught_up, catch_up_s)
