@@ -203,8 +203,8 @@ class SpecController:
     switch_seconds: dict[int, float] = field(default_factory=dict)
     forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
     # quick decisions (and forced depths) taken before the verify's host sync, so that the drafter
-    # launches the next catch-up and chain before it waits (EagleSpeculator._fused_arm). Off: for A/Bs
-    fuse_quick: bool = False
+    # launches the next catch-up and chain before it waits (EagleSpeculator._fused_arm). False: for A/Bs
+    fuse_quick: bool = True
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
     truncate_relative: float = 0.5
