@@ -4,7 +4,11 @@ Per step (engine.step): schedule -> ``verify_step`` (one target forward over eve
 query tokens: prefill chunks, plain decodes, and last token + drafts for those that drafted;
 then verification) -> commit (scheduler appends tokens) -> ``draft_step`` (the controller picks k
 per request for the next step; requests with k > 0 catch their draft KV up over the tokens
-committed since they last drafted and draft k tokens).
+committed since they last drafted and draft k tokens). Where the next k is known before the verify's
+outcome (the static policy, the adaptive policy's quick decisions) and every request verifies a
+greedy chain, that catch-up and the next chain are launched before the verify's host sync, with the
+accepted count picked on the device (``_launch_fused``), and draft_step only adopts their drafts.
+The static chain loop's drafts stay on the device until the next verify reads them (``PENDING``).
 
 The head's input at position i is (embedding of token i+1, target feature of token i); its
 output there predicts token i+2. Target features of committed tokens are kept by KV slot
@@ -717,8 +721,8 @@ class EagleSpeculator:
         f = feats[:T]
         cu = self.catch_up_runner
         if cu is not None and T <= cu.max_tokens:
-            path = cu.run(j_row, positions, slots, q_lens.tolist(), seq_lens, tables, f, device_ids=ids,
-                          device_last=last)
+            path = cu.run(j_row, positions, slots, q_lens.tolist(), seq_lens, tables, f,  # (j_row: unused ids)
+                          device_ids=ids, device_last=last)
             self.path_counts[f"catch_up:{path}"] += 1
         else:
             emb = self.target.embed_tokens(ids)
