@@ -221,6 +221,44 @@ def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
     assert llm.engine.stats.spec_draft_tokens > 0
 
 
+def test_adaptive_full_decisions_launch_before_the_sync(tiny):
+    """With ``fuse_full`` a full decision is taken before the verify's sync too (decide_early): draft_step
+    applies it and makes its cycle current only then, so the cycle in flight still gets its verify's
+    tokens; outputs stay plain decoding's."""
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="adaptive", speculative_num_steps=3)
+    dr = llm.engine.drafter
+    dr.enable_static_draft(attention="torch")
+    ctl = dr.controller
+    ctl.fuse_quick = ctl.fuse_full = True
+    ctl.quick_arm = lambda batch, running=None: None  # every decision a full one
+    ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: (max(priors), False)  # the deepest arm
+    calls, decisions, finished = [], [], []
+    decide = ctl.decide
+    ctl.decide = lambda *a, **k: (calls.append(1), decide(*a, **k))[1]
+    finish_cycle = ctl.finish_cycle
+    ctl.finish_cycle = lambda c, secs: (finished.append(c), finish_cycle(c, secs))[1]
+    draft_step = dr.draft_step
+
+    def counted(plan, result):
+        if any(s.samples and not s.req.is_finished for s in plan.scheduled):
+            decisions.append(1)
+        draft_step(plan, result)
+
+    dr.draft_step = counted
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    assert out == ref
+    assert dr.path_counts["fused"] > 5
+    assert len(calls) <= len(decisions)
+    # every decision's cycle was measured once, with the tokens its verify committed
+    measured = [c for c in finished if c is not None and c.arm > 0 and c.tokens > 0]
+    assert len(measured) >= len(decisions) - 2 and len({id(c) for c in measured}) == len(measured)
+
+
 @pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree")
 def test_static_chain_smollm2_chat(chat_prompts):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -191,6 +191,7 @@ class EagleSpeculator:
         self._fused: dict[str, tuple[int, int]] | None = None
         self._fused_toks: torch.Tensor | None = None
         self._pre_arm: tuple[int, int] | None = None  # (batch, depth) of a quick decision taken early
+        self._pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
         self._readback: torch.Tensor | None = None  # pinned: the verify's picks, read after the fused launch
         self._readback_done: torch.cuda.Event | None = None
         # the adaptive controller times catch-ups to their end on the GPU (device events): every
@@ -505,7 +506,7 @@ class EagleSpeculator:
     @torch.inference_mode()
     def verify_step(self, plan: StepPlan) -> CommitResult:
         t0 = clock()
-        self._fused = None
+        self._fused = self._pre_arm = self._pre_ks = None  # (what the last step decided early is spent)
         inputs = self.runner.prepare(plan)
         pending, pending_rows = self._fill_drafts(plan, inputs)
         out = self.runner.forward(inputs)
@@ -624,23 +625,31 @@ class EagleSpeculator:
         return pending, rows[0] if len(rows) == 1 else torch.cat(rows)
 
     # -- the next cycle's drafts launched before the verify's sync ----------------------------------
-    def _fused_arm(self, batch: int) -> int:
-        """The depth the next decision of a batch of ``batch`` requests gives whatever this verify
-        accepts, where it is known before the verify's outcome: the static policy's, a forced depth's
-        (the adaptive policy's calibration) and, with ``fuse_quick``, the adaptive policy's quick
-        decision, taken here for draft_step to apply (_pre_arm); 0 where it is not known."""
+    def _early_ks(self, found: list[tuple[Request, int]]) -> list[int]:
+        """Each request's next k, where the next decision is known before this verify's outcome: the
+        static policy's, a forced depth's (the adaptive policy's calibration) and, with ``fuse_quick``,
+        the adaptive policy's quick decision and (``fuse_full``) its full one, taken here for
+        draft_step to apply (_pre_arm, _pre_ks); [] where it is not known or a cap could bind."""
         ctl = self.controller
         if self.cfg.policy == "static":
-            return self.max_k
+            return [self._capped(r, k, self.max_k) for r, k in found]
         if self.cfg.policy != "adaptive" or not ctl.fuse_quick:
-            return 0
+            return []
         if ctl.forced_arm is not None:
-            return min(ctl.forced_arm, self.max_k)
-        arm = ctl.quick_arm(batch, len(self.engine.scheduler.running))
-        if arm is None:  # a full decision (it weighs what this step measures): after the commit
-            return 0
-        self._pre_arm = (batch, arm)  # quick_arm counted the decision: draft_step applies it
-        return arm
+            return [self._capped(r, k, ctl.forced_arm) for r, k in found]
+        arm = ctl.quick_arm(len(found), len(self.engine.scheduler.running))
+        if arm is not None:
+            self._pre_arm = (len(found), arm)  # quick_arm counted the decision: draft_step applies it
+            return [self._capped(r, k, arm) for r, k in found]
+        caps = [self._capped(r, k, self.max_k) for r, k in found]
+        if not ctl.fuse_full or not all(caps):
+            return []
+        reqs = [r for r, _ in found]
+        # (what this verify commits is not known yet: up to k + 1 tokens each to catch up)
+        ks, cycle = ctl.decide_early(reqs, caps, len(self.engine.scheduler.running),
+                                     self._prefill_tokens_next_step(), sum(k + 1 for _, k in found))
+        self._pre_ks = ([r.request_id for r in reqs], ks, cycle)
+        return ks
 
     def _capped(self, r: Request, k: int, arm: int) -> int:
         """min(arm, r's own cap), where no cap that depends on what this verify (of ``k`` drafts)
@@ -658,7 +667,7 @@ class EagleSpeculator:
 
     def _fused_targets(self, plan: StepPlan) -> list[tuple[Request, int, int]] | None:
         """(request, drafts verified, next k) for every request of a step that only verifies greedy
-        chains whose draft KV is current, when each one's next k is known in advance (_fused_arm) and
+        chains whose draft KV is current, when each one's next k is known in advance (_early_ks) and
         the static loop can draft it; None otherwise. Their catch-up (over every verified row: which
         rows hold accepted tokens is computed on the device) and next chain are then launched before
         the verify's host sync, and run on the device while the host commits this step."""
@@ -674,10 +683,10 @@ class EagleSpeculator:
             if st is None or st.draft_pos != r.num_computed_tokens:
                 return None
             found.append((r, k))
-        arm = self._fused_arm(len(found))
-        out = [(r, k, self._capped(r, k, arm)) for r, k in found] if arm > 0 else []
-        if not out or not all(kk for _, _, kk in out):
+        ks = self._early_ks(found)
+        if not ks or not all(ks):
             return None
+        out = [(r, k, kk) for (r, k), kk in zip(found, ks)]
         sched = self.engine.scheduler
         # every slot the catch-up, the chain and the next verify can write (draft_step reserves as much)
         if not all(sched._reserve(r, r.num_tokens + 1 + k + kk) for r, k, kk in out):
@@ -962,8 +971,9 @@ class EagleSpeculator:
             return
         arm = self.controller.forced_arm
         pre, self._pre_arm = self._pre_arm, None
+        pre_ks, self._pre_ks = self._pre_ks, None
         if arm is None and pre is not None and pre[0] == len(candidates):
-            arm = pre[1]  # the quick decision taken before the verify's sync (_fused_arm)
+            arm = pre[1]  # the quick decision taken before the verify's sync (_early_ks)
         elif arm is None:
             arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
@@ -986,6 +996,9 @@ class EagleSpeculator:
         decide_s = 0.0
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
+        elif pre_ks is not None and pre_ks[0] == [r.request_id for r in candidates]:
+            ks = pre_ks[1]  # the full decision taken before the verify's sync (_early_ks)
+            self.controller.install_cycle(pre_ks[2])
         else:
             t_decide = clock()
             behind = 0
