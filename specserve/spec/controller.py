@@ -203,7 +203,7 @@ class SpecController:
     switch_seconds: dict[int, float] = field(default_factory=dict)
     forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
     # quick decisions (and forced depths) taken before the verify's host sync, so that the drafter
-    # launches the next catch-up and chain before it waits (EagleSpeculator._fused_arm). False: for A/Bs
+    # launches the next catch-up and chain before it waits (EagleSpeculator._early_ks). False: for A/Bs
     fuse_quick: bool = True
     # ... and full decisions too (decide_early): otherwise an explored depth, always a full decision,
     # is timed on cycles that draft after the sync while the pick mostly drafts before it (at four
