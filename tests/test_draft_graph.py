@@ -190,22 +190,17 @@ def test_static_chain_drafts_verified_from_the_device(tiny, budget):
     assert out == ref_out == ref
 
 
-def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
-    """With ``fuse_quick`` the adaptive policy's quick decision is taken before the verify's sync and
-    its catch-up and chain launched there; draft_step applies that decision instead of taking
-    another (one quick_arm call per decision), and outputs stay plain decoding's."""
-    model, head = tiny
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+def adaptive_static_loop(model: str, head: str) -> tuple[LLM, list[int], list]:
+    """An adaptive engine with the static loop and early decisions on, with its draft steps that decide
+    anything counted (the list), and plain decoding's outputs of PROMPTS for its sampling params (SP24)."""
     plain = LLM(model=model, device="cpu", max_num_seqs=8)
-    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, SP24)]
     llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="adaptive", speculative_num_steps=3)
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch")
-    ctl = dr.controller
-    ctl.fuse_quick = True
-    calls, decisions = [], []
-    ctl.quick_arm = lambda batch, running=None: calls.append(batch) or 2  # every decision a quick one: depth 2
+    dr.controller.fuse_quick = dr.controller.fuse_full = True
+    decisions: list[int] = []
     draft_step = dr.draft_step
 
     def counted(plan, result):
@@ -214,7 +209,21 @@ def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
         draft_step(plan, result)
 
     dr.draft_step = counted
-    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    return llm, ref, decisions
+
+
+SP24 = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
+    """With ``fuse_quick`` the adaptive policy's quick decision is taken before the verify's sync and
+    its catch-up and chain launched there; draft_step applies that decision instead of taking
+    another (one quick_arm call per decision), and outputs stay plain decoding's."""
+    llm, ref, decisions = adaptive_static_loop(*tiny)
+    dr = llm.engine.drafter
+    calls = []
+    dr.controller.quick_arm = lambda batch, running=None: calls.append(batch) or 2  # every decision quick: depth 2
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP24)]
     assert out == ref
     assert dr.path_counts["fused"] > 5
     assert len(calls) <= len(decisions)
@@ -225,32 +234,17 @@ def test_adaptive_full_decisions_launch_before_the_sync(tiny):
     """With ``fuse_full`` a full decision is taken before the verify's sync too (decide_early): draft_step
     applies it and makes its cycle current only then, so the cycle in flight still gets its verify's
     tokens; outputs stay plain decoding's."""
-    model, head = tiny
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
-    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-              speculative_policy="adaptive", speculative_num_steps=3)
+    llm, ref, decisions = adaptive_static_loop(*tiny)
     dr = llm.engine.drafter
-    dr.enable_static_draft(attention="torch")
     ctl = dr.controller
-    ctl.fuse_quick = ctl.fuse_full = True
     ctl.quick_arm = lambda batch, running=None: None  # every decision a full one
     ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: (max(priors), False)  # the deepest arm
-    calls, decisions, finished = [], [], []
+    calls, finished = [], []
     decide = ctl.decide
     ctl.decide = lambda *a, **k: (calls.append(1), decide(*a, **k))[1]
     finish_cycle = ctl.finish_cycle
     ctl.finish_cycle = lambda c, secs: (finished.append(c), finish_cycle(c, secs))[1]
-    draft_step = dr.draft_step
-
-    def counted(plan, result):
-        if any(s.samples and not s.req.is_finished for s in plan.scheduled):
-            decisions.append(1)
-        draft_step(plan, result)
-
-    dr.draft_step = counted
-    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP24)]
     assert out == ref
     assert dr.path_counts["fused"] > 5
     assert len(calls) <= len(decisions)
