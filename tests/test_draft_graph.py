@@ -27,6 +27,16 @@ def tiny(tmp_path_factory):
     return model, head
 
 
+def host_drafts(dr, r) -> list[int]:
+    """``r``'s drafts with their values (a host sync where the static loop left them on the device)."""
+    d = r.draft_token_ids
+    st = dr.states.get(r.request_id)
+    if d and d[0] == PENDING and st is not None and st.device_drafts is not None:
+        toks, row = st.device_drafts
+        return toks[row, : len(d)].tolist()
+    return list(d)
+
+
 def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
     """Wrap the drafter so every draft step's (request, drafts) are logged."""
     dr = llm.engine.drafter
@@ -37,7 +47,7 @@ def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
         orig(plan, result)
         # (the static loop's drafts stay on the device; with the static policy most are launched
         # before the verify's sync, not in _draft)
-        step = [(s.req.request_id, dr.host_drafts(s.req)) for s in plan.scheduled if s.req.draft_token_ids]
+        step = [(s.req.request_id, host_drafts(dr, s.req)) for s in plan.scheduled if s.req.draft_token_ids]
         if step:
             log.append(step)
 

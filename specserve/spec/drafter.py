@@ -651,19 +651,22 @@ class EagleSpeculator:
         self._pre_ks = ([r.request_id for r in reqs], ks, cycle)
         return ks
 
+    def _cap(self, r: Request, committed: int = 0) -> int:
+        """The most tokens ``r`` may draft once ``committed`` more tokens are committed (max_k, its
+        max_spec_tokens, what is left of max_tokens and of the model length); may be negative."""
+        p = r.params
+        cap = self.max_k if p.max_spec_tokens is None else min(self.max_k, p.max_spec_tokens)
+        if p.max_tokens is not None:
+            cap = min(cap, p.max_tokens - (r.num_output_tokens + committed) - 1)
+        return min(cap, self.engine.max_model_len - (r.num_tokens + committed) - 1)
+
     def _capped(self, r: Request, k: int, arm: int) -> int:
         """min(arm, r's own cap), where no cap that depends on what this verify (of ``k`` drafts)
         commits can bind; else 0."""
         p = r.params
-        kk = min(arm, self.max_k)
-        if p.max_spec_tokens is not None:
-            kk = min(kk, p.max_spec_tokens)
-        # the caps draft_step applies after commit, at their lowest: this verify commits up to k + 1 tokens
-        if p.max_tokens is not None and p.max_tokens - (r.num_output_tokens + k + 1) - 1 < kk:
-            return 0
-        if self.engine.max_model_len - (r.num_tokens + k + 1) - 1 < kk:
-            return 0
-        return kk
+        kk = min(arm, self.max_k) if p.max_spec_tokens is None else min(arm, self.max_k, p.max_spec_tokens)
+        # draft_step's cap after commit, at its lowest: this verify commits up to k + 1 tokens
+        return kk if self._cap(r, k + 1) >= kk else 0
 
     def _fused_targets(self, plan: StepPlan) -> list[tuple[Request, int, int]] | None:
         """(request, drafts verified, next k) for every request of a step that only verifies greedy
@@ -671,7 +674,7 @@ class EagleSpeculator:
         the static loop can draft it; None otherwise. Their catch-up (over every verified row: which
         rows hold accepted tokens is computed on the device) and next chain are then launched before
         the verify's host sync, and run on the device while the host commits this step."""
-        if self.chain_runner is None or self.tree_runner is not None or self.topk > 1:
+        if self.chain_runner is None or self.topk > 1:
             return None
         found = []
         for s in plan.scheduled:
@@ -740,8 +743,9 @@ class EagleSpeculator:
             self.chain_runner.h0[:B].copy_(h.index_select(0, last))  # type: ignore[union-attr]
             self.path_counts["catch_up:torch"] += 1
         nk = [kk for _, _, kk in targets]
-        # (the chain starts at nc + 1 + accepted, on the device; nc + 1 + k bounds it for the eager loop)
-        toks, path = self.chain_runner.run((nc + 1 + ks).tolist(), nk, tables,  # type: ignore[union-attr]
+        # (the chain starts at nc + 1 + accepted, on the device; nc + 1 + k, the catch-up's seq_lens,
+        # bounds it for the eager loop)
+        toks, path = self.chain_runner.run(seq_lens, nk, tables,  # type: ignore[union-attr]
                                            device_base=base_d + accepted)
         self.path_counts[f"chain:{path}"] += 1
         self.path_counts["fused"] += 1
@@ -773,17 +777,13 @@ class EagleSpeculator:
         fused, self._fused = self._fused, None
         if not fused:
             return todo
-        bs = self.engine.config.block_size
         rest, adopted, rows = [], [], []
         for r, k in todo:
             row, kk = fused.get(r.request_id, (0, -1))
             if kk != k:
                 rest.append((r, k))
                 continue
-            st = self.states[r.request_id]
-            e = catch_up_end(r)
-            self.engine.blocks.mark_draft_ready(r.kv.block_table[st.draft_pos // bs : e // bs])
-            st.draft_pos = e
+            self._caught_up(r, catch_up_end(r))
             adopted.append((r, k))
             rows.append(row)
         if adopted:
@@ -808,15 +808,6 @@ class EagleSpeculator:
             s.req.draft_token_ids = s.draft_token_ids
             self.states[s.req.request_id].device_drafts = None
             off += n
-
-    def host_drafts(self, r: Request) -> list[int]:
-        """``r``'s drafts with their values (a host sync if they are still on the device)."""
-        d = r.draft_token_ids
-        st = self.states.get(r.request_id)
-        if d and d[0] == PENDING and st is not None and st.device_drafts is not None:
-            toks, row = st.device_drafts
-            return toks[row, : len(d)].tolist()
-        return list(d)
 
     def _verify_all(self, sampling, logits, greedy_argmax: list[int], sb_all) -> list[TreeVerifyResult]:
         """Per sampling request: accepted node path, tokens to commit. Sampled chains go in one batch."""
@@ -985,14 +976,8 @@ class EagleSpeculator:
         caps = []
         never = 0  # requests that cannot draft (cached blocks without draft KV)
         for r in candidates:
-            cap = self.max_k
-            if r.params.max_spec_tokens is not None:
-                cap = min(cap, r.params.max_spec_tokens)
-            if r.params.max_tokens is not None:
-                cap = min(cap, r.params.max_tokens - r.num_output_tokens - 1)
-            cap = min(cap, self.engine.max_model_len - r.num_tokens - 1)
             never += r.no_draft_kv
-            caps.append(0 if r.no_draft_kv else max(cap, 0))
+            caps.append(0 if r.no_draft_kv else max(self._cap(r), 0))
         decide_s = 0.0
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
@@ -1183,14 +1168,18 @@ class EagleSpeculator:
             self.path_counts["catch_up:torch"] += 1
             if self.chain_runner is not None:
                 self.chain_runner.h0[: len(reqs)].copy_(h)
-        bs = self.engine.config.block_size
         for r, e in zip(reqs, ends):
-            st = self.states[r.request_id]
-            # the blocks this catch-up filled (those before were marked by the last one, or came
-            # from the prefix cache with draft KV: a request whose cached blocks lack it never drafts)
-            self.engine.blocks.mark_draft_ready(r.kv.block_table[st.draft_pos // bs : e // bs])
-            st.draft_pos = e
+            self._caught_up(r, e)
         return h
+
+    def _caught_up(self, r: Request, end: int) -> None:
+        """``r``'s draft KV now reaches ``end``: mark the blocks its catch-up filled (those before were
+        marked by the last one, or came from the prefix cache with draft KV: a request whose cached
+        blocks lack it never drafts)."""
+        st = self.states[r.request_id]
+        bs = self.engine.config.block_size
+        self.engine.blocks.mark_draft_ready(r.kv.block_table[st.draft_pos // bs : end // bs])
+        st.draft_pos = end
 
     def _catch_up_slots(self, reqs: list[Request], starts: list[int],
                         q_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
