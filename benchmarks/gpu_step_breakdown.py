@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
 from cycle_log import CycleLog  # noqa: E402
 from gpu_adaptive import engine_args, output_lens, run_batch  # noqa: E402
+from gpu_spec_c1 import path_counts  # noqa: E402
 from spec_single import DEFAULT_HEAD  # noqa: E402
 
 from specserve import LLM  # noqa: E402
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engines: dict[str, LLM] = {}
     for n in names:
         # "adaptive@5": the adaptive engine held at depth 5 (no decisions); "...+nofinish": finishing
-        # requests are never caught up (their blocks keep no draft KV)
+        # requests are never caught up (their blocks keep no draft KV); "...+nofull": the adaptive
+        # controller's full decisions are taken after the verify's sync (fuse_full off)
         spec, _, opt = n.partition("+")
         base, _, forced = spec.partition("@")
         engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
@@ -160,6 +162,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[n].engine.drafter.controller.forced_arm = int(forced)
         if opt == "nofinish":
             engines[n].engine.scheduler.on_finish = None
+        elif opt == "nofull":
+            engines[n].engine.drafter.controller.fuse_full = False
+        elif opt:
+            raise SystemExit(f"unknown option +{opt} (nofinish, nofull)")
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lens = output_lens(len(batch), args.output_len, args.length_spread)
         point: dict[str, Any] = {"concurrency": c, "configs": {}}
         for n in names:
+            paths_before = path_counts(engines[n])
             acc, wrapped = instrument(engines[n], args.sync)
             logged = CycleLog.start(engines[n]) if args.log_cycles else None
             got = run_batch(engines[n], batch, c, lens)
@@ -188,12 +195,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             point["configs"][n] = {**extra, "tok_s": got["tok_s"], "steady_tok_s": got["steady_tok_s"],
                                    "steady_s": got["steady_s"], "engine_steps": got["engine_steps"],
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],
-                                   "phases": phases}
+                                   "phases": phases,
+                                   "path_counts": dict(path_counts(engines[n]) - paths_before)}
             if logged is not None:
                 point["configs"][n].update(cycle_summary=logged.summary(), **logged.logs())
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
             if args.profile:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, lens)
+            print(f"  paths: {point['configs'][n]['path_counts']}", flush=True)
             print(f"C={c} {n}: {got['tok_s']:.0f} tok/s (steady {got['steady_tok_s'] or 0:.0f}), {got['ms_per_step']:.2f} ms/step, {extra} | " + ", ".join(
                 f"{k} {v['ms_per_step']:.2f}" for k, v in phases.items()), flush=True)
         result["points"].append(point)

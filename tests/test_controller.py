@@ -252,6 +252,22 @@ def test_measured_goodput_overrules_a_wrong_profile():
     assert np.mean(ratios) >= 0.97, ratios
 
 
+def test_a_step_queued_behind_drafts_does_not_teach_the_cost_model():
+    # on a GPU a verify launched while the last drafts still run waits for them too: its time is the
+    # cycle's (the bandit's), not the target's; the profile is neither refined nor flagged from it
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3),
+                         cost=CostModel(target=Curve({n: true_ms(n) * 1e-3 for n in (1, 2, 4, 8)}),
+                                        draft=Curve({1: 0.004, 64: 0.010})))
+    for _ in range(64):
+        ctl.observe_step(4, 1, 2.0 * true_ms(4) * 1e-3, own_time=False)
+    ctl.flush()
+    assert not ctl.cost.profile_ratios and not ctl.cost.target.samples and ctl.last_prediction is None
+    for _ in range(64):
+        ctl.observe_step(4, 1, 2.0 * true_ms(4) * 1e-3)
+    ctl.flush()
+    assert ctl.cost.profile_ratio == pytest.approx(2.0) and ctl.cost.stale
+
+
 def test_an_accurate_profile_is_used_from_the_start():
     accurate = {n: true_ms(n) * 1e-3 for n in range(1, 129)}
     for B in (1, 3, 16):

@@ -247,13 +247,15 @@ def test_fused_elementwise_kernels_match_torch_ops(dtype, monkeypatch):
 
 # -- engine: greedy output with graphs == without ------------------------------------------------
 
-def _generate(model_dir, prompts, max_tokens=32, forced_arm=None, **engine_args):
+def _generate(model_dir, prompts, max_tokens=32, forced_arm=None, fuse=True, **engine_args):
     from specserve import LLM, SamplingParams
 
     llm = LLM(model_dir, load_format="dummy", device="cuda", dtype="float32", num_kv_blocks=512,
               max_num_batched_tokens=128, **engine_args)
     if forced_arm is not None:
         llm.engine.drafter.controller.forced_arm = forced_arm
+    if not fuse:  # every catch-up after the verify's sync, in draft_step
+        llm.engine.drafter.controller.fuse_quick = False
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs], llm
 
@@ -296,7 +298,8 @@ def test_engine_speculation_with_graphs_is_lossless(smollm2_dummy_dir, tmp_path)
 def test_adaptive_times_few_steady_catch_ups_and_stays_lossless(smollm2_dummy_dir, tmp_path):
     """The adaptive engine on the GPU times catch-ups with device events: every switch's, but only
     one steady catch-up (after a drafting step) in CATCH_UP_TIMING_EVERY; the others reuse the
-    timed ones' mean. Held at depth 3 every step after the first drafts, so nearly all are steady."""
+    timed ones' mean. Held at depth 3 every step after the first drafts, so nearly all are steady.
+    Unfused: a fused catch-up (launched before the verify's sync) is timed with its cycle instead."""
     from specserve.loader import load_model_source
     from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
     from specserve.spec.drafter import CATCH_UP_TIMING_EVERY
@@ -307,7 +310,8 @@ def test_adaptive_times_few_steady_catch_ups_and_stays_lossless(smollm2_dummy_di
     head.save_pretrained(str(tmp_path / "head"))
     prompts = _prompts(4, seed=2)
     plain, _ = _generate(smollm2_dummy_dir, prompts, max_tokens=48)
-    spec, llm = _generate(smollm2_dummy_dir, prompts, max_tokens=48, forced_arm=3, speculative_algorithm="EAGLE3",
+    spec, llm = _generate(smollm2_dummy_dir, prompts, max_tokens=48, forced_arm=3, fuse=False,
+                          speculative_algorithm="EAGLE3",
                           speculative_draft_model_path=str(tmp_path / "head"), speculative_num_steps=3,
                           speculative_policy="adaptive", speculative_calibrate=False)
     assert spec == plain

@@ -205,10 +205,11 @@ class SpecController:
     # quick decisions (and forced depths) taken before the verify's host sync, so that the drafter
     # launches the next catch-up and chain before it waits (EagleSpeculator._early_ks). False: for A/Bs
     fuse_quick: bool = True
-    # ... and full decisions too (decide_early): otherwise an explored depth, always a full decision,
-    # is timed on cycles that draft after the sync while the pick mostly drafts before it (at four
-    # requests on the H200 depth 3 was kept over depth 5, 12 % faster). False: for A/Bs
-    fuse_full: bool = True
+    # ... and full decisions too (decide_early), so that an explored depth is timed on cycles that
+    # draft before the sync like the quick picks. Off: on the H200 it lost at 1, 4 and 16 requests
+    # (sliced sweep 907 vs 934, 3004 vs 3179, 8427 vs 8695 tok/s; one request alone 1023 vs 1133: it
+    # settled on depth 3 where 5 ran faster; benchmarks/results/gpu_session27/)
+    fuse_full: bool = False
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
     truncate_relative: float = 0.5
@@ -398,21 +399,26 @@ class SpecController:
         self.per_request.pop(request_id, None)
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0,
-                     decode_rows: int = 0) -> None:
+                     decode_rows: int = 0, own_time: bool = True) -> None:
         """A target step of ``num_tokens`` for ``num_seqs`` requests took ``seconds``; of its tokens,
         ``prefill_tokens`` were prompt tokens before each prompt's last and ``decode_rows`` one per
-        request that samples (the rest: drafts to verify)."""
+        request that samples (the rest: drafts to verify). ``own_time`` False: ``seconds`` also holds
+        other device work the step queued behind (drafts still running when it was launched), so the
+        cost model does not learn the target's time from it."""
         # the cycle in flight now, whenever this runs
-        self._later(self._observe_step, self._cycle, num_tokens, num_seqs, seconds, prefill_tokens, decode_rows)
+        self._later(self._observe_step, self._cycle, num_tokens, num_seqs, seconds, prefill_tokens, decode_rows,
+                    own_time)
 
     def _observe_step(self, c: Cycle | None, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int,
-                      decode_rows: int) -> None:
+                      decode_rows: int, own_time: bool = True) -> None:
         if c is not None:
             if c.target_predicted is None:
                 ref = self._reference()
                 c.target_predicted = (ref.step_time(num_tokens, num_seqs)
                                       - prefill_share(ref, decode_rows, prefill_tokens, num_seqs))
             c.prefill_seconds += prefill_share(self.cost, decode_rows, prefill_tokens, num_seqs)
+        if not own_time:
+            return
         pred = self.cost.observe_step(num_tokens, seconds, num_seqs)
         if pred is not None:
             self.last_prediction = (pred, seconds)

@@ -590,7 +590,10 @@ class EagleSpeculator:
         idx = host_to_device(keep + dst, self.device)
         self.features.index_copy_(0, inputs.meta.slot_mapping.index_select(0, idx[len(keep):]),
                                   feats.index_select(0, idx[: len(keep)]))
-        self._record(plan, sampling, accepted, clock() - t0)
+        # on a GPU a verify of drafts left on the device queued behind their draft loop (and a fused
+        # one's host wait behind the next drafts' launch): its time is not the target's alone
+        own_time = not pending or self.device.type != "cuda"
+        self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
 
     def _fill_drafts(self, plan: StepPlan, inputs) -> tuple[list, torch.Tensor | None]:
@@ -891,7 +894,7 @@ class EagleSpeculator:
             return max(s.tree.depths[: len(s.draft_token_ids) + 1])
         return len(s.draft_token_ids)
 
-    def _record(self, plan: StepPlan, sampling, accepted: list[int], seconds: float) -> None:
+    def _record(self, plan: StepPlan, sampling, accepted: list[int], seconds: float, own_time: bool = True) -> None:
         stats = self.engine.stats
         verified = [(s, a) for s, a in zip(sampling, accepted) if s.draft_token_ids]
         if verified:
@@ -912,7 +915,7 @@ class EagleSpeculator:
             self.controller.observe_many([s.req.request_id for s in sampling], [self._depth(s) for s in sampling],
                                          accepted)
         prefill = sum(s.num_new_tokens - s.samples for s in plan.scheduled)
-        self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling))
+        self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling), own_time)
         self._check_stale()
 
     def _check_stale(self) -> None:
