@@ -152,6 +152,41 @@ def test_padded_launch_ignores_extra_tokens(monkeypatch, backend):
     assert changed == [scratch]
 
 
+def test_a_smaller_plan_after_a_bigger_one_leaves_no_stale_work(monkeypatch):
+    """A small step's plan writes its own entries only (and zeros over the last plan's): a launch as
+    captured, which reads every item and merge a step of its size may have, finds nothing stale."""
+    from specserve.attention.triton_backend import _ITEM_FIELDS, _MERGE_FIELDS
+
+    g = torch.Generator().manual_seed(3)
+    bs, kvh, hd, nb = 8, 2, 16, 24
+    caches = [(torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE), torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE))]
+    tri = TritonBackend(caches, bs, hd**-0.5, num_heads=4, max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8,
+                        block_n=16, target_programs=64, min_split_keys=4)
+    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]], device=DEVICE)
+    slots = [4 * 8 + 4, 4 * 8 + 5, 9 * 8 + 7, 13 * 8 + 6, 13 * 8 + 7, 14 * 8 + 0]
+    big = AttentionMetadata(query_lens=[2, 1, 3], seq_lens=[38, 40, 33], block_tables=tables,
+                            slot_mapping=torch.tensor(slots, device=DEVICE))
+    tri.plan(big)
+    items_big, merges_big = tri._num_items, tri._num_merges
+    small = AttentionMetadata(query_lens=[1], seq_lens=[20], slot_mapping=torch.tensor([2 * 8 + 3], device=DEVICE),
+                              block_tables=tables[:1, :3])
+    tri.plan(small)
+    assert tri._num_items < items_big and tri._num_merges < merges_big
+    for f in _ITEM_FIELDS:
+        assert not tri._item[f][tri._num_items : items_big].any(), f
+    for f in _MERGE_FIELDS:
+        assert not tri._merge[f][tri._num_merges : merges_big].any(), f
+    q = torch.randn(4, 4, hd, generator=g).to(DEVICE)
+    kv = torch.randn(4, kvh, hd, generator=g).to(DEVICE)
+    before = [(a.clone(), b.clone()) for a, b in caches]
+    out = tri.forward(0, q[:1], kv[:1], kv[:1])
+    caches[0][0].copy_(before[0][0])
+    caches[0][1].copy_(before[0][1])
+    monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+    out_pad = tri.forward(0, q, kv, kv)
+    assert torch.equal(out_pad[:1], out)
+
+
 def test_bad_inputs_raise():
     caches = [(torch.zeros(4, 4, 2, 16, device=DEVICE), torch.zeros(4, 4, 2, 16, device=DEVICE))]
     tri = TritonBackend(caches, 4, 0.25, num_heads=4, max_num_tokens=4, max_num_seqs=2, max_blocks_per_seq=2)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from specserve.engine.host_copy import host_buffer
+from specserve.engine.host_copy import host_buffer, host_to_device
 
 MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
 GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens (all captured sizes)
@@ -268,6 +268,10 @@ class TritonBackend(AttentionBackend):
         self._pin = dev.type == "cuda"
         self._num_items = 0
         self._num_merges = 0
+        # entries of the item and merge columns the last plan wrote: a captured launch reads every
+        # item a step of its size may have, so the ones past a plan's own must read as empty (zero)
+        self._items_written = 0
+        self._merges_written = 0
         self._block_m = bm
         # set by the graph runner while capturing: the fewest tokens a step replaying this graph has
         self.graph_min_tokens = 1
@@ -418,19 +422,31 @@ class TritonBackend(AttentionBackend):
                T: int, ni: int, nm: int, block_m: int) -> None:
         """The planned step into the persistent device buffers (asynchronous copies)."""
         B = len(q_lens)
-        h, host = host_buffer(sum(self._sections), torch.int32, self._meta.device)
         offs = self._offsets
-        if isinstance(cols[0], list):  # the small path's lists: one assignment (each list->array costs)
+        if isinstance(cols[0], list):
+            # the small path's entries alone, with zeros over what the last plan wrote past them:
+            # (index, value) pairs in one copy and a scatter on the device, where the whole buffer
+            # (~270 KB for a target of 8192 tokens) was zeroed, filled and copied every step
             idx: list[int] = []
             vals: list[int] = []
-            for o, col in zip(offs, cols):
-                idx.extend(range(o, o + len(col)))
+            n_items = len(_ITEM_FIELDS)
+            for f, (o, col) in enumerate(zip(offs, cols)):
+                n = len(col)
+                idx.extend(range(o, o + n))
                 vals.extend(col)
-            h[idx] = vals
-        else:
+                stale = (self._items_written if f < n_items else
+                         self._merges_written if f < n_items + len(_MERGE_FIELDS) else 0)
+                if stale > n:
+                    idx.extend(range(o + n, o + stale))
+                    vals.extend([0] * (stale - n))
+            both = host_to_device(idx + vals, self._meta.device)
+            self._meta.index_copy_(0, both[: len(idx)], both[len(idx) :].to(torch.int32))
+        else:  # the whole buffer, zeros past every column's entries
+            h, host = host_buffer(sum(self._sections), torch.int32, self._meta.device)
             for i, col in enumerate(cols):
                 h[offs[i] : offs[i] + len(col)] = col
-        self._meta.copy_(host, non_blocking=True)
+            self._meta.copy_(host, non_blocking=True)
+        self._items_written, self._merges_written = ni, nm
 
         # tree bits: only tokens of tree requests read theirs, so stale entries elsewhere are harmless
         if trees:
