@@ -208,7 +208,8 @@ class SpecController:
     # ... and full decisions too (decide_early), so that an explored depth is timed on cycles that
     # draft before the sync like the quick picks. Off: on the H200 it lost at 1, 4 and 16 requests
     # (sliced sweep 907 vs 934, 3004 vs 3179, 8427 vs 8695 tok/s; one request alone 1023 vs 1133: it
-    # settled on depth 3 where 5 ran faster; benchmarks/results/gpu_session27/)
+    # settled on depth 3 where 5 ran faster), though a later run without it settled on depth 3 too:
+    # that lock-in, not this, may be the cause (BENCHMARKS.md, GPU section, session 27)
     fuse_full: bool = False
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
