@@ -119,6 +119,24 @@ def test_large_step_tiles(monkeypatch):
     _assert_close(ref, out, torch.float32)
 
 
+def _random_caches(g: torch.Generator, nb: int, bs: int, kvh: int, hd: int) -> list:
+    return [(torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE), torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE))]
+
+
+def _eager_then_padded(monkeypatch, tri, caches, q, kv, n):
+    """The planned step's n tokens launched as planned, then (caches put back) all of q's rows launched
+    as a CUDA graph captures them; both outputs and the caches each launch left."""
+    before = [(a.clone(), b.clone()) for a, b in caches]
+    out = tri.forward(0, q[:n], kv[:n], kv[:n])
+    caches_eager = [(a.clone(), b.clone()) for a, b in caches]
+    for (a, b), (a0, b0) in zip(caches, before):
+        a.copy_(a0)
+        b.copy_(b0)
+    monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+    out_pad = tri.forward(0, q, kv, kv)
+    return out, out_pad, caches_eager, [(a.clone(), b.clone()) for a, b in caches]
+
+
 @pytest.mark.parametrize("backend", [NO_SPLIT, {"target_programs": 64, "min_split_keys": 4}],
                          ids=["whole", "split_kv"])
 def test_padded_launch_ignores_extra_tokens(monkeypatch, backend):
@@ -126,8 +144,7 @@ def test_padded_launch_ignores_extra_tokens(monkeypatch, backend):
     and merge) leaves real rows unchanged and writes padded tokens' K/V only into the scratch slot."""
     g = torch.Generator().manual_seed(1)
     bs, kvh, hd, nb = 8, 2, 16, 16
-    caches = [(torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE), torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE))]
-    before = [(a.clone(), b.clone()) for a, b in caches]
+    caches = _random_caches(g, nb, bs, kvh, hd)
     tri = TritonBackend(caches, bs, hd**-0.5, num_heads=4, max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8,
                         block_n=16, **backend)
     meta = AttentionMetadata(query_lens=[1, 2], seq_lens=[35, 40],
@@ -137,14 +154,7 @@ def test_padded_launch_ignores_extra_tokens(monkeypatch, backend):
     assert (tri._num_merges > 0) == (backend is not NO_SPLIT)
     q = torch.randn(5, 4, hd, generator=g).to(DEVICE)
     kv = torch.randn(5, kvh, hd, generator=g).to(DEVICE)
-    out = tri.forward(0, q[:3], kv[:3], kv[:3])
-    caches_eager = [(a.clone(), b.clone()) for a, b in caches]
-    caches[0][0].copy_(before[0][0])
-    caches[0][1].copy_(before[0][1])
-    monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
-    out_pad = tri.forward(0, q, kv, kv)
-    caches_pad = [(a.clone(), b.clone()) for a, b in caches]
-    caches = caches_eager
+    out, out_pad, caches, caches_pad = _eager_then_padded(monkeypatch, tri, caches, q, kv, 3)
     assert torch.equal(out_pad[:3], out)
     scratch = nb * bs - 1
     flat_pad, flat = caches_pad[0][0].view(-1, kvh, hd), caches[0][0].view(-1, kvh, hd)
@@ -159,7 +169,7 @@ def test_a_smaller_plan_after_a_bigger_one_leaves_no_stale_work(monkeypatch):
 
     g = torch.Generator().manual_seed(3)
     bs, kvh, hd, nb = 8, 2, 16, 24
-    caches = [(torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE), torch.randn(nb, bs, kvh, hd, generator=g).to(DEVICE))]
+    caches = _random_caches(g, nb, bs, kvh, hd)
     tri = TritonBackend(caches, bs, hd**-0.5, num_heads=4, max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8,
                         block_n=16, target_programs=64, min_split_keys=4)
     tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]], device=DEVICE)
@@ -178,12 +188,7 @@ def test_a_smaller_plan_after_a_bigger_one_leaves_no_stale_work(monkeypatch):
         assert not tri._merge[f][tri._num_merges : merges_big].any(), f
     q = torch.randn(4, 4, hd, generator=g).to(DEVICE)
     kv = torch.randn(4, kvh, hd, generator=g).to(DEVICE)
-    before = [(a.clone(), b.clone()) for a, b in caches]
-    out = tri.forward(0, q[:1], kv[:1], kv[:1])
-    caches[0][0].copy_(before[0][0])
-    caches[0][1].copy_(before[0][1])
-    monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
-    out_pad = tri.forward(0, q, kv, kv)
+    out, out_pad, _, _ = _eager_then_padded(monkeypatch, tri, caches, q, kv, 1)
     assert torch.equal(out_pad[:1], out)
 
 

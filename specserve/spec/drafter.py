@@ -658,16 +658,20 @@ class EagleSpeculator:
         """The most tokens ``r`` may draft once ``committed`` more tokens are committed (max_k, its
         max_spec_tokens, what is left of max_tokens and of the model length); may be negative."""
         p = r.params
-        cap = self.max_k if p.max_spec_tokens is None else min(self.max_k, p.max_spec_tokens)
+        cap = self._spec_limit(r)
         if p.max_tokens is not None:
             cap = min(cap, p.max_tokens - (r.num_output_tokens + committed) - 1)
         return min(cap, self.engine.max_model_len - (r.num_tokens + committed) - 1)
 
+    def _spec_limit(self, r: Request) -> int:
+        """max_k, or less where ``r`` asks for fewer drafts (max_spec_tokens)."""
+        p = r.params
+        return self.max_k if p.max_spec_tokens is None else min(self.max_k, p.max_spec_tokens)
+
     def _capped(self, r: Request, k: int, arm: int) -> int:
         """min(arm, r's own cap), where no cap that depends on what this verify (of ``k`` drafts)
         commits can bind; else 0."""
-        p = r.params
-        kk = min(arm, self.max_k) if p.max_spec_tokens is None else min(arm, self.max_k, p.max_spec_tokens)
+        kk = min(arm, self._spec_limit(r))
         # draft_step's cap after commit, at its lowest: this verify commits up to k + 1 tokens
         return kk if self._cap(r, k + 1) >= kk else 0
 
