@@ -263,6 +263,67 @@ def test_adaptive_full_decisions_launch_before_the_sync(tiny):
     assert len(measured) >= len(decisions) - 2 and len({id(c) for c in measured}) == len(measured)
 
 
+@pytest.mark.parametrize("budget", [None, 13])
+def test_early_verify_runs_the_next_verify_launched_before_the_commit(tiny, budget):
+    """With ``early_verify`` (on by default on a GPU) the verify after a fused launch's drafts is launched
+    right after the sync, before the commit, and the next step uses it where its plan is the one launched.
+    Requests stop at a stop token (some mid-cycle) and by max_tokens, and a token budget cuts some steps:
+    those early verifies are discarded. Outputs and every accepted count stay those of the same engine
+    without it, and of plain decoding."""
+    model, head = tiny
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    # a token only request 2 comes to, past its first few: it stops there, the others run to max_tokens
+    stop_tok = next(t for t in free[2][8:] if all(t not in f for j, f in enumerate(free) if j != 2))
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok])
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    assert 8 < len(ref[2]) < 40 and sum(len(o) == 40 for o in ref) >= 2  # (one more ends at EOS)
+    runs = []
+    for early in (False, True):
+        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_policy="static", max_num_seqs=8, speculative_num_steps=3,
+                  **({} if budget is None else {"max_num_batched_tokens": budget}))
+        dr = llm.engine.drafter
+        dr.enable_static_draft(attention="torch")
+        assert dr.controller.early_verify is False  # (a CPU default)
+        dr.controller.early_verify = early
+        verify_all = dr._verify_all
+
+        def two_right_then_wrong(sampling, *a):
+            """Drafts the fused launch left on the device, rewritten once this verify's outcome is known
+            (before either run reads them): two right then one wrong, so accepted counts vary."""
+            results = verify_all(sampling, *a)
+            for s, res in zip(sampling, results):
+                row, kk = (dr._fused or {}).get(s.req.request_id, (0, 0))
+                nxt = ref[int(s.req.request_id.rsplit("-", 1)[-1])][s.req.num_output_tokens + len(res.tokens):] + [0] * 3
+                if kk:
+                    with torch.inference_mode():
+                        dr._fused_toks[row, :kk] = torch.tensor([nxt[0], nxt[1], (nxt[2] + 1) % 64][:kk])
+            return results
+
+        dr._verify_all = two_right_then_wrong
+        eng, outs, n = llm.engine, {}, 0
+        for i, p in enumerate(PROMPTS[:-1]):
+            eng.add_request(str(i), p, sp)
+        while eng.has_unfinished_requests():
+            n += 1
+            if n == 12:  # an arrival while the next verify is in flight: the plan it was launched for changes
+                eng.add_request(str(len(PROMPTS) - 1), PROMPTS[-1], sp)
+            for o in eng.step():
+                outs[o.request_id] = o.outputs[0].token_ids
+        out = [outs[str(i)] for i in range(len(PROMPTS))]
+        st = eng.stats
+        runs.append((out, st.spec_draft_tokens, st.spec_accepted_tokens, dict(dr.path_counts)))
+        assert all(r.kv_hold_tokens == 0 for r in llm.engine.scheduler.running)
+        assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks  # nothing held past the end
+    (out0, d0, a0, p0), (out1, d1, a1, p1) = runs
+    assert out0 == out1 == ref
+    assert (d1, a1) == (d0, a0) and a1 > 0
+    assert "early_verify" not in p0 and p1["early_verify"] > p1["fused"] / 3
+    assert p1.get("early_verify:discarded", 0) > 0  # the arrival (and the budget's cuts)
+
+
 @pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree")
 def test_static_chain_smollm2_chat(chat_prompts):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

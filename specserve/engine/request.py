@@ -44,6 +44,9 @@ class Request:
     # its prompt prefix came from cached blocks whose draft KV was never computed (admitted while
     # speculation was off): the head cannot catch up over them, so this request never drafts
     no_draft_kv: bool = False
+    # KV slots up to this many tokens are written by a forward already launched for the next step
+    # (the drafter's early verify): commit keeps their blocks, which it would free as unused
+    kv_hold_tokens: int = 0
     # tokens already handed to the caller (for deltas)
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

@@ -195,6 +195,13 @@ class ModelRunner:
             if s.samples:
                 k = len(s.draft_token_ids)
                 spans.append((start + n - 1 - k, k + 1))
+        return self.upload(ids, pos, slots, q_lens, seq_lens, tables, spans, tree_masks)
+
+    def upload(self, ids: list[int], pos: list[int], slots: list[int], q_lens: list[int], seq_lens: list[int],
+               tables: list[list[int]], spans: list[tuple[int, int]],
+               tree_masks: dict[int, torch.Tensor] | None = None) -> StepInputs:
+        """A step's inputs from its host lists (``prepare``'s, or a caller's that knows a step before it
+        is scheduled): one packed host->device copy, no sync."""
         width = max(len(t) for t in tables)
         T, B = len(ids), len(tables)
         # one host buffer (pinned on CUDA), one asynchronous copy: ids | positions | slots | block tables

@@ -113,6 +113,7 @@ class Scheduler:
         self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids, req.num_computed_tokens)
         self.blocks.free(req.kv.block_table)
         req.kv = KVSlots()
+        req.kv_hold_tokens = 0
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -231,7 +232,7 @@ class Scheduler:
                 self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids,
                                          req.num_computed_tokens)
                 # release blocks reserved for drafts that were rejected
-                keep = self.blocks.blocks_needed(req.num_computed_tokens)
+                keep = self.blocks.blocks_needed(max(req.num_computed_tokens, req.kv_hold_tokens))
                 if len(req.kv.block_table) > keep:
                     extra = req.kv.block_table[keep:]
                     del req.kv.block_table[keep:]

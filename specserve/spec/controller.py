@@ -211,6 +211,11 @@ class SpecController:
     # settled on depth 3 where 5 ran faster), though a later run without it settled on depth 3 too:
     # that lock-in, not this, may be the cause (BENCHMARKS.md, GPU section, session 27)
     fuse_full: bool = False
+    # where the next cycle's drafts were launched before the sync, the verify after them is launched
+    # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
+    # device then has the next verify queued behind the drafts while the host commits and schedules.
+    # The drafter turns it on on a GPU (on the CPU a forward returns when done: nothing to overlap)
+    early_verify: bool = False
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
     truncate_relative: float = 0.5

@@ -8,7 +8,10 @@ committed since they last drafted and draft k tokens). Where the next k is known
 outcome (the static policy, the adaptive policy's quick decisions) and every request verifies a
 greedy chain, that catch-up and the next chain are launched before the verify's host sync, with the
 accepted count picked on the device (``_launch_fused``), and draft_step only adopts their drafts.
-The static chain loop's drafts stay on the device until the next verify reads them (``PENDING``).
+On a GPU the verify after those drafts is then launched right after the sync, before the commit
+(``_launch_early_verify``): the next step finds its forward queued and only checks that its plan
+is the one launched. The static chain loop's drafts stay on the device until the next verify reads
+them (``PENDING``).
 
 The head's input at position i is (embedding of token i+1, target feature of token i); its
 output there predicts token i+2. Target features of committed tokens are kept by KV slot
@@ -108,6 +111,21 @@ class DraftState:
 PENDING = -1
 
 
+@dataclass
+class EarlyVerify:
+    """A verify launched before the step that runs it was scheduled (_launch_early_verify)."""
+
+    plan: list[tuple[str, int, int, int]]  # per request: id, first position, first token, drafts
+    blocks: list[list[int]]  # per request: the blocks its KV went to
+    reqs: list[Request]
+    inputs: Any  # StepInputs
+    out: Any  # the forward's output (hidden, features)
+    logits: torch.Tensor
+    argmax: torch.Tensor
+    draft_rows: torch.Tensor  # input rows holding drafts, in request order
+    toks: torch.Tensor  # the drafts it read (the fused launch's)
+
+
 # finished requests' catch-up (Drafter._catch_up_finished): memory per step of the tokens it weighs,
 # and the tokens at which a prefill's and a catch-up's costs per token are compared
 FINISH_DECAY = 0.99
@@ -192,6 +210,8 @@ class EagleSpeculator:
         self._fused_toks: torch.Tensor | None = None
         self._pre_arm: tuple[int, int] | None = None  # (batch, depth) of a quick decision taken early
         self._pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
+        self._early: EarlyVerify | None = None  # the next step's verify, launched already
+        self.controller.early_verify = self.device.type == "cuda"
         self._readback: torch.Tensor | None = None  # pinned: the verify's picks, read after the fused launch
         self._readback_done: torch.cuda.Event | None = None
         # the adaptive controller times catch-ups to their end on the GPU (device events): every
@@ -507,9 +527,22 @@ class EagleSpeculator:
     def verify_step(self, plan: StepPlan) -> CommitResult:
         t0 = clock()
         self._fused = self._pre_arm = self._pre_ks = None  # (what the last step decided early is spent)
-        inputs = self.runner.prepare(plan)
-        pending, pending_rows = self._fill_drafts(plan, inputs)
-        out = self.runner.forward(inputs)
+        early, self._early = self._early, None
+        if early is not None:
+            for r in early.reqs:
+                r.kv_hold_tokens = 0  # (the plan reserved what it verifies)
+            if self._early_matches(early, plan):
+                self.path_counts["early_verify"] += 1
+            else:
+                self.path_counts["early_verify:discarded"] += 1
+                early = None
+        if early is not None:  # this step's forward was launched with the last step's sync
+            inputs, out = early.inputs, early.out
+            pending, pending_rows = list(plan.scheduled), early.draft_rows
+        else:
+            inputs = self.runner.prepare(plan)
+            pending, pending_rows = self._fill_drafts(plan, inputs)
+            out = self.runner.forward(inputs)
         # launched: on a GPU the last cycle's bookkeeping runs while the device computes (a CPU forward
         # has returned by now, and it costs what it would have anyway)
         self.controller.flush()
@@ -534,7 +567,9 @@ class EagleSpeculator:
 
         sampling = [s for s in plan.scheduled if s.samples]
         logits = None
-        if sampling:
+        if early is not None:  # (chains only: every row samples)
+            logits = early.logits
+        elif sampling:
             rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
             logits = self.target.compute_logits(hidden[rows])
         # sampled requests only: building the batch copies its parameters to the device
@@ -543,8 +578,9 @@ class EagleSpeculator:
         # the step's one host sync: greedy acceptance is a comparison of these with the drafts, which
         # come back with them where the draft loop left them on the device
         greedy_argmax = []
+        fused = None
         if logits is not None:
-            argmax = logits.argmax(-1)
+            argmax = early.argmax if early is not None else logits.argmax(-1)
             back = torch.cat((argmax, inputs.input_ids.index_select(0, pending_rows))) if pending else argmax
             fused = self._fused_targets(plan) if sb_all is None else None
             if fused:  # the next cycle's catch-up and drafts go to the device before the host waits
@@ -556,6 +592,8 @@ class EagleSpeculator:
                 self._resolve_drafts(pending, vals[argmax.shape[0]:])
 
         results = self._verify_all(sampling, logits, greedy_argmax, sb_all)
+        if fused and self.controller.early_verify:
+            self._launch_early_verify(fused, results)
         token_ids = [r.tokens for r in results]
         accepted = [r.num_accepted for r in results]
         kept_rows = [[0] + r.path for r in results]  # query rows whose KV/features are kept
@@ -592,7 +630,7 @@ class EagleSpeculator:
                                   feats.index_select(0, idx[: len(keep)]))
         # on a GPU a verify of drafts left on the device queued behind their draft loop (and a fused
         # one's host wait behind the next drafts' launch): its time is not the target's alone
-        own_time = not pending or self.device.type != "cuda"
+        own_time = early is None and (not pending or self.device.type != "cuda")
         self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
 
@@ -758,6 +796,81 @@ class EagleSpeculator:
         self.path_counts["fused"] += 1
         self._fused = {r.request_id: (i, kk) for i, (r, kk) in enumerate(zip(reqs, nk))}
         self._fused_toks = toks.clone()
+
+    def _launch_early_verify(self, targets: list[tuple[Request, int, int]], results: list[TreeVerifyResult]) -> None:
+        """Launch the next step's verify now, from what this step's sync brought back (each request's
+        accepted count and bonus token) and the drafts _launch_fused left on the device: the step
+        that follows then finds its forward queued behind those drafts (verify_step checks that its
+        plan is this one). Not where the next plan will differ: prompts waiting to be admitted, a
+        running request outside this step, a request stopping at an end-of-sequence token, drafts
+        over the step's token budget."""
+        sched = self.engine.scheduler
+        if sched.waiting or len(targets) != len(sched.running):
+            return
+        if sum(kk + 1 for _, _, kk in targets) > self.engine.config.max_num_batched_tokens:
+            return
+        toks = self._fused_toks
+        assert toks is not None
+        K, bs = toks.shape[1], self.engine.config.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        spans: list[tuple[int, int]] = []
+        src: list[int] = []
+        dst: list[int] = []
+        plan, blocks = [], []
+        for i, ((r, _, kk), res) in enumerate(zip(targets, results)):
+            p = r.params
+            if not p.ignore_eos and any(t in sched.eos_token_ids or t in p.stop_token_ids for t in res.tokens):
+                return
+            start = r.num_computed_tokens + 1 + res.num_accepted  # the bonus token's position
+            n = kk + 1
+            a = len(ids)
+            ids.append(res.tokens[-1])
+            ids.extend([0] * kk)  # (the drafts: filled on the device below)
+            pos.extend(range(start, start + n))
+            bt = r.kv.block_table
+            slots.extend(bt[j // bs] * bs + j % bs for j in range(start, start + n))
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(bt)
+            spans.append((a, n))
+            src.extend(range(i * K, i * K + kk))
+            dst.extend(range(a + 1, a + n))
+            plan.append((r.request_id, start, res.tokens[-1], kk))
+            blocks.append(bt[start // bs : (start + kk) // bs + 1])
+        inputs = self.runner.upload(ids, pos, slots, q_lens, seq_lens, tables, spans)
+        idx = host_to_device(dst + src, self.device)
+        rows = idx[: len(dst)]
+        inputs.input_ids.index_copy_(0, rows, toks.view(-1).index_select(0, idx[len(dst):]))
+        out = self.runner.forward(inputs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        logits = self.target.compute_logits(hidden)
+        reqs = [r for r, _, _ in targets]
+        for r, (_, start, _, kk) in zip(reqs, plan):
+            r.kv_hold_tokens = start + kk + 1  # commit would free the blocks past what it commits
+        self._early = EarlyVerify(plan, blocks, reqs, inputs, out, logits, logits.argmax(-1), rows, toks)
+
+    def _early_matches(self, early: EarlyVerify, plan: StepPlan) -> bool:
+        """Whether ``plan`` verifies what ``early`` launched: the same requests in the same order, each
+        from the same position and token, over the same blocks, with the drafts it read."""
+        if len(plan.scheduled) != len(early.plan):
+            return False
+        bs = self.engine.config.block_size
+        for i, (s, (rid, start, first, kk), blocks) in enumerate(zip(plan.scheduled, early.plan, early.blocks)):
+            r = s.req
+            if (r.request_id != rid or r.num_computed_tokens != start or s.num_new_tokens != 1 or not s.samples
+                    or s.tree is not None or len(s.draft_token_ids) != kk or r.all_token_ids[start] != first
+                    or r.kv.block_table[start // bs : (start + kk) // bs + 1] != blocks):
+                return False
+            st = self.states.get(rid)
+            dd = st.device_drafts if st is not None else None
+            if s.draft_token_ids[0] != PENDING or dd is None or dd[0] is not early.toks or dd[1] != i:
+                return False
+        return True
 
     def _read_back_around(self, t: torch.Tensor, launch) -> list[int]:
         """``t``'s values on the host, with ``launch()`` queued on the device after ``t`` is computed
