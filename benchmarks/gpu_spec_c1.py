@@ -43,7 +43,11 @@ PARITY_CONFIG = "chain3"
 
 
 def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, dict[str, Any], float]:
-    spec = dict(CONFIGS[name])
+    """``name``: a CONFIGS entry, or one with "+noearly" (no verify launched before the commit)."""
+    base, _, opt = name.partition("+")
+    if opt not in ("", "noearly"):
+        raise SystemExit(f"unknown option +{opt} in {name!r} (noearly)")
+    spec = dict(CONFIGS[base])
     if spec:
         spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
                     speculative_policy="static")
@@ -51,6 +55,8 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
     kw = dict(model=None if args.model == "default" else args.model, dtype=dtype, max_num_seqs=1, num_kv_blocks=args.num_kv_blocks, **spec)
     t0 = time.perf_counter()
     llm = LLM(**kw)
+    if opt == "noearly":
+        llm.engine.drafter.controller.early_verify = False
     return llm, kw, time.perf_counter() - t0
 
 
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = fallbacks(n, delta, len(rs))
         problems += bad
         summary.append({
-            "config": n, **CONFIGS[n], "tok_s": tokens / secs, "tok_s_median": median([r["tok_s"] for r in rs]),
+            "config": n, **CONFIGS[n.partition("+")[0]], "tok_s": tokens / secs, "tok_s_median": median([r["tok_s"] for r in rs]),
             "decode_tok_s_median": median([r["decode_tok_s"] for r in rs]),
             "decode_ms_per_step_median": median([r["decode_ms_per_step"] for r in rs]),
             "accept_length_median": median([r["accept_length"] for r in rs]),

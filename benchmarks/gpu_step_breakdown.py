@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in names:
         # "adaptive@5": the adaptive engine held at depth 5 (no decisions); "...+nofinish": finishing
         # requests are never caught up (their blocks keep no draft KV); "...+nofull": the adaptive
-        # controller's full decisions are taken after the verify's sync (fuse_full off)
+        # controller's full decisions are taken after the verify's sync (fuse_full off); "...+noearly":
+        # no verify is launched before the commit (early_verify off)
         spec, _, opt = n.partition("+")
         base, _, forced = spec.partition("@")
         engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
@@ -164,8 +165,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[n].engine.scheduler.on_finish = None
         elif opt == "nofull":
             engines[n].engine.drafter.controller.fuse_full = False
+        elif opt == "noearly":
+            engines[n].engine.drafter.controller.early_verify = False
         elif opt:
-            raise SystemExit(f"unknown option +{opt} (nofinish, nofull)")
+            raise SystemExit(f"unknown option +{opt} (nofinish, nofull, noearly)")
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]
