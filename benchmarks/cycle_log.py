@@ -79,10 +79,11 @@ class CycleLog:
                              len(self.draft_calls)])
             finish(c, seconds)
 
-        def stepped(num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0, decode_rows: int = 0) -> None:
+        def stepped(num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0, decode_rows: int = 0,
+                    own_time: bool = True) -> None:
             if self.steps:
                 self.steps[-1][3:7] = [num_tokens, num_seqs, round(seconds, 6), prefill_tokens]
-            observe_step(num_tokens, num_seqs, seconds, prefill_tokens, decode_rows)
+            observe_step(num_tokens, num_seqs, seconds, prefill_tokens, decode_rows, own_time)
 
         def drafting(plan: Any, result: Any) -> None:
             self.steps[-1][1] = time.perf_counter()
