@@ -70,6 +70,18 @@ def instrument(llm: LLM, sync: bool) -> tuple[dict[str, list[float]], Wrapped]:
         wrap(d.controller, "decide", "decide (in draft_step)", acc, sync, wrapped)
         wrap(d, "_record", "record (in forward + verify)", acc, sync, wrapped)
         wrap(d, "_draft_chain_static", "chain loop (in draft loop)", acc, sync, wrapped)
+        # inside forward + verify: the fused launch (the next catch-up and chain, before the sync), the
+        # read-back around it (its launch, the copy, the wait), the early launch of the next verify
+        wrap(d, "_read_back_around", "read-back + fused launch (in verify)", acc, sync, wrapped)
+        wrap(d, "_launch_fused", "fused launch (in read-back)", acc, sync, wrapped)
+        wrap(d, "_launch_early_verify", "early verify launch (in verify)", acc, sync, wrapped)
+        wrap(d, "_verify_all", "acceptance (in verify)", acc, sync, wrapped)
+        wrap(d, "_early_matches", "early plan check (in verify)", acc, sync, wrapped)
+        if d.catch_up_runner is not None:
+            wrap(d.catch_up_runner, "run", "catch-up runner", acc, sync, wrapped)
+        if d.chain_runner is not None:
+            wrap(d.chain_runner, "run", "chain runner", acc, sync, wrapped)
+        wrap(d.target, "compute_logits", "target.compute_logits", acc, sync, wrapped)
         for name in ("quick_arm", "uniform", "count_off", "finish_cycle", "observe_many", "observe_step", "flush"):
             wrap(d.controller, name, f"controller.{name}", acc, sync, wrapped)
     else:
