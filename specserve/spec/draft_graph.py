@@ -139,6 +139,7 @@ class ChainDraftRunner:
         self.base_pos = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.ks = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.tokens = torch.zeros(max_batch, max_k, dtype=torch.long, device=device)
+        self.step_index = torch.arange(max(max_k - 1, 1), dtype=torch.long, device=device)
         self.batch_sizes = batch_buckets(max_batch)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
@@ -153,17 +154,21 @@ class ChainDraftRunner:
         h = self.h0[:B]
         tok = head.draft_to_target(head.compute_logits(h).argmax(-1))
         self.tokens[:B, 0].copy_(tok)
+        if K == 1:
+            return
+        # every later step's position, KV slot and key count at once, a row per step ([K - 1, B]): at
+        # one request the loop is bound by its kernel count, and per step these took ~14 small kernels
         base, ks, bt = self.base_pos[:B], self.ks[:B], self.block_tables[:B]
-        last_block = bt.shape[1] - 1
+        step = self.step_index[: K - 1, None]  # draft j = step + 2
+        pos = base[None, :] + step
+        active = ks[None, :] >= step + 2
+        blk = bt.gather(1, (pos // bs).clamp(max=bt.shape[1] - 1).t()).t()
+        slots = torch.where(active, blk * bs + pos % bs, self.scratch_slot)
+        seqs = torch.where(active, pos + 1, 1).to(torch.int32)  # a finished row reads one key
         for j in range(2, K + 1):
-            pos = base + (j - 2)
-            active = ks >= j
-            blk = bt.gather(1, (pos // bs).clamp(max=last_block)[:, None])[:, 0]
-            slot = torch.where(active, blk * bs + pos % bs, torch.full_like(pos, self.scratch_slot))
-            seq = torch.where(active, pos + 1, torch.ones_like(pos))  # a finished row reads one key
-            self.attn.set_step(slot, seq, None if max_kv is None else max_kv[j - 2])
+            self.attn.set_step(slots[j - 2], seqs[j - 2], None if max_kv is None else max_kv[j - 2])
             with forward_context(self.attn):
-                h = head(self.embed(tok), h, pos)
+                h = head(self.embed(tok), h, pos[j - 2])
             tok = head.draft_to_target(head.compute_logits(h).argmax(-1))
             self.tokens[:B, j - 1].copy_(tok)
 
