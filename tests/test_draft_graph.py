@@ -399,30 +399,37 @@ def _gpu_run(model, head, graphs: bool, prompts, params, **engine):
     if not graphs:
         dr.chain_runner.graphs.clear()
         dr.catch_up_runner.graphs.clear()
+        if dr.fused_launch is not None:
+            dr.fused_launch.graphs.clear()
     log = record_drafts(llm)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return llm, out, log
 
 
 @pytest.mark.gpu
-def test_gpu_graph_drafts_equal_eager_static_loop(tiny):
+@pytest.mark.parametrize("n", [5, 2])
+def test_gpu_graph_drafts_equal_eager_static_loop(tiny, n):
+    """Graph replays give the eager static loop's drafts; with two requests or fewer the fused launch
+    (acceptance, catch-up, chain) replays as one graph (FusedLaunchRunner)."""
     model, head = tiny
-    params = mixed_k_params(len(PROMPTS), max_tokens=40)
+    params = mixed_k_params(n, max_tokens=40)[::-1]
     eng = dict(max_num_seqs=8, speculative_num_steps=3)
-    llm_g, out_g, log_g = _gpu_run(model, head, True, PROMPTS, params, **eng)
-    llm_e, out_e, log_e = _gpu_run(model, head, False, PROMPTS, params, **eng)
+    llm_g, out_g, log_g = _gpu_run(model, head, True, PROMPTS[:n], params, **eng)
+    llm_e, out_e, log_e = _gpu_run(model, head, False, PROMPTS[:n], params, **eng)
     assert out_g == out_e
     assert log_g == log_e
     pg, pe = llm_g.engine.drafter.path_counts, llm_e.engine.drafter.path_counts
     assert pg["chain:graph"] == len(log_g) and "chain:eager" not in pg
     assert pe["chain:eager"] == len(log_e) and "chain:graph" not in pe
+    if n == 2:
+        assert pg["fused_launch:graph"] > len(log_g) / 2 and pe["fused_launch:eager"] == pg["fused_launch:graph"]
     assert pg["catch_up:graph"] > 0
 
 
 @pytest.mark.gpu
 def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     from specserve.engine.cuda_graph import CUDAGraphRunner
-    from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner
+    from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, FusedLaunchRunner
 
     model, head = tiny
     llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256, speculative_algorithm="EAGLE3",
@@ -435,7 +442,7 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     def no_capture(*a, **k):
         raise AssertionError("re-captured after start-up")
 
-    for cls in (CUDAGraphRunner, CatchUpRunner, ChainDraftRunner):
+    for cls in (CUDAGraphRunner, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner):
         monkeypatch.setattr(cls, "capture", no_capture)
     # k from 1 to 5 within a batch and across steps (caps shrink near max_tokens)
     params = [SamplingParams(temperature=0, max_tokens=30 + i, ignore_eos=True, max_spec_tokens=1 + i % 5)
@@ -446,6 +453,7 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     assert len(dr.chain_runner.graphs) == n_graphs
     assert "chain:eager" not in dr.path_counts and dr.path_counts["chain:graph"] > 0
+    assert dr.path_counts["fused_launch:graph"] > 0  # (steps of up to two requests) and never eagerly
     # decode/verify steps all replay target graphs (prompts are short: prefill steps fit too)
     assert "target:eager" not in llm.engine.runner.path_counts
 

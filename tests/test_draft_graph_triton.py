@@ -102,3 +102,62 @@ def test_cost_profile_times_the_static_draft_path(tmp_path):
         log = record_drafts(llm)
         outs.append(([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)], log))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; test_draft_graph's gpu tests replay its graphs")
+def test_fused_launch_as_one_body_same_drafts(tmp_path):
+    """The fused launch as one body (FusedLaunchRunner: acceptance, catch-up, chain over static buffers;
+    its graphs on the GPU) gives the eager loop's drafts, with one and two requests (its batches) and
+    three (the launch step by step again), k mixed 1..3. Drafts are rewritten two right then one wrong
+    after each draft step, so accepted counts vary (the body computes them on the device)."""
+    from test_draft_graph import PROMPTS, mixed_k_params, record_drafts
+    from tiny_model import make_random_head, make_tiny_model
+
+    from specserve import LLM
+    from specserve.spec.drafter import PENDING
+
+    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
+    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
+    params = mixed_k_params(3, max_tokens=24)[::-1]  # drafts up to 3, 2, 1
+    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], params)]
+
+    def run_n(n: int, fused: bool) -> tuple[list, list, dict]:
+        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_policy="static", max_num_seqs=4, speculative_num_steps=3)
+        dr = llm.engine.drafter
+        if fused:
+            dr.enable_static_draft(attention="triton", fused_launch=True)
+            assert dr.fused_launch is not None and dr.fused_launch.batch_sizes[-1] == 2
+        log = record_drafts(llm)
+        logged = dr.draft_step
+
+        def two_right_then_wrong(plan, result):
+            logged(plan, result)
+            for s in plan.scheduled:
+                r = s.req
+                k = len(r.draft_token_ids)
+                if not k:
+                    continue
+                nxt = ref[int(r.request_id.rsplit("-", 1)[-1])][r.num_output_tokens:] + [0] * 3
+                want = [nxt[0], nxt[1], (nxt[2] + 1) % 64][:k]
+                if r.draft_token_ids[0] == PENDING:
+                    toks, row = dr.states[r.request_id].device_drafts
+                    with torch.inference_mode():
+                        toks[row, :k] = torch.tensor(want)
+                else:
+                    r.draft_token_ids = want
+
+        dr.draft_step = two_right_then_wrong
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:n], params[:n])]
+        return out, log, dict(dr.path_counts)
+
+    for n in (1, 2, 3):
+        ref_out, ref_log, _ = run_n(n, False)
+        out, log, paths = run_n(n, True)
+        assert out == ref_out == ref[:n]
+        assert log == ref_log and sum(len(d) for step in log for _, d in step) > len(log)
+        if n <= 2:
+            assert paths["fused_launch:eager"] > 2 and paths["fused_launch:eager"] == paths["fused"]
+        else:  # steps of three requests: the launch step by step
+            assert paths["fused"] > paths.get("fused_launch:eager", 0)

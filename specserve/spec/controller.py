@@ -216,6 +216,9 @@ class SpecController:
     # device then has the next verify queued behind the drafts while the host commits and schedules.
     # The drafter turns it on on a GPU (on the CPU a forward returns when done: nothing to overlap)
     early_verify: bool = False
+    # ... and the fused launch of steps of up to FUSED_MAX_BATCH requests replays one graph where the
+    # drafter has them (EagleSpeculator.fused_launch: CUDA graphs on a GPU). False: for A/Bs
+    fused_launch_graph: bool = True
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
     truncate_relative: float = 0.5

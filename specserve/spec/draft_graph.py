@@ -261,13 +261,23 @@ class CatchUpRunner:
         h = self._forward(self.ids[:n], self.feats[:n], self.pos[:n])
         self.h_out.copy_(h.index_select(0, self.last))
 
-    def run(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
-            seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor,
-            device_ids: torch.Tensor | None = None, device_last: torch.Tensor | None = None) -> str:
-        """Fills h_out[:B]; returns the path taken ("graph" or "eager"). ``ids``, ``pos`` and ``slots``
-        are lists or numpy arrays (a catch-up's are built vectorised). ``device_ids`` / ``device_last``:
-        the token ids / each request's output row as device tensors, computed there (they replace
-        ``ids`` and the last row of each request's ``q_lens``)."""
+    def stage(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
+              seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor) -> int:
+        """Plan the attention and fill the static buffers for a catch-up of len(ids) <= sizes[-1]
+        tokens; returns the captured size it pads to (FusedLaunchRunner writes ids and last rows
+        itself, then runs ``_graph_body``)."""
+        T = len(ids)
+        buf = self._plan(ids, pos, slots, q_lens, seq_lens, tables)
+        self.ids[:T].copy_(buf[:T])
+        self.pos[:T].copy_(buf[T : 2 * T])
+        self.feats[:T].copy_(feats)
+        self.last.copy_(buf[3 * T : 3 * T + self.last.shape[0]])
+        return self.sizes[bisect.bisect_left(self.sizes, T)]
+
+    def _plan(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
+              seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """The step's numbers on the device (ids | positions | slots | each request's last row, padded
+        to h_out's rows | block tables), the attention planned over them."""
         T, B = len(ids), len(q_lens)
         width = max(len(t) for t in tables)
         n_last = self.last.shape[0]
@@ -280,9 +290,20 @@ class CatchUpRunner:
                                np.asarray(slots, dtype=np.int64), last, tab.reshape(-1)])
         buf = host_to_device(flat, self.device)
         o = 3 * T + n_last
-        meta = AttentionMetadata(query_lens=q_lens, seq_lens=seq_lens, slot_mapping=buf[2 * T : 3 * T],
-                                 block_tables=buf[o:].view(B, width))
-        self.attn.plan(meta)
+        self.attn.plan(AttentionMetadata(query_lens=q_lens, seq_lens=seq_lens, slot_mapping=buf[2 * T : 3 * T],
+                                         block_tables=buf[o:].view(B, width)))
+        return buf
+
+    def run(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
+            seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor,
+            device_ids: torch.Tensor | None = None, device_last: torch.Tensor | None = None) -> str:
+        """Fills h_out[:B]; returns the path taken ("graph" or "eager"). ``ids``, ``pos`` and ``slots``
+        are lists or numpy arrays (a catch-up's are built vectorised). ``device_ids`` / ``device_last``:
+        the token ids / each request's output row as device tensors, computed there (they replace
+        ``ids`` and the last row of each request's ``q_lens``)."""
+        T, B = len(ids), len(q_lens)
+        buf = self._plan(ids, pos, slots, q_lens, seq_lens, tables)
+        o = 3 * T + self.last.shape[0]
         if self.sizes and T <= self.sizes[-1]:  # static buffers padded to a captured size
             n = self.sizes[bisect.bisect_left(self.sizes, T)]
             self.ids[:T].copy_(buf[:T] if device_ids is None else device_ids)
@@ -310,4 +331,140 @@ class CatchUpRunner:
         secs, nbytes = capture_per_size(self.attn, self.sizes, self._graph_body, self.device, self.graphs,
                                         outputs, pool)
         self.stats = GraphStats(len(self.graphs), secs, nbytes)
+        return self.stats
+
+
+FUSED_MAX_BATCH = 2  # requests per step the fused launch graphs cover (where a cycle is host-bound)
+
+
+class FusedLaunchRunner:
+    """The fused launch (EagleSpeculator._launch_fused: the verify's accepted counts, the catch-up over
+    every verified row, the next chain) as one CUDA graph per (catch-up size, padded batch, drafts
+    verified, drafts to make): one launch where the host issued ~25 (at one request on the H200 that
+    launch took ~0.8 ms of host time of a ~1.7-ms cycle, and the cycle is host-bound).
+
+    The host writes the verify's input ids and picks, and per step (``layout``): for each verified
+    row the row of the draft after it (``nxt``), its index in its request (``j``) and its request;
+    for each request the rows of its drafts, which of them exist, its first row and the chain's
+    base position before acceptance. Padding rows and requests accept nothing and draft nothing.
+    Without graphs (``capture=False``: the CPU under Triton's interpreter, tests) the same body runs
+    eagerly."""
+
+    def __init__(self, cu: CatchUpRunner, chain: ChainDraftRunner, device: torch.device) -> None:
+        self.cu, self.chain = cu, chain
+        self.device = device
+        self.batch_sizes = [b for b in chain.batch_sizes if b <= FUSED_MAX_BATCH]
+        Bm, K = self.batch_sizes[-1], chain.max_k
+        if not cu.sizes:
+            raise ValueError("the fused launch needs the catch-up's static buffers (captured sizes)")
+        need = Bm * (K + 1)  # the most rows a covered step verifies
+        self.sizes = cu.sizes[: bisect.bisect_left(cu.sizes, need) + 1]
+        self.max_tokens = min(need, self.sizes[-1])
+        n = self.sizes[-1]
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.picks = torch.zeros(n, dtype=torch.long, device=device)
+        self.meta = torch.zeros(3 * n + 2 * Bm * K + 2 * Bm, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
+        self.stats = GraphStats()
+
+    def key(self, T: int, B: int, k_verified: int, k_next: int) -> tuple[int, int, int, int] | None:
+        """(catch-up size, padded batch, drafts verified, drafts to make) of a step, or None where
+        these graphs do not cover it."""
+        if B > self.batch_sizes[-1] or T > self.max_tokens or k_verified > self.chain.max_k or k_next > self.chain.max_k:
+            return None
+        return (self.sizes[bisect.bisect_left(self.sizes, T)], self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)],
+                k_verified, k_next)
+
+    @staticmethod
+    def layout(n: int, Bp: int, K: int) -> list[int]:
+        """Offsets of nxt [n], j [n], req [n], draft rows [Bp x K], exists [Bp x K], first [Bp],
+        base [Bp] in ``meta``."""
+        return np.cumsum([0, n, n, n, Bp * K, Bp * K, Bp, Bp]).tolist()
+
+    def _body(self, n: int, Bp: int, K: int, Kc: int) -> None:
+        o = self.layout(n, Bp, K)
+        nxt, j, req, drow, exists, first, base = (self.meta[o[i] : o[i + 1]] for i in range(7))
+        picks = self.picks[:n]
+        following = self.ids[:n].index_select(0, nxt)
+        match = (following == picks).index_select(0, drow).view(Bp, K) & (exists.view(Bp, K) != 0)
+        accepted = match.long().cumprod(1).sum(1)
+        bonus = picks.index_select(0, first + accepted)
+        cu = self.cu
+        # row j of a request pairs its target feature with the token after it: draft j + 1 while
+        # j < accepted, the bonus token at j = accepted (rows past it write draft KV the next
+        # catch-up rewrites before anything reads it)
+        cu.ids[:n].copy_(torch.where(j < accepted.index_select(0, req), following, bonus.index_select(0, req)))
+        cu.last[:Bp].copy_(first + accepted)
+        cu._graph_body(n)
+        self.chain.base_pos[:Bp].copy_(base + accepted)
+        self.chain._body(Bp, Kc)
+
+    def meta_for(self, key: tuple[int, int, int, int], nxt: np.ndarray, j: np.ndarray, req: np.ndarray,
+                 drow: np.ndarray, exists: np.ndarray, first: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """The step's numbers (B requests, T rows) padded to ``key``'s layout."""
+        n, Bp, K, _ = key
+        T, B = len(nxt), len(first)
+        o = self.layout(n, Bp, K)
+        m = np.zeros(o[-1], dtype=np.int64)
+        m[o[0] : o[1]] = np.arange(n)
+        m[o[0] : o[0] + T] = nxt
+        m[o[1] : o[2]] = n  # padding rows: never "before the accepted count"
+        m[o[1] : o[1] + T] = j
+        m[o[2] : o[2] + T] = req
+        m[o[3] : o[4]].reshape(Bp, K)[:B] = drow
+        m[o[4] : o[5]].reshape(Bp, K)[:B] = exists
+        m[o[5] : o[5] + B] = first
+        m[o[6] : o[6] + B] = base
+        return m
+
+    def run(self, key: tuple[int, int, int, int], meta: np.ndarray, ids: torch.Tensor, picks: torch.Tensor) -> str:
+        """After cu.stage and chain.load: write the inputs and launch; returns "graph" or "eager"."""
+        T = ids.shape[0]
+        self.meta[: meta.size].copy_(host_to_device(meta, self.device))
+        self.ids[:T].copy_(ids)
+        self.picks[:T].copy_(picks)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return "graph"
+        self._body(*key)
+        return "eager"
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> GraphStats:
+        """A graph for every key a step of up to FUSED_MAX_BATCH requests can have, captured like the
+        catch-up's own (its attention planned for a dummy step of that size first); inputs zeroed:
+        every request accepts nothing and drafts nothing."""
+        from specserve.engine.cuda_graph import dummy_meta
+
+        K = self.chain.max_k
+        keys = set()
+        for B in range(1, self.batch_sizes[-1] + 1):
+            for kv in range(1, K + 1):
+                for T in range(B + kv, B * (kv + 1) + 1):  # one request verified kv drafts, the others 1..kv
+                    for kc in range(1, K + 1):
+                        key = self.key(T, B, kv, kc)
+                        if key is not None:
+                            keys.add(key)
+        for t in (self.meta, self.ids, self.picks, self.cu.last, self.chain.ks):
+            t.zero_()
+        attn, sizes = self.cu.attn, self.cu.sizes
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        for key in sorted(keys, reverse=True):
+            i = sizes.index(key[0])
+            attn.graph_min_tokens = sizes[i - 1] + 1 if i else 1  # as the catch-up graph of this size
+            attn.plan(dummy_meta(attn, key[0], self.device))
+            self._body(*key)  # warm-up
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._body(*key)
+            self.graphs[key] = graph
+        attn.graph_min_tokens = 1
+        torch.cuda.synchronize(self.device)
+        self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
+                                max(0, free_before - torch.cuda.mem_get_info(self.device)[0]))
         return self.stats

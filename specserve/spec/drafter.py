@@ -50,7 +50,7 @@ from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.bandit import batch_key
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
-from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, TorchDecodeAttention
+from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, FusedLaunchRunner, TorchDecodeAttention
 from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, tree_is_final, verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
@@ -397,6 +397,7 @@ class EagleSpeculator:
         self.chain_runner: ChainDraftRunner | None = None
         self.tree_runner: TreeDraftRunner | None = None
         self.catch_up_runner: CatchUpRunner | None = None
+        self.fused_launch: FusedLaunchRunner | None = None
         # draft-side calls per path ("catch_up:graph", "chain:eager", ...): benchmarks check for fallbacks
         self.path_counts: Counter[str] = Counter()
         e = self.engine
@@ -404,12 +405,14 @@ class EagleSpeculator:
         if self.device.type == "cuda" and self.runner.backend_name == "triton":
             self.enable_static_draft(graphs=not e.config.enforce_eager)
 
-    def enable_static_draft(self, graphs: bool = False, attention: str = "auto") -> None:
+    def enable_static_draft(self, graphs: bool = False, attention: str = "auto", fused_launch: bool | None = None) -> None:
         """attention: "triton" (Triton decode attention for the loop, a Triton backend for the
         catch-up; on the CPU only under TRITON_INTERPRET=1, as tests do), "torch", or "auto"
-        (triton on CUDA with the triton backend, else torch)."""
+        (triton on CUDA with the triton backend, else torch). fused_launch (triton only; default: with
+        graphs): the fused launch of small steps as one graph (FusedLaunchRunner; eager without graphs)."""
         e = self.engine
         self.catch_up_runner = None  # (re)built below over the new loop's h0
+        self.fused_launch = None
         bs, hc, dev = e.config.block_size, self.head.config, self.device
         max_batch = e.config.max_num_seqs
         max_blocks = -(-e.max_model_len // bs)
@@ -439,10 +442,14 @@ class EagleSpeculator:
                                     max_blocks_per_seq=max_blocks, scratch_slot=self.scratch_slot)
             # after a verify a request catches up over its accepted drafts + 1; after a stretch of
             # plain decoding over every step of it, in chunks of up to a step's budget: both replay
+            fused_launch = graphs if fused_launch is None else fused_launch
             cu_sizes = capture_sizes(max(e.config.graph_token_limit, min(e.config.max_num_batched_tokens,
-                                                                          max_batch * (self.max_k + 1)))) if graphs else []
+                                                                          max_batch * (self.max_k + 1)))) \
+                if graphs or fused_launch else []
             self.catch_up_runner = CatchUpRunner(self.head, self.target.embed_tokens, cu_attn, self.chain_runner.h0,
                                                  cu_sizes, dev, e.dtype)
+            if fused_launch and self.topk == 1:
+                self.fused_launch = FusedLaunchRunner(self.catch_up_runner, self.chain_runner, dev)
         if graphs:
             pool = torch.cuda.graph_pool_handle()
             assert self.catch_up_runner is not None
@@ -457,12 +464,17 @@ class EagleSpeculator:
             log.info("draft CUDA graphs: catch-up %d (token counts %s) and %s in %.2fs using %.1f MiB of GPU memory",
                      a.graphs, ",".join(map(str, self.catch_up_runner.sizes)), what, a.seconds + b.seconds,
                      (a.bytes + b.bytes) / 2**20)
+            if self.fused_launch is not None:
+                c = self.fused_launch.capture(pool)
+                log.info("fused launch CUDA graphs: %d (batch <= %d) in %.2fs using %.1f MiB of GPU memory",
+                         c.graphs, self.fused_launch.batch_sizes[-1], c.seconds, c.bytes / 2**20)
 
     @property
     def graph_memory_bytes(self) -> int:
         """GPU memory the draft CUDA graphs took at capture."""
         n = self.catch_up_runner.stats.bytes if self.catch_up_runner else 0
         n += self.tree_runner.stats.bytes if self.tree_runner else 0
+        n += self.fused_launch.stats.bytes if self.fused_launch else 0
         return n + (self.chain_runner.stats.bytes if self.chain_runner else 0)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -762,6 +774,26 @@ class EagleSpeculator:
         drow = np.minimum(first[:, None] + np.arange(K)[None, :], T - 1)
         valid = (np.arange(K)[None, :] < ks[:, None]).astype(np.int64)
         positions, slots = self._catch_up_slots(reqs, nc.tolist(), q_lens.tolist())
+        tables = [r.kv.block_table for r in reqs]
+        seq_lens = (nc + q_lens).tolist()
+        f = feats[:T]
+        nk = [kk for _, _, kk in targets]
+        cu = self.catch_up_runner
+        fl = self.fused_launch
+        key = fl.key(T, B, K, max(nk)) if fl is not None and self.controller.fused_launch_graph else None
+        if key is not None:  # what follows, as one graph (FusedLaunchRunner)
+            assert fl is not None and cu is not None and self.chain_runner is not None
+            meta = fl.meta_for(key, nxt, j_row, req, drow, valid, first, nc + 1)
+            cu.stage(j_row, positions, slots, q_lens.tolist(), seq_lens, tables, f)  # (j_row: ids the graph writes)
+            self.chain_runner.load(seq_lens, nk, tables, key[1])
+            path = fl.run(key, meta, inputs.input_ids, argmax)
+            self.path_counts[f"fused_launch:{path}"] += 1
+            self.path_counts[f"catch_up:{path}"] += 1  # (inside it)
+            self.path_counts[f"chain:{path}"] += 1
+            self.path_counts["fused"] += 1
+            self._fused = {r.request_id: (i, kk) for i, (r, kk) in enumerate(zip(reqs, nk))}
+            self._fused_toks = self.chain_runner.tokens[:B, : max(nk)].clone()
+            return
         buf = host_to_device(np.concatenate([nxt, j_row, req, drow.ravel(), valid.ravel(), first, nc + 1]),
                              self.device)
         o = np.cumsum([0, T, T, T, B * K, B * K, B, B])
@@ -773,10 +805,6 @@ class EagleSpeculator:
         bonus = argmax.index_select(0, first_d + accepted)
         ids = torch.where(j_d < accepted.index_select(0, req_d), following, bonus.index_select(0, req_d))
         last = first_d + accepted
-        tables = [r.kv.block_table for r in reqs]
-        seq_lens = (nc + q_lens).tolist()
-        f = feats[:T]
-        cu = self.catch_up_runner
         if cu is not None and T <= cu.max_tokens:
             path = cu.run(j_row, positions, slots, q_lens.tolist(), seq_lens, tables, f,  # (j_row: unused ids)
                           device_ids=ids, device_last=last)
@@ -787,7 +815,6 @@ class EagleSpeculator:
                                host_to_device(slots, self.device))
             self.chain_runner.h0[:B].copy_(h.index_select(0, last))  # type: ignore[union-attr]
             self.path_counts["catch_up:torch"] += 1
-        nk = [kk for _, _, kk in targets]
         # (the chain starts at nc + 1 + accepted, on the device; nc + 1 + k, the catch-up's seq_lens,
         # bounds it for the eager loop)
         toks, path = self.chain_runner.run(seq_lens, nk, tables,  # type: ignore[union-attr]
