@@ -45,8 +45,9 @@ PARITY_CONFIG = "chain3"
 def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, dict[str, Any], float]:
     """``name``: a CONFIGS entry, or one with "+noearly" (no verify launched before the commit)."""
     base, _, opt = name.partition("+")
-    if opt not in ("", "noearly"):
-        raise SystemExit(f"unknown option +{opt} in {name!r} (noearly)")
+    if opt not in ("", "noearly", "nograph"):
+        raise SystemExit(f"unknown option +{opt} in {name!r} (noearly: no verify launched before the commit, "
+                         "nograph: the fused launch step by step, not as one graph)")
     spec = dict(CONFIGS[base])
     if spec:
         spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
@@ -57,6 +58,8 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
     llm = LLM(**kw)
     if opt == "noearly":
         llm.engine.drafter.controller.early_verify = False
+    elif opt == "nograph":
+        llm.engine.drafter.controller.fused_launch_graph = False
     return llm, kw, time.perf_counter() - t0
 
 

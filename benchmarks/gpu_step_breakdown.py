@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # "adaptive@5": the adaptive engine held at depth 5 (no decisions); "...+nofinish": finishing
         # requests are never caught up (their blocks keep no draft KV); "...+nofull": the adaptive
         # controller's full decisions are taken after the verify's sync (fuse_full off); "...+noearly":
-        # no verify is launched before the commit (early_verify off)
+        # no verify is launched before the commit (early_verify off); "...+nograph": the fused launch
+        # step by step, not as one graph (fused_launch_graph off)
         spec, _, opt = n.partition("+")
         base, _, forced = spec.partition("@")
         engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
@@ -179,8 +180,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[n].engine.drafter.controller.fuse_full = False
         elif opt == "noearly":
             engines[n].engine.drafter.controller.early_verify = False
+        elif opt == "nograph":
+            engines[n].engine.drafter.controller.fused_launch_graph = False
         elif opt:
-            raise SystemExit(f"unknown option +{opt} (nofinish, nofull, noearly)")
+            raise SystemExit(f"unknown option +{opt} (nofinish, nofull, noearly, nograph)")
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]
