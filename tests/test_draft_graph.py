@@ -408,9 +408,10 @@ def _gpu_run(model, head, graphs: bool, prompts, params, **engine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [5, 2])
-def test_gpu_graph_drafts_equal_eager_static_loop(tiny, n):
+def test_gpu_graph_drafts_equal_eager_static_loop(tiny, n, monkeypatch):
     """Graph replays give the eager static loop's drafts; with two requests or fewer the fused launch
     (acceptance, catch-up, chain) replays as one graph (FusedLaunchRunner)."""
+    monkeypatch.setenv("SPECSERVE_FUSED_LAUNCH_GRAPH", "1")
     model, head = tiny
     params = mixed_k_params(n, max_tokens=40)[::-1]
     eng = dict(max_num_seqs=8, speculative_num_steps=3)
@@ -432,6 +433,7 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, FusedLaunchRunner
 
     model, head = tiny
+    monkeypatch.setenv("SPECSERVE_FUSED_LAUNCH_GRAPH", "1")
     llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=5)
     dr = llm.engine.drafter

@@ -408,8 +408,10 @@ class EagleSpeculator:
     def enable_static_draft(self, graphs: bool = False, attention: str = "auto", fused_launch: bool | None = None) -> None:
         """attention: "triton" (Triton decode attention for the loop, a Triton backend for the
         catch-up; on the CPU only under TRITON_INTERPRET=1, as tests do), "torch", or "auto"
-        (triton on CUDA with the triton backend, else torch). fused_launch (triton only; default: with
-        graphs): the fused launch of small steps as one graph (FusedLaunchRunner; eager without graphs)."""
+        (triton on CUDA with the triton backend, else torch). fused_launch (triton only): the fused
+        launch of small steps as one graph (FusedLaunchRunner; its body eagerly without graphs). Default:
+        with graphs where SPECSERVE_FUSED_LAUNCH_GRAPH=1, else off: it has not run on a GPU yet
+        (session 28 ran out of device time), its GPU tests set that variable."""
         e = self.engine
         self.catch_up_runner = None  # (re)built below over the new loop's h0
         self.fused_launch = None
@@ -442,7 +444,8 @@ class EagleSpeculator:
                                     max_blocks_per_seq=max_blocks, scratch_slot=self.scratch_slot)
             # after a verify a request catches up over its accepted drafts + 1; after a stretch of
             # plain decoding over every step of it, in chunks of up to a step's budget: both replay
-            fused_launch = graphs if fused_launch is None else fused_launch
+            if fused_launch is None:
+                fused_launch = graphs and os.environ.get("SPECSERVE_FUSED_LAUNCH_GRAPH", "0") == "1"
             cu_sizes = capture_sizes(max(e.config.graph_token_limit, min(e.config.max_num_batched_tokens,
                                                                           max_batch * (self.max_k + 1)))) \
                 if graphs or fused_launch else []
