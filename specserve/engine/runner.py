@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +39,38 @@ class StepInputs:
     meta: AttentionMetadata
     # rows of the flat batch whose logits are needed, per sampling request: (start, count)
     sample_spans: list[tuple[int, int]]
+
+
+@dataclass
+class StepLists:
+    """A step's host lists, built request by request (ModelRunner.prepare; the drafter's early verify,
+    which knows a step before it is scheduled), for ModelRunner.upload."""
+
+    block_size: int
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # per sampling request: (first row, rows)
+    tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, toks: list[int], start: int, table: list[int], positions: list[int] | None = None,
+            sample_rows: int = 0) -> int:
+        """A request's tokens at KV positions start, start + 1, ... (RoPE ``positions``: the same by
+        default); its last ``sample_rows`` rows are sampled. Returns its first row."""
+        a, n, bs = len(self.ids), len(toks), self.block_size
+        self.ids.extend(toks)
+        kv = range(start, start + n)
+        self.pos.extend(kv if positions is None else positions)
+        self.slots.extend(table[i // bs] * bs + i % bs for i in kv)
+        self.q_lens.append(n)
+        self.seq_lens.append(start + n)
+        self.tables.append(table)
+        if sample_rows:
+            self.spans.append((a + n - sample_rows, sample_rows))
+        return a
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -165,63 +197,43 @@ class ModelRunner:
 
     # -- inputs ------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> StepInputs:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        spans: list[tuple[int, int]] = []
-        tree_masks: dict[int, torch.Tensor] = {}
-        bs = self.block_size
+        lists = StepLists(self.block_size)
         for b, s in enumerate(plan.scheduled):
             r = s.req
             nc = r.num_computed_tokens
             toks = r.all_token_ids[nc : nc + s.num_new_tokens] + s.draft_token_ids
             n = len(toks)
-            start = len(ids)
-            ids.extend(toks)
-            p = range(nc, nc + n)  # KV slots in order; a tree's RoPE positions follow node depth
+            positions = None  # KV slots in order; a tree's RoPE positions follow node depth
             if s.tree is not None:
-                pos.extend(nc + d for d in s.tree.depths[:n])
-                tree_masks[b] = s.tree.mask()[:n, :n]
-            else:
-                pos.extend(p)
-            bt = r.kv.block_table
-            slots.extend(bt[i // bs] * bs + i % bs for i in p)
-            q_lens.append(n)
-            seq_lens.append(nc + n)
-            tables.append(bt)
-            if s.samples:
-                k = len(s.draft_token_ids)
-                spans.append((start + n - 1 - k, k + 1))
-        return self.upload(ids, pos, slots, q_lens, seq_lens, tables, spans, tree_masks)
+                positions = [nc + d for d in s.tree.depths[:n]]
+                lists.tree_masks[b] = s.tree.mask()[:n, :n]
+            lists.add(toks, nc, r.kv.block_table, positions, len(s.draft_token_ids) + 1 if s.samples else 0)
+        return self.upload(lists)
 
-    def upload(self, ids: list[int], pos: list[int], slots: list[int], q_lens: list[int], seq_lens: list[int],
-               tables: list[list[int]], spans: list[tuple[int, int]],
-               tree_masks: dict[int, torch.Tensor] | None = None) -> StepInputs:
+    def upload(self, lists: "StepLists") -> StepInputs:
         """A step's inputs from its host lists (``prepare``'s, or a caller's that knows a step before it
         is scheduled): one packed host->device copy, no sync."""
+        ids, tables = lists.ids, lists.tables
         width = max(len(t) for t in tables)
         T, B = len(ids), len(tables)
         # one host buffer (pinned on CUDA), one asynchronous copy: ids | positions | slots | block tables
         on_cuda = self.device.type == "cuda"
         h, host = host_buffer(3 * T + B * width, torch.long, self.device)
         h[:T] = ids
-        h[T : 2 * T] = pos
-        h[2 * T : 3 * T] = slots
+        h[T : 2 * T] = lists.pos
+        h[2 * T : 3 * T] = lists.slots
         tab = h[3 * T :].reshape(B, width)
         for i, t in enumerate(tables):
             tab[i, : len(t)] = t
         buf = host.to(self.device, non_blocking=True) if on_cuda else host
         meta = AttentionMetadata(
-            query_lens=q_lens,
-            seq_lens=seq_lens,
+            query_lens=lists.q_lens,
+            seq_lens=lists.seq_lens,
             slot_mapping=buf[2 * T : 3 * T],
             block_tables=buf[3 * T :].view(B, width),
-            tree_masks=tree_masks or None,
+            tree_masks=lists.tree_masks or None,
         )
-        return StepInputs(input_ids=buf[:T], positions=buf[T : 2 * T], meta=meta, sample_spans=spans)
+        return StepInputs(input_ids=buf[:T], positions=buf[T : 2 * T], meta=meta, sample_spans=lists.spans)
 
     # -- forward -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -42,7 +42,7 @@ from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.kv_cache import KVSlots
 from specserve.engine.request import Request
-from specserve.engine.runner import allocate_kv_cache, kv_slab
+from specserve.engine.runner import StepLists, allocate_kv_cache, kv_slab
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
 from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
@@ -842,14 +842,8 @@ class EagleSpeculator:
         toks = self._fused_toks
         assert toks is not None
         K, bs = toks.shape[1], self.engine.config.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        spans: list[tuple[int, int]] = []
-        src: list[int] = []
+        lists = StepLists(bs)
+        src: list[int] = []  # the drafts' places in toks, and their input rows
         dst: list[int] = []
         plan, blocks = [], []
         for i, ((r, _, kk), res) in enumerate(zip(targets, results)):
@@ -857,22 +851,14 @@ class EagleSpeculator:
             if not p.ignore_eos and any(t in sched.eos_token_ids or t in p.stop_token_ids for t in res.tokens):
                 return
             start = r.num_computed_tokens + 1 + res.num_accepted  # the bonus token's position
-            n = kk + 1
-            a = len(ids)
-            ids.append(res.tokens[-1])
-            ids.extend([0] * kk)  # (the drafts: filled on the device below)
-            pos.extend(range(start, start + n))
             bt = r.kv.block_table
-            slots.extend(bt[j // bs] * bs + j % bs for j in range(start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(bt)
-            spans.append((a, n))
+            # (the drafts: filled on the device below)
+            a = lists.add([res.tokens[-1]] + [0] * kk, start, bt, sample_rows=kk + 1)
             src.extend(range(i * K, i * K + kk))
-            dst.extend(range(a + 1, a + n))
+            dst.extend(range(a + 1, a + kk + 1))
             plan.append((r.request_id, start, res.tokens[-1], kk))
             blocks.append(bt[start // bs : (start + kk) // bs + 1])
-        inputs = self.runner.upload(ids, pos, slots, q_lens, seq_lens, tables, spans)
+        inputs = self.runner.upload(lists)
         idx = host_to_device(dst + src, self.device)
         rows = idx[: len(dst)]
         inputs.input_ids.index_copy_(0, rows, toks.view(-1).index_select(0, idx[len(dst):]))
