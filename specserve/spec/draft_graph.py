@@ -262,17 +262,15 @@ class CatchUpRunner:
         self.h_out.copy_(h.index_select(0, self.last))
 
     def stage(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
-              seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor) -> int:
-        """Plan the attention and fill the static buffers for a catch-up of len(ids) <= sizes[-1]
-        tokens; returns the captured size it pads to (FusedLaunchRunner writes ids and last rows
-        itself, then runs ``_graph_body``)."""
+              seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor) -> None:
+        """Plan the attention and fill the static buffers but the ids for a catch-up of len(ids) <=
+        sizes[-1] tokens: FusedLaunchRunner computes the ids and each request's output row on the device,
+        then runs ``_graph_body`` (``ids``: placeholders of the right length)."""
         T = len(ids)
         buf = self._plan(ids, pos, slots, q_lens, seq_lens, tables)
-        self.ids[:T].copy_(buf[:T])
         self.pos[:T].copy_(buf[T : 2 * T])
         self.feats[:T].copy_(feats)
-        self.last.copy_(buf[3 * T : 3 * T + self.last.shape[0]])
-        return self.sizes[bisect.bisect_left(self.sizes, T)]
+        self.last.copy_(buf[3 * T : 3 * T + self.last.shape[0]])  # (rows past the batch: 0)
 
     def _plan(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
               seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
@@ -347,8 +345,7 @@ class FusedLaunchRunner:
     row the row of the draft after it (``nxt``), its index in its request (``j``) and its request;
     for each request the rows of its drafts, which of them exist, its first row and the chain's
     base position before acceptance. Padding rows and requests accept nothing and draft nothing.
-    Without graphs (``capture=False``: the CPU under Triton's interpreter, tests) the same body runs
-    eagerly."""
+    Before ``capture`` (the CPU under Triton's interpreter, in tests) the same body runs eagerly."""
 
     def __init__(self, cu: CatchUpRunner, chain: ChainDraftRunner, device: torch.device) -> None:
         self.cu, self.chain = cu, chain
