@@ -1,9 +1,9 @@
 #!/bin/bash
 # Staging the SmolLM2 GGUF on the device machine, one git-ignored part per call (a call carries
-# at most 64 MiB, the working tree included, ~42 MB of it tracked): split -n 5 -d -a 1 <gguf> into
-# .stageg1/gguf.part0 .. .stageg5/gguf.part4, the gguf wheel into .whl/, then per call:
-# bash benchmarks/gpu_stage.sh .stageg<N> 5
-# (carry .stageg<N>; .whl in a call of its own); the last part leaves /tmp/m.gguf.
+# at most 64 MiB, the working tree included, ~47 MB of it tracked in session 28): split -n 6 -d -a 1
+# <gguf> into .stageg1/gguf.part0 .. .stageg6/gguf.part5, the gguf wheel into .whl/, then per call:
+# bash benchmarks/gpu_stage.sh .stageg<N> 6
+# (carry .stageg<N>; .whl with the last); the last part leaves /tmp/m.gguf.
 # $1 = the part directory, $2 = how many parts there are (default 5).
 set -e
 mkdir -p /tmp/st
