@@ -99,7 +99,7 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
     ctl, runner = llm.engine.drafter.controller, llm.engine.runner
     forward, finish_cycle = runner.forward, ctl.finish_cycle
     calls, paused, timed = [0], [], []
-    heap = [[i] for i in range(2_000_000)]  # what the collection walks
+    heap = [[i] for i in range(4_000_000)]  # what the collection walks (~0.3-0.6 s: well over a busy cycle)
 
     def slow_forward(*args, **kwargs):
         calls[0] += 1
