@@ -792,10 +792,7 @@ class EagleSpeculator:
             path = fl.run(key, meta, inputs.input_ids, argmax)
             self.path_counts[f"fused_launch:{path}"] += 1
             self.path_counts[f"catch_up:{path}"] += 1  # (inside it)
-            self.path_counts[f"chain:{path}"] += 1
-            self.path_counts["fused"] += 1
-            self._fused = {r.request_id: (i, kk) for i, (r, kk) in enumerate(zip(reqs, nk))}
-            self._fused_toks = self.chain_runner.tokens[:B, : max(nk)].clone()
+            self._adopt_launched(reqs, nk, self.chain_runner.tokens[:B, : max(nk)], path)
             return
         buf = host_to_device(np.concatenate([nxt, j_row, req, drow.ravel(), valid.ravel(), first, nc + 1]),
                              self.device)
@@ -822,7 +819,11 @@ class EagleSpeculator:
         # bounds it for the eager loop)
         toks, path = self.chain_runner.run(seq_lens, nk, tables,  # type: ignore[union-attr]
                                            device_base=base_d + accepted)
-        self.path_counts[f"chain:{path}"] += 1
+        self._adopt_launched(reqs, nk, toks, path)
+
+    def _adopt_launched(self, reqs: list[Request], nk: list[int], toks: torch.Tensor, chain_path: str) -> None:
+        """What a fused launch leaves for draft_step: each request's row and k, and a copy of the drafts."""
+        self.path_counts[f"chain:{chain_path}"] += 1
         self.path_counts["fused"] += 1
         self._fused = {r.request_id: (i, kk) for i, (r, kk) in enumerate(zip(reqs, nk))}
         self._fused_toks = toks.clone()
