@@ -408,10 +408,9 @@ def _gpu_run(model, head, graphs: bool, prompts, params, **engine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [5, 2])
-def test_gpu_graph_drafts_equal_eager_static_loop(tiny, n, monkeypatch):
+def test_gpu_graph_drafts_equal_eager_static_loop(tiny, n):
     """Graph replays give the eager static loop's drafts; with two requests or fewer the fused launch
     (acceptance, catch-up, chain) replays as one graph (FusedLaunchRunner)."""
-    monkeypatch.setenv("SPECSERVE_FUSED_LAUNCH_GRAPH", "1")
     model, head = tiny
     params = mixed_k_params(n, max_tokens=40)[::-1]
     eng = dict(max_num_seqs=8, speculative_num_steps=3)
@@ -433,7 +432,6 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, FusedLaunchRunner
 
     model, head = tiny
-    monkeypatch.setenv("SPECSERVE_FUSED_LAUNCH_GRAPH", "1")
     llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=5)
     dr = llm.engine.drafter
@@ -450,9 +448,14 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     params = [SamplingParams(temperature=0, max_tokens=30 + i, ignore_eos=True, max_spec_tokens=1 + i % 5)
               for i in range(len(PROMPTS))]
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    # two requests with different caps and room to draft: the fused launch's own graphs (the five
+    # above reach two requests only within a few tokens of max_tokens, where no fused launch fits)
+    params2 = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, max_spec_tokens=m) for m in (2, 5)]
+    out2 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params2)]
     monkeypatch.undo()  # the reference engine below captures its own graphs at its start-up
     plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256)
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert out2 == [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], params2)]
     assert len(dr.chain_runner.graphs) == n_graphs
     assert "chain:eager" not in dr.path_counts and dr.path_counts["chain:graph"] > 0
     assert dr.path_counts["fused_launch:graph"] > 0  # (steps of up to two requests) and never eagerly

@@ -217,8 +217,7 @@ class SpecController:
     # The drafter turns it on on a GPU (on the CPU a forward returns when done: nothing to overlap)
     early_verify: bool = False
     # ... and the fused launch of steps of up to FUSED_MAX_BATCH requests replays one graph where the
-    # drafter has them (EagleSpeculator.fused_launch, built with SPECSERVE_FUSED_LAUNCH_GRAPH=1 until it
-    # is measured on a GPU). False: for A/Bs
+    # drafter has them (EagleSpeculator.fused_launch, built with the draft loop's graphs). False: for A/Bs
     fused_launch_graph: bool = True
     # a request whose own expected gain at a position is under this x the average request's drafts
     # no further than that position (arm_depths); 0: every request drafts its arm's full depth
