@@ -45,9 +45,10 @@ PARITY_CONFIG = "chain3"
 def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, dict[str, Any], float]:
     """``name``: a CONFIGS entry, or one with "+noearly" (no verify launched before the commit)."""
     base, _, opt = name.partition("+")
-    if opt not in ("", "noearly", "nograph"):
+    if opt not in ("", "noearly", "nograph", "norope"):
         raise SystemExit(f"unknown option +{opt} in {name!r} (noearly: no verify launched before the commit, "
-                         "nograph: the fused launch step by step, not as one graph)")
+                         "nograph: the fused launch step by step, not as one graph, norope: the head's "
+                         "rotary by torch ops, not one kernel with the KV write)")
     spec = dict(CONFIGS[base])
     if spec:
         spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
@@ -55,7 +56,12 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
     # a fixed KV size: engines built earlier in this process still hold GPU memory
     kw = dict(model=None if args.model == "default" else args.model, dtype=dtype, max_num_seqs=1, num_kv_blocks=args.num_kv_blocks, **spec)
     t0 = time.perf_counter()
-    llm = LLM(**kw)
+    if opt == "norope":
+        os.environ["SPECSERVE_DRAFT_ROPE_KERNEL"] = "0"
+    try:
+        llm = LLM(**kw)
+    finally:
+        os.environ.pop("SPECSERVE_DRAFT_ROPE_KERNEL", None)
     if opt == "noearly":
         llm.engine.drafter.controller.early_verify = False
     elif opt == "nograph":

@@ -168,10 +168,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # requests are never caught up (their blocks keep no draft KV); "...+nofull": the adaptive
         # controller's full decisions are taken after the verify's sync (fuse_full off); "...+noearly":
         # no verify is launched before the commit (early_verify off); "...+nograph": the fused launch
-        # step by step, not as one graph (fused_launch_graph off)
+        # step by step, not as one graph (fused_launch_graph off); "...+norope": the head's rotary by
+        # torch ops, not one kernel with its KV write
         spec, _, opt = n.partition("+")
         base, _, forced = spec.partition("@")
-        engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
+        if opt == "norope":
+            os.environ["SPECSERVE_DRAFT_ROPE_KERNEL"] = "0"
+        try:
+            engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
+        finally:
+            os.environ.pop("SPECSERVE_DRAFT_ROPE_KERNEL", None)
         if forced:
             engines[n].engine.drafter.controller.forced_arm = int(forced)
         if opt == "nofinish":
@@ -182,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[n].engine.drafter.controller.early_verify = False
         elif opt == "nograph":
             engines[n].engine.drafter.controller.fused_launch_graph = False
-        elif opt:
-            raise SystemExit(f"unknown option +{opt} (nofinish, nofull, noearly, nograph)")
+        elif opt and opt != "norope":
+            raise SystemExit(f"unknown option +{opt} (nofinish, nofull, noearly, nograph, norope)")
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]

@@ -181,6 +181,14 @@ def test_fused_projections_compute_the_same_head(tmp_path, attention_bias: bool)
         with forward_context(DenseCausalBackend(1, T, 8 ** -0.5)):
             out = fused(e, fused.combine(aux), torch.arange(3, 3 + T))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the fused head's draft -> target map (one gather) follows set_vocab_map
+    V, Vd = cfg.vocab_size, cfg.draft_vocab_size
+    d2t = torch.randint(1, V - Vd + 1, (Vd,), generator=torch.Generator().manual_seed(4))
+    for m in (head, fused):
+        m.set_vocab_map(d2t, torch.zeros(V, dtype=torch.bool))
+    ids = torch.arange(Vd)
+    assert torch.equal(fused.draft_to_target(ids), ids + d2t) and torch.equal(head.draft_to_target(ids), ids + d2t)
+    assert torch.equal(fused.greedy_draft(out), head.draft_to_target(head.compute_logits(out).argmax(-1)))
     assert fused.fuse_projections() is fused  # a second call changes nothing
     with pytest.raises(RuntimeError, match="fused for inference"):
         fused.save_pretrained(tmp_path)

@@ -121,3 +121,123 @@ def test_backend_forward_rope_matches_rotary_then_forward(cache_dtype):
     for a, b in zip(fused.kv_caches[0], ref.kv_caches[0]):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
     assert not torch.equal(fused.kv_caches[0][0], base.to(DEVICE, cache_dtype))  # this step's K was written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32)])
+def test_draft_rope_tables_are_apply_rope_bit_for_bit(dtype, heads, kv_heads, head_dim):
+    """The draft head's rotary through the kernel (fp32 tables read at each token's position, fp32
+    math) equals eagle3.apply_rope + the cache write exactly; q, k and v in the right places."""
+    from specserve.models.eagle3 import Eagle3Config, DraftAttention, apply_rope, rope_cos_sin
+
+    cfg = Eagle3Config(hidden_size=heads * head_dim, intermediate_size=8, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=8, draft_vocab_size=8,
+                       rope_theta=10000.0)
+    att = DraftAttention(cfg, 2 * cfg.hidden_size, 0).to(DEVICE)
+    att.build_rope_tables(300)
+    g = torch.Generator().manual_seed(heads)
+    T, blocks, bs = 6, 6, 4
+    positions = torch.tensor([0, 7, 3, 100, 299, 1], device=DEVICE)
+    qkv = (torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(DEVICE, dtype)
+    slots = torch.tensor([5, 0, 23, 12, 13, 2], device=DEVICE)
+    caches = [tuple(torch.zeros(blocks, bs, kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in range(2))
+              for _ in range(2)]
+
+    q = triton_ops.rope_and_cache(qkv, *att.rope_tables, caches[0], slots, heads, kv_heads, head_dim,
+                                  positions=positions)
+
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * head_dim].view(T, heads + kv_heads, head_dim),
+                    rope_cos_sin(positions, att.inv_freq))
+    q_ref, k_ref = qk.split((heads, kv_heads), dim=1)
+    write_kv(caches[1], slots, k_ref, qkv[:, (heads + kv_heads) * head_dim :].view(T, kv_heads, head_dim))
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    # each token at its own position: the tables read at another row give another rotation
+    q_shift = triton_ops.rope_and_cache(qkv, *att.rope_tables, caches[0], slots, heads, kv_heads, head_dim,
+                                        positions=positions + 1)
+    assert not torch.equal(q_shift, q_ref)
+    with pytest.raises(ValueError, match="tables"):
+        triton_ops.rope_and_cache(qkv, att.rope_tables[0].to(dtype=torch.float64), att.rope_tables[1], caches[0],
+                                  slots, heads, kv_heads, head_dim, positions=positions)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # interpreter
+def test_decode_attention_forward_rope_matches_rotary_then_forward():
+    """TritonDecodeAttention.forward_rope (the draft loop's: rotary + KV write in one kernel, then
+    attention) equals apply_rope, its plain forward, and the cache it leaves."""
+    from specserve.attention.triton_backend import TritonDecodeAttention
+    from specserve.models.eagle3 import Eagle3Config, DraftAttention, apply_rope, rope_cos_sin
+
+    H, KVH, D, bs, nb = 4, 2, 32, 4, 16
+    cfg = Eagle3Config(hidden_size=H * D, intermediate_size=8, num_attention_heads=H, num_key_value_heads=KVH,
+                       head_dim=D, vocab_size=8, draft_vocab_size=8)
+    att = DraftAttention(cfg, 2 * cfg.hidden_size, 0).to(DEVICE)
+    att.build_rope_tables(64)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(nb, bs, KVH, D, generator=g)
+    tables = torch.tensor([[3, 7, 0], [1, 9, 2]], device=DEVICE)
+    positions = torch.tensor([6, 9], device=DEVICE)
+    slots = torch.tensor([7 * bs + 2, 2 * bs + 1], device=DEVICE)
+    qkv = torch.randn(2, (H + 2 * KVH) * D, generator=g).to(DEVICE)
+
+    def backend():
+        b = TritonDecodeAttention([(base.clone().to(DEVICE), base.clone().to(DEVICE))], bs, D**-0.5,
+                                  num_heads=H, block_tables=tables)
+        b.set_step(slots, (positions + 1).to(torch.int32))
+        return b
+
+    fused, ref = backend(), backend()
+    out = fused.forward_rope(0, qkv, *att.rope_tables, H, positions=positions)
+    qk = apply_rope(qkv[:, : (H + KVH) * D].view(2, H + KVH, D), rope_cos_sin(positions, att.inv_freq))
+    q, k = qk.split((H, KVH), dim=1)
+    out_ref = ref.forward(0, q, k, qkv[:, (H + KVH) * D :].view(2, KVH, D))
+    assert torch.equal(out, out_ref)
+    for a, b in zip(fused.kv_caches[0], ref.kv_caches[0]):
+        assert torch.equal(a, b)
+    assert not torch.equal(fused.kv_caches[0][0], base.to(DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the head takes the fused kernels on CUDA tensors only")
+def test_fused_head_step_takes_one_rotary_kernel_and_matches_the_torch_ops(monkeypatch):
+    """A bf16 draft step of a fused head with rope tables over TritonDecodeAttention: the rotary and
+    KV write go through rope_and_cache (apply_rope is not called), and the hidden output and the
+    cache match the torch ops' (SPECSERVE_FUSED_OPS=0's path) up to bf16 rounding."""
+    from specserve.attention.base import forward_context
+    from specserve.attention.triton_backend import TritonDecodeAttention
+    from specserve.models import eagle3, layers
+
+    H, KVH, D, bs, nb = 4, 2, 32, 4, 16
+    cfg = eagle3.Eagle3Config(hidden_size=H * D, intermediate_size=96, num_attention_heads=H, num_key_value_heads=KVH,
+                              head_dim=D, vocab_size=64, draft_vocab_size=64)
+    torch.manual_seed(0)
+    head = eagle3.Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    head = head.to(DEVICE, torch.bfloat16).eval().fuse_projections()
+    head.build_rope_tables(64)
+    base = torch.randn(nb, bs, KVH, D).to(DEVICE, torch.bfloat16)
+    tables = torch.tensor([[3, 7, 0], [1, 9, 2]], device=DEVICE)
+    positions = torch.tensor([6, 9], device=DEVICE)
+    slots = torch.tensor([7 * bs + 2, 2 * bs + 1], device=DEVICE)
+    e, h = torch.randn(2, H * D).to(DEVICE, torch.bfloat16), torch.randn(2, H * D).to(DEVICE, torch.bfloat16)
+    calls = []
+    real = eagle3.apply_rope
+    monkeypatch.setattr(eagle3, "apply_rope", lambda *a: calls.append(1) or real(*a))
+
+    def step(fused_ops: bool):
+        monkeypatch.setattr(layers, "FUSED_OPS", fused_ops)
+        attn = TritonDecodeAttention([(base.clone(), base.clone())], bs, D**-0.5, num_heads=H, block_tables=tables)
+        attn.set_step(slots, (positions + 1).to(torch.int32))
+        with torch.inference_mode(), forward_context(attn):
+            return head(e, h, positions), attn.kv_caches[0]
+
+    out, cache = step(True)
+    assert not calls
+    out_ref, cache_ref = step(False)
+    assert calls
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=3e-2, rtol=2e-2)
+    for a, b in zip(cache, cache_ref):  # (the norms before qkv are fused kernels too: bf16 rounding)
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2)
+    assert not torch.equal(cache[0], base)

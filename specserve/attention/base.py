@@ -56,8 +56,9 @@ class AttentionBackend(ABC):
     supports_fused_rope = False
 
     def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     num_heads: int) -> torch.Tensor:
-        """``forward`` from qkv [T, (H + 2 KVH) * D] before rotary (cos/sin of RotaryEmbedding)."""
+                     num_heads: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` from qkv [T, (H + 2 KVH) * D] before rotary: cos/sin of RotaryEmbedding, or
+        with ``positions`` the draft head's fp32 tables [P, D] (triton_ops.rope_and_cache)."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse rotary into the cache write")
 
 

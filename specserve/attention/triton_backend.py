@@ -478,16 +478,18 @@ class TritonBackend(AttentionBackend):
         return self.device.type == "cuda"
 
     def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     num_heads: int) -> torch.Tensor:
+                     num_heads: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         from specserve.models.triton_ops import rope_and_cache
 
         kv = self.kv_caches[layer]
         if qkv.dtype != kv[0].dtype:  # the kernel stores k, v as they are: rotary and write apart
+            if positions is not None:
+                raise ValueError(f"the draft rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
             from specserve.models.layers import rotary_qkv
 
             return self.forward(layer, *rotary_qkv(qkv, cos, sin, num_heads, self.num_kv_heads, self.head_dim))
         q = rope_and_cache(qkv, cos, sin, kv, self._slots[: qkv.shape[0]], num_heads, self.num_kv_heads,
-                           self.head_dim)
+                           self.head_dim, positions)
         return self._attend(layer, q)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -581,11 +583,30 @@ class TritonDecodeAttention(AttentionBackend):
         self._slots = slots
         self._seq32 = seq_lens.to(torch.int32)
 
+    @property
+    def supports_fused_rope(self) -> bool:  # type: ignore[override]
+        return self.kv_caches[0][0].is_cuda
+
+    def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        from specserve.models.triton_ops import rope_and_cache
+
+        assert self._slots is not None and self._seq32 is not None, "set_step() first"
+        kv = self.kv_caches[layer]
+        if qkv.dtype != kv[0].dtype:
+            raise ValueError(f"the fused rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
+        q = rope_and_cache(qkv, cos, sin, kv, self._slots, num_heads, self.num_kv_heads, self.head_dim, positions)
+        return self._attend(layer, q)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self._slots is not None and self._seq32 is not None, "set_step() first"
+        write_kv(self.kv_caches[layer], self._slots, k, v)
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, H, D] over the cache, this step's K/V already written."""
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        write_kv(self.kv_caches[layer], self._slots, k, v)
         if q.dtype != k_cache.dtype:
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention.base import get_forward_context
-from specserve.models.layers import rms_norm
+from specserve.models import layers
+from specserve.models.layers import add_rms_norm, rms_norm, silu_mul
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3Draft")
 EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM", "EAGLEModel")
@@ -248,6 +249,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies for RoPE; supports default, linear and llama3 scaling."""
@@ -311,6 +316,17 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.qkv_proj: nn.Linear | None = None  # q, k, v stacked, after fuse_projections()
         self.register_buffer("inv_freq", rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        # cos, sin [positions, D/2] (fp32, rope_cos_sin's values) for the GPU's one-kernel rotary +
+        # KV write (build_rope_tables; inference with fused projections only)
+        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def build_rope_tables(self, num_positions: int) -> None:
+        """cos and sin of every position below ``num_positions``, computed as rope_cos_sin computes
+        them, on the device of ``inv_freq``: on a CUDA device with the triton attention, the fused
+        head then rotates q and k and writes k, v to the cache in one kernel (a draft step's rotary
+        was ~15 small kernels, a third of the head's)."""
+        cos, sin = rope_cos_sin(torch.arange(num_positions, device=self.inv_freq.device), self.inv_freq)
+        self.rope_tables = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
 
     def fuse_projections(self) -> None:
         self.qkv_proj = stacked_linear([self.q_proj, self.k_proj, self.v_proj])
@@ -318,17 +334,23 @@ class DraftAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         T, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        cs = rope_cos_sin(positions, self.inv_freq)
+        attn = get_forward_context().attn
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
+            if (self.rope_tables is not None and qkv.is_cuda and layers.FUSED_OPS and attn.supports_fused_rope
+                    and qkv.dtype == attn.kv_caches[self.layer_index][0].dtype):
+                out = attn.forward_rope(self.layer_index, qkv, *self.rope_tables, h, positions=positions)
+                return self.o_proj(out.reshape(T, h * d))
             # q and k heads side by side: one rotation for both
-            q, k = apply_rope(qkv[:, : (h + kv) * d].view(T, h + kv, d), cs).split((h, kv), dim=1)
+            q, k = apply_rope(qkv[:, : (h + kv) * d].view(T, h + kv, d),
+                              rope_cos_sin(positions, self.inv_freq)).split((h, kv), dim=1)
             v = qkv[:, (h + kv) * d :].view(T, kv, d)
         else:
+            cs = rope_cos_sin(positions, self.inv_freq)
             q = apply_rope(self.q_proj(x).view(T, h, d), cs)
             k = apply_rope(self.k_proj(x).view(T, kv, d), cs)
             v = self.v_proj(x).view(T, kv, d)
-        out = get_forward_context().attn.forward(self.layer_index, q, k, v)
+        out = attn.forward(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(T, h * d))
 
 
@@ -346,8 +368,7 @@ class DraftMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))  # (one kernel on the GPU)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -367,8 +388,9 @@ class Eagle3MidLayer(nn.Module):
         h_normed = self.hidden_norm(hidden)
         residual = h_normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), h_normed], dim=-1)
-        h = residual + self.self_attn(x, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # h = residual + attention and its norm: one kernel on the GPU
+        normed, h = self.post_attention_layernorm.forward_add(self.self_attn(x, positions), residual)
+        return h + self.mlp(normed)
 
 
 class Eagle1Layer(nn.Module):
@@ -420,8 +442,17 @@ class Eagle3DraftModel(nn.Module):
             for m in list(self.modules()):
                 if isinstance(m, (DraftAttention, DraftMLP)):
                     m.fuse_projections()
+            if self.is_eagle3:  # draft id -> target id as one gather (d + d2t[d] is two kernels)
+                self.register_buffer("draft_ids", torch.arange(self.config.draft_vocab_size, device=self.d2t.device)
+                                     + self.d2t, persistent=False)
             self.fused = True
         return self
+
+    def build_rope_tables(self, num_positions: int) -> None:
+        """Every attention's cos/sin tables (DraftAttention.build_rope_tables)."""
+        for m in self.modules():
+            if isinstance(m, DraftAttention):
+                m.build_rope_tables(num_positions)
 
     @property
     def num_kv_layers(self) -> int:
@@ -465,7 +496,16 @@ class Eagle3DraftModel(nn.Module):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.is_eagle3:
             return ids
+        if self.fused:
+            return self.draft_ids[ids]
         return ids + self.d2t[ids]
+
+    def greedy_draft(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """The target-vocab id of each row's most likely draft token (compute_logits' argmax, without
+        its fp32 copy: the cast changes no value)."""
+        if self.is_eagle3:
+            return self.draft_to_target(self.lm_head(self.norm(hidden_out)).argmax(-1))
+        return self.compute_logits(hidden_out).argmax(-1)
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         cfg = self.config
@@ -474,6 +514,8 @@ class Eagle3DraftModel(nn.Module):
                              f"draft_vocab_size={cfg.draft_vocab_size}, vocab_size={cfg.vocab_size}")
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))
+        if self.fused:
+            self.draft_ids.copy_(torch.arange(cfg.draft_vocab_size, device=self.d2t.device) + self.d2t)
 
     # ---- public checkpoint layout ----
 

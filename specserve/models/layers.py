@@ -24,6 +24,8 @@ FUSED_OPS = os.environ.get("SPECSERVE_FUSED_OPS", "1") != "0"
 def _fused(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     if not (FUSED_OPS and x.is_cuda and x.stride(-1) == 1):
         return False
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return False  # the kernels have no backward (the trainer on a GPU keeps the torch ops)
     if weight is not None and weight.dtype != x.dtype:
         return False
     return _triton_ops() is not None

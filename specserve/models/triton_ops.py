@@ -6,7 +6,8 @@ added ~1 ms a step (benchmarks/gpu_decode.py). These fuse them:
 
 - ``add_rms_norm``: residual add + RMSNorm + weight (3 kernels -> 1);
 - ``silu_mul``: SiLU(gate) * up over the fused gate_up output (2 -> 1);
-- ``rope_and_cache``: rotary on q and k, and k, v into the paged cache (4 + 2 -> 1).
+- ``rope_and_cache``: rotary on q and k, and k, v into the paged cache (4 + 2 -> 1; for the draft
+  head, whose rotary is fp32 math on cos/sin of each step's positions, ~15 -> 1).
 
 Each rounds where torch rounds (to the activation dtype after the add, after the norm, after each
 product), so outputs match the torch ops up to the order of the norm's sum. ``specserve.models.layers``
@@ -92,10 +93,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_cache_kernel(QKV, Cos, Sin, Q, K_cache, V_cache, Slots,
+def _rope_cache_kernel(QKV, Cos, Sin, Q, K_cache, V_cache, Slots, Pos, P,
                        stride_qkv, stride_cos, stride_qt, stride_qh, stride_slot,
                        HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DRAFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -106,11 +107,21 @@ def _rope_cache_kernel(QKV, Cos, Sin, Q, K_cache, V_cache, Slots,
     x = tl.load(src + d[None, :], mask=ok, other=0.0)
     # rotate-half with the tables of RotaryEmbedding: x * cos + roll(x, D/2) * sin, sin = [-sin, sin]
     xr = tl.load(src + ((d + D // 2) % D)[None, :], mask=ok, other=0.0)
-    c = tl.load(Cos + t * stride_cos + d, mask=d_ok, other=0.0)
-    s = tl.load(Sin + t * stride_cos + d, mask=d_ok, other=0.0)
-    a = (x.to(tl.float32) * c.to(tl.float32)[None, :]).to(x.dtype)
-    b = (xr.to(tl.float32) * s.to(tl.float32)[None, :]).to(x.dtype)
-    rot = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+    if DRAFT:
+        # the draft head's apply_rope: cos, sin [P, D/2] (fp32) at the token's position, fp32
+        # products and sum (x1 cos - x2 sin, x2 cos + x1 sin), one rounding at the end
+        row = tl.minimum(tl.maximum(tl.load(Pos + t).to(tl.int64), 0), P - 1)
+        half = d % (D // 2)
+        c = tl.load(Cos + row * stride_cos + half, mask=d_ok, other=0.0)
+        s = tl.load(Sin + row * stride_cos + half, mask=d_ok, other=0.0)
+        s = tl.where(d < D // 2, -s, s)
+        rot = (x.to(tl.float32) * c[None, :] + xr.to(tl.float32) * s[None, :]).to(x.dtype)
+    else:  # the target's (transformers'): [T, D] tables, rounded to the activation dtype after each product
+        c = tl.load(Cos + t * stride_cos + d, mask=d_ok, other=0.0)
+        s = tl.load(Sin + t * stride_cos + d, mask=d_ok, other=0.0)
+        a = (x.to(tl.float32) * c.to(tl.float32)[None, :]).to(x.dtype)
+        b = (xr.to(tl.float32) * s.to(tl.float32)[None, :]).to(x.dtype)
+        rot = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
     is_q = h < HQ
     is_k = (h >= HQ) & (h < HQ + HK)
     is_v = h >= HQ + HK
@@ -125,22 +136,35 @@ def _rope_cache_kernel(QKV, Cos, Sin, Q, K_cache, V_cache, Slots,
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
-                   num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                   num_heads: int, num_kv_heads: int, head_dim: int,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (HQ + 2 HK) * D] (q, k, v heads side by side, last dim contiguous), cos/sin [T, 1, D]
     or [T, D] -> rotated q [T, HQ, D]; rotated k and v written at ``slots`` [T] of the paged caches
-    [blocks, block_size, HK, D] (contiguous)."""
+    [blocks, block_size, HK, D] (contiguous).
+
+    With ``positions`` [T] (the draft head's, eagle3.DraftAttention.build_rope_tables): cos/sin are
+    fp32 tables [P, D/2] read at each token's position (clamped to [0, P - 1]), and the rotation is
+    eagle3.apply_rope's fp32 math (no fused multiply-add: bit for bit those torch ops)."""
     T = qkv.shape[0]
     k_cache, v_cache = kv_cache
     if qkv.stride(-1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError("rope_and_cache needs a contiguous last dim and contiguous caches")
-    cos2, sin2 = cos.reshape(T, head_dim), sin.reshape(T, head_dim)
+    table = positions is not None
+    if table:
+        if (cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim // 2 or cos.dtype != torch.float32
+                or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+            raise ValueError("rope_and_cache with positions needs fp32 cos/sin tables [P, head_dim / 2] of one layout")
+        cos2, sin2, pos = cos, sin, positions
+    else:
+        cos2, sin2, pos = cos.reshape(T, head_dim), sin.reshape(T, head_dim), slots
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T:
         heads = num_heads + 2 * num_kv_heads
         block_h = min(16, _pow2(heads))
         _rope_cache_kernel[(T, triton.cdiv(heads, block_h))](
-            qkv, cos2, sin2, q, k_cache, v_cache, slots,
+            qkv, cos2, sin2, q, k_cache, v_cache, slots, pos, cos2.shape[0],
             qkv.stride(0), cos2.stride(0), q.stride(0), q.stride(1), num_kv_heads * head_dim,
-            HQ=num_heads, HK=num_kv_heads, D=head_dim, BLOCK_H=block_h, BLOCK_D=_pow2(head_dim), num_warps=4,
+            HQ=num_heads, HK=num_kv_heads, D=head_dim, BLOCK_H=block_h, BLOCK_D=_pow2(head_dim),
+            DRAFT=table, num_warps=4, enable_fp_fusion=not table,
         )
     return q

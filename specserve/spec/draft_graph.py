@@ -152,7 +152,7 @@ class ChainDraftRunner:
         """Draft K tokens for rows [0, B) (reads only static buffers; writes ``tokens``)."""
         head, bs = self.head, self.block_size
         h = self.h0[:B]
-        tok = head.draft_to_target(head.compute_logits(h).argmax(-1))
+        tok = head.greedy_draft(h)
         self.tokens[:B, 0].copy_(tok)
         if K == 1:
             return
@@ -169,7 +169,7 @@ class ChainDraftRunner:
             self.attn.set_step(slots[j - 2], seqs[j - 2], None if max_kv is None else max_kv[j - 2])
             with forward_context(self.attn):
                 h = head(self.embed(tok), h, pos[j - 2])
-            tok = head.draft_to_target(head.compute_logits(h).argmax(-1))
+            tok = head.greedy_draft(h)
             self.tokens[:B, j - 1].copy_(tok)
 
     def load(self, base: list[int], ks: list[int], tables: list[list[int]], Bp: int,

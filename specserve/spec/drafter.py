@@ -160,6 +160,10 @@ class EagleSpeculator:
         path = cfg.draft_model_path or default_draft_path()
         self.head = Eagle3DraftModel.from_pretrained(path, device=self.device, dtype=engine.dtype).eval()
         self.head.fuse_projections()
+        # rotary + KV write as one kernel (positions < max_model_len + depth); SPECSERVE_DRAFT_ROPE_KERNEL=0:
+        # the torch ops (the benchmarks' A/B)
+        if self.device.type == "cuda" and os.environ.get("SPECSERVE_DRAFT_ROPE_KERNEL", "1") != "0":
+            self.head.build_rope_tables(engine.max_model_len + cfg.num_steps + 2)
         pack_for_cpu(self.head, engine.config.cpu_weight_packing, self.device, engine.dtype)
         hc = self.head.config
         want = "EAGLE3" if cfg.algorithm == "EAGLE3" else "EAGLE"
