@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, write_kv
-from specserve.engine.host_copy import host_to_device
+from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.models.eagle3 import Eagle3DraftModel
 
 log = logging.getLogger(__name__)
@@ -261,17 +261,6 @@ class CatchUpRunner:
         h = self._forward(self.ids[:n], self.feats[:n], self.pos[:n])
         self.h_out.copy_(h.index_select(0, self.last))
 
-    def stage(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
-              seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor) -> None:
-        """Plan the attention and fill the static buffers but the ids for a catch-up of len(ids) <=
-        sizes[-1] tokens: FusedLaunchRunner computes the ids and each request's output row on the device,
-        then runs ``_graph_body`` (``ids``: placeholders of the right length)."""
-        T = len(ids)
-        buf = self._plan(ids, pos, slots, q_lens, seq_lens, tables)
-        self.pos[:T].copy_(buf[T : 2 * T])
-        self.feats[:T].copy_(feats)
-        self.last.copy_(buf[3 * T : 3 * T + self.last.shape[0]])  # (rows past the batch: 0)
-
     def _plan(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
               seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         """The step's numbers on the device (ids | positions | slots | each request's last row, padded
@@ -341,26 +330,40 @@ class FusedLaunchRunner:
     verified, drafts to make): one launch where the host issued ~25 (at one request on the H200 that
     launch took ~0.8 ms of host time of a ~1.7-ms cycle, and the cycle is host-bound).
 
-    The host writes the verify's input ids and picks, and per step (``layout``): for each verified
-    row the row of the draft after it (``nxt``), its index in its request (``j``) and its request;
-    for each request the rows of its drafts, which of them exist, its first row and the chain's
-    base position before acceptance. Padding rows and requests accept nothing and draft nothing.
-    Before ``capture`` (the CPU under Triton's interpreter, in tests) the same body runs eagerly."""
+    Everything the graph reads comes in one host-to-device copy of ``meta`` (``write``): for each
+    verified row the row of the draft after it (``nxt``), its index in its request (``j``), its
+    request, position and KV slot; for each request the rows of its drafts, which of them exist, its
+    first row, the chain's base position before acceptance, its next k and its block table. The
+    catch-up attends row by row through a decode attention (each row is a query at its position over
+    its request's keys, its metadata computed on the device), so nothing is planned on the host.
+    Padding rows write the scratch slot; padding requests accept nothing and draft nothing. Before
+    ``capture`` (the CPU under Triton's interpreter, in tests) the same body runs eagerly."""
 
     def __init__(self, cu: CatchUpRunner, chain: ChainDraftRunner, device: torch.device) -> None:
-        self.cu, self.chain = cu, chain
+        from specserve.attention.triton_backend import TritonDecodeAttention
+
+        self.chain = chain
         self.device = device
         self.batch_sizes = [b for b in chain.batch_sizes if b <= FUSED_MAX_BATCH]
         Bm, K = self.batch_sizes[-1], chain.max_k
         if not cu.sizes:
-            raise ValueError("the fused launch needs the catch-up's static buffers (captured sizes)")
+            raise ValueError("the fused launch needs the catch-up's graph sizes")
+        if not isinstance(chain.attn, TritonDecodeAttention):
+            raise ValueError("the fused launch needs the draft loop's Triton decode attention")
         need = Bm * (K + 1)  # the most rows a covered step verifies
         self.sizes = cu.sizes[: bisect.bisect_left(cu.sizes, need) + 1]
         self.max_tokens = min(need, self.sizes[-1])
         n = self.sizes[-1]
+        self.width = chain.block_tables.shape[1]
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.picks = torch.zeros(n, dtype=torch.long, device=device)
-        self.meta = torch.zeros(3 * n + 2 * Bm * K + 2 * Bm, dtype=torch.long, device=device)
+        self.feats = torch.zeros(n, cu.feats.shape[1], dtype=cu.feats.dtype, device=device)
+        self.meta = torch.zeros(self.layout(n, Bm, K)[-1], dtype=torch.long, device=device)
+        # each catch-up row's block table (its request's), for the row-by-row attention
+        self.row_tables = torch.zeros(n, self.width, dtype=torch.long, device=device)
+        a = chain.attn
+        self.row_attn = TritonDecodeAttention(a.kv_caches, a.block_size, a.scale, num_heads=a.num_heads,
+                                              block_tables=self.row_tables)
         self.graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
@@ -372,54 +375,87 @@ class FusedLaunchRunner:
         return (self.sizes[bisect.bisect_left(self.sizes, T)], self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)],
                 k_verified, k_next)
 
-    @staticmethod
-    def layout(n: int, Bp: int, K: int) -> list[int]:
-        """Offsets of nxt [n], j [n], req [n], draft rows [Bp x K], exists [Bp x K], first [Bp],
-        base [Bp] in ``meta``."""
-        return np.cumsum([0, n, n, n, Bp * K, Bp * K, Bp, Bp]).tolist()
+    def layout(self, n: int, Bp: int, K: int) -> list[int]:
+        """Offsets in ``meta`` of nxt, j, req, pos, slot [n each], draft rows, exists [Bp x K each],
+        first, base, ks [Bp each], block tables [Bp x width]."""
+        return np.cumsum([0, n, n, n, n, n, Bp * K, Bp * K, Bp, Bp, Bp, Bp * self.width]).tolist()
 
     def _body(self, n: int, Bp: int, K: int, Kc: int) -> None:
         o = self.layout(n, Bp, K)
-        nxt, j, req, drow, exists, first, base = (self.meta[o[i] : o[i + 1]] for i in range(7))
+        nxt, j, req, pos, slot, drow, exists, first, base, ks, tab = (self.meta[o[i] : o[i + 1]] for i in range(11))
         picks = self.picks[:n]
         following = self.ids[:n].index_select(0, nxt)
         match = (following == picks).index_select(0, drow).view(Bp, K) & (exists.view(Bp, K) != 0)
         accepted = match.long().cumprod(1).sum(1)
         bonus = picks.index_select(0, first + accepted)
-        cu = self.cu
         # row j of a request pairs its target feature with the token after it: draft j + 1 while
         # j < accepted, the bonus token at j = accepted (rows past it write draft KV the next
         # catch-up rewrites before anything reads it)
-        cu.ids[:n].copy_(torch.where(j < accepted.index_select(0, req), following, bonus.index_select(0, req)))
-        cu.last[:Bp].copy_(first + accepted)
-        cu._graph_body(n)
-        self.chain.base_pos[:Bp].copy_(base + accepted)
-        self.chain._body(Bp, Kc)
+        ids = torch.where(j < accepted.index_select(0, req), following, bonus.index_select(0, req))
+        chain, head = self.chain, self.chain.head
+        chain.block_tables[:Bp].copy_(tab.view(Bp, self.width))
+        chain.ks[:Bp].copy_(ks)
+        self.row_tables[:n].copy_(chain.block_tables.index_select(0, req))
+        self.row_attn.set_step(slot, (pos + 1).to(torch.int32))
+        with forward_context(self.row_attn):
+            h = head(chain.embed(ids), head.combine(self.feats[:n]), pos)
+        chain.h0[:Bp].copy_(h.index_select(0, first + accepted))
+        chain.base_pos[:Bp].copy_(base + accepted)
+        chain._body(Bp, Kc)
 
-    def meta_for(self, key: tuple[int, int, int, int], nxt: np.ndarray, j: np.ndarray, req: np.ndarray,
-                 drow: np.ndarray, exists: np.ndarray, first: np.ndarray, base: np.ndarray) -> np.ndarray:
-        """The step's numbers (B requests, T rows) padded to ``key``'s layout."""
+    def write(self, key: tuple[int, int, int, int], computed: Sequence[int], ks: Sequence[int],
+              next_ks: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+        """A step's numbers into ``meta`` (one host-to-device copy): requests with ``computed``
+        tokens in their KV, verifying ``ks`` drafts, drafting ``next_ks`` next, their block
+        tables. Built in plain Python: a step here has at most FUSED_MAX_BATCH x (max_k + 1) rows,
+        and each numpy call would cost more than the loop (this is the host's part of a cycle)."""
         n, Bp, K, _ = key
-        T, B = len(nxt), len(first)
+        bs, scratch = self.chain.block_size, self.chain.scratch_slot
+        nxt: list[int] = []
+        js: list[int] = []
+        req: list[int] = []
+        pos: list[int] = []
+        slot: list[int] = []
+        first: list[int] = []
+        T = 0
+        for b, (nc, k, table) in enumerate(zip(computed, ks, tables)):
+            first.append(T)
+            for j in range(k + 1):  # row j at position nc + j; the draft after it is in row j + 1 (<= k)
+                p = nc + j
+                nxt.append(T + min(j + 1, k))
+                js.append(j)
+                req.append(b)
+                pos.append(p)
+                slot.append(table[p // bs] * bs + p % bs)
+            T += k + 1
         o = self.layout(n, Bp, K)
-        m = np.zeros(o[-1], dtype=np.int64)
-        m[o[0] : o[1]] = np.arange(n)
-        m[o[0] : o[0] + T] = nxt
-        m[o[1] : o[2]] = n  # padding rows: never "before the accepted count"
-        m[o[1] : o[1] + T] = j
-        m[o[2] : o[2] + T] = req
-        m[o[3] : o[4]].reshape(Bp, K)[:B] = drow
-        m[o[4] : o[5]].reshape(Bp, K)[:B] = exists
-        m[o[5] : o[5] + B] = first
-        m[o[6] : o[6] + B] = base
-        return m
+        h, t = host_buffer(o[-1], torch.long, self.device)  # zeroed
+        # padding rows: the next row their own, j = n (never before an accepted count), request 0,
+        # position 0, the scratch slot; padding requests: no drafts, nothing to draft
+        h[o[0] : o[1]] = nxt + list(range(T, n))
+        h[o[1] : o[2]] = js + [n] * (n - T)
+        h[o[2] : o[2] + T] = req
+        h[o[3] : o[3] + T] = pos
+        h[o[4] : o[5]] = slot + [scratch] * (n - T)
+        for b, k in enumerate(ks):  # each request's draft rows (first + i, for i < k) and which exist
+            h[o[5] + b * K : o[5] + b * K + k] = range(first[b], first[b] + k)
+            h[o[6] + b * K : o[6] + b * K + k] = 1
+        B = len(ks)
+        h[o[7] : o[7] + B] = first
+        h[o[8] : o[8] + B] = [nc + 1 for nc in computed]  # the chain's base before acceptance
+        h[o[9] : o[9] + B] = next_ks
+        for b, table in enumerate(tables):
+            start = o[10] + b * self.width
+            h[start : start + len(table)] = table
+        self.meta[: o[-1]].copy_(t, non_blocking=True)
 
-    def run(self, key: tuple[int, int, int, int], meta: np.ndarray, ids: torch.Tensor, picks: torch.Tensor) -> str:
-        """After cu.stage and chain.load: write the inputs and launch; returns "graph" or "eager"."""
+    def run(self, key: tuple[int, int, int, int], ids: torch.Tensor, picks: torch.Tensor, feats: torch.Tensor) -> str:
+        """After ``write``: the verify's input ids, picks and target features in, launch; returns
+        "graph" or "eager"."""
         T = ids.shape[0]
-        self.meta[: meta.size].copy_(host_to_device(meta, self.device))
         self.ids[:T].copy_(ids)
         self.picks[:T].copy_(picks)
+        self.feats[:T].copy_(feats)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -429,11 +465,8 @@ class FusedLaunchRunner:
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
-        """A graph for every key a step of up to FUSED_MAX_BATCH requests can have, captured like the
-        catch-up's own (its attention planned for a dummy step of that size first); inputs zeroed:
-        every request accepts nothing and drafts nothing."""
-        from specserve.engine.cuda_graph import dummy_meta
-
+        """A graph for every key a step of up to FUSED_MAX_BATCH requests can have; the inputs of each
+        warm-up and capture: no row accepts, every row writes the scratch slot, nothing is drafted."""
         K = self.chain.max_k
         keys = set()
         for B in range(1, self.batch_sizes[-1] + 1):
@@ -443,24 +476,20 @@ class FusedLaunchRunner:
                         key = self.key(T, B, kv, kc)
                         if key is not None:
                             keys.add(key)
-        for t in (self.meta, self.ids, self.picks, self.cu.last, self.chain.ks):
+        for t in (self.ids, self.picks, self.feats):
             t.zero_()
-        attn, sizes = self.cu.attn, self.cu.sizes
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for key in sorted(keys, reverse=True):
-            i = sizes.index(key[0])
-            attn.graph_min_tokens = sizes[i - 1] + 1 if i else 1  # as the catch-up graph of this size
-            attn.plan(dummy_meta(attn, key[0], self.device))
+            self.write(key, [], [], [], [])
             self._body(*key)  # warm-up
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._body(*key)
             self.graphs[key] = graph
-        attn.graph_min_tokens = 1
         torch.cuda.synchronize(self.device)
         self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
                                 max(0, free_before - torch.cuda.mem_get_info(self.device)[0]))

@@ -767,11 +767,22 @@ class EagleSpeculator:
         j < accepted, the bonus token at j = accepted; rows past that write draft KV at positions the
         next catch-up rewrites before anything reads them. The drafts wait for draft_step to adopt."""
         reqs = [r for r, _, _ in targets]
-        ks = np.asarray([k for _, k, _ in targets], dtype=np.int64)
-        B, K = len(reqs), int(ks.max())
-        q_lens = ks + 1
-        T = int(q_lens.sum())
+        k_list = [k for _, k, _ in targets]
+        nk = [kk for _, _, kk in targets]
+        B, K, T = len(reqs), max(k_list), sum(k_list) + len(reqs)
         assert argmax.shape[0] == T == inputs.input_ids.shape[0], "a fused step verifies chains only"
+        fl = self.fused_launch
+        key = fl.key(T, B, K, max(nk)) if fl is not None and self.controller.fused_launch_graph else None
+        if key is not None:  # what follows, as one graph (FusedLaunchRunner)
+            assert fl is not None and self.chain_runner is not None
+            fl.write(key, [r.num_computed_tokens for r in reqs], k_list, nk, [r.kv.block_table for r in reqs])
+            path = fl.run(key, inputs.input_ids, argmax, feats[:T])
+            self.path_counts[f"fused_launch:{path}"] += 1
+            self.path_counts[f"catch_up:{path}"] += 1  # (inside it)
+            self._adopt_launched(reqs, nk, self.chain_runner.tokens[:B, : max(nk)], path)
+            return
+        ks = np.asarray(k_list, dtype=np.int64)
+        q_lens = ks + 1
         first = np.cumsum(q_lens) - q_lens  # each request's first row
         nc = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
         req = np.repeat(np.arange(B), q_lens)
@@ -783,20 +794,7 @@ class EagleSpeculator:
         tables = [r.kv.block_table for r in reqs]
         seq_lens = (nc + q_lens).tolist()
         f = feats[:T]
-        nk = [kk for _, _, kk in targets]
         cu = self.catch_up_runner
-        fl = self.fused_launch
-        key = fl.key(T, B, K, max(nk)) if fl is not None and self.controller.fused_launch_graph else None
-        if key is not None:  # what follows, as one graph (FusedLaunchRunner)
-            assert fl is not None and cu is not None and self.chain_runner is not None
-            meta = fl.meta_for(key, nxt, j_row, req, drow, valid, first, nc + 1)
-            cu.stage(j_row, positions, slots, q_lens.tolist(), seq_lens, tables, f)  # (j_row: ids the graph writes)
-            self.chain_runner.load(seq_lens, nk, tables, key[1])
-            path = fl.run(key, meta, inputs.input_ids, argmax)
-            self.path_counts[f"fused_launch:{path}"] += 1
-            self.path_counts[f"catch_up:{path}"] += 1  # (inside it)
-            self._adopt_launched(reqs, nk, self.chain_runner.tokens[:B, : max(nk)], path)
-            return
         buf = host_to_device(np.concatenate([nxt, j_row, req, drow.ravel(), valid.ravel(), first, nc + 1]),
                              self.device)
         o = np.cumsum([0, T, T, T, B * K, B * K, B, B])
