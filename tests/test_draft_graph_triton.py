@@ -105,15 +105,16 @@ def test_cost_profile_times_the_static_draft_path(tmp_path):
 
 
 @pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; test_draft_graph's gpu tests replay its graphs")
-def test_fused_launch_as_one_body_same_drafts(tmp_path):
+def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
     """The fused launch as one body (FusedLaunchRunner: acceptance, catch-up, chain over static buffers;
-    its graphs on the GPU) gives the eager loop's drafts, with one request, two, and three (the launch
-    step by step) until one ends and two are left (one body again), k mixed 1..3. Drafts are rewritten two right then one wrong
+    its graphs on the GPU) gives the eager loop's drafts, with one request and three (padded to four),
+    and with three where the graphs stop at two (the launch step by step until one ends), k mixed 1..3. Drafts are rewritten two right then one wrong
     after each draft step, so accepted counts vary (the body computes them on the device)."""
     from test_draft_graph import PROMPTS, mixed_k_params, record_drafts
     from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM
+    from specserve.spec import draft_graph
     from specserve.spec.drafter import PENDING
 
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
@@ -122,13 +123,14 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path):
     plain = LLM(model=model, device="cpu", max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], params)]
 
-    def run_n(n: int, fused: bool) -> tuple[list, list, dict]:
+    def run_n(n: int, fused: bool, max_batch: int = 4) -> tuple[list, list, dict]:
         llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", max_num_seqs=4, speculative_num_steps=3)
         dr = llm.engine.drafter
         if fused:
+            monkeypatch.setattr(draft_graph, "FUSED_MAX_BATCH", max_batch)
             dr.enable_static_draft(attention="triton", fused_launch=True)
-            assert dr.fused_launch is not None and dr.fused_launch.batch_sizes[-1] == 2
+            assert dr.fused_launch is not None and dr.fused_launch.batch_sizes[-1] == max_batch
         log = record_drafts(llm)
         logged = dr.draft_step
 
@@ -152,12 +154,13 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path):
         out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:n], params[:n])]
         return out, log, dict(dr.path_counts)
 
-    for n in (1, 2, 3):
-        ref_out, ref_log, _ = run_n(n, False)
-        out, log, paths = run_n(n, True)
+    refs = {n: run_n(n, False)[:2] for n in (1, 3)}
+    for n, max_batch in ((1, 4), (3, 4), (3, 2)):
+        ref_out, ref_log = refs[n]
+        out, log, paths = run_n(n, True, max_batch)
         assert out == ref_out == ref[:n]
         assert log == ref_log and sum(len(d) for step in log for _, d in step) > len(log)
-        if n < 3:  # (two requests: each row's attention reads its own request's block table)
+        if max_batch == 4:  # (three requests padded to four: each row reads its own request's block table)
             assert paths["fused_launch:eager"] > 2 and paths["fused_launch:eager"] == paths["fused"]
         else:  # steps of three requests launch step by step; of two (once request 1 ends), as one body
             assert paths["fused"] > paths["fused_launch:eager"] > 0
