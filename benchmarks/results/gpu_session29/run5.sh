@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 29, at 22ac7f3. (a) was run by hand after run4 (natural stops with the tree; run3's call had the
-# configs in an order gpu_spec_c1 refuses). (b): the sliced sweep at 1 and 4 requests with the adaptive engine
+# configs in an order gpu_spec_c1 refuses). (b), NOT RUN (the device refused the first staging call, then the
+# session's device time ran out): the sliced sweep at 1 and 4 requests with the adaptive engine
 # held at depth 5 (forced_arm: every decision skipped, the bookkeeping kept) beside the adaptive one.
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p $OUT/r
