@@ -41,7 +41,7 @@ from specserve.engine import sampler
 from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.kv_cache import KVSlots
-from specserve.engine.request import Request
+from specserve.engine.request import Request, Status
 from specserve.engine.runner import StepLists, allocate_kv_cache, kv_slab
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
@@ -554,18 +554,19 @@ class EagleSpeculator:
             else:
                 self.path_counts["early_verify:discarded"] += 1
                 early = None
+        drafted = any(s.draft_token_ids for s in plan.scheduled)
         if early is not None:  # this step's forward was launched with the last step's sync
             inputs, out = early.inputs, early.out
             pending, pending_rows = list(plan.scheduled), early.draft_rows
         else:
             inputs = self.runner.prepare(plan)
-            pending, pending_rows = self._fill_drafts(plan, inputs)
+            pending, pending_rows = self._fill_drafts(plan, inputs) if drafted else ([], None)
             out = self.runner.forward(inputs)
         # launched: on a GPU the last cycle's bookkeeping runs while the device computes (a CPU forward
         # has returned by now, and it costs what it would have anyway)
         self.controller.flush()
         hidden, feats = out if isinstance(out, tuple) else (out, out)
-        if not any(s.draft_token_ids for s in plan.scheduled):
+        if not drafted:
             # nobody drafted (speculation off, prefill): the target features of every computed token
             # are kept for the head's catch-up, before the sampler's host sync (on a GPU this runs
             # while the device computes), then the plain-decode sampler.
@@ -1092,9 +1093,11 @@ class EagleSpeculator:
             prev_s = self._cycle_head + tail + now - self.engine.step_started
             prev = self.controller.detach_cycle()
             self._cycle_head = None
-        # requests that produced a token this step and decode next step
-        candidates = [s.req for s in plan.scheduled
-                      if s.samples and not s.req.is_finished and s.req.num_tokens - s.req.num_computed_tokens == 1]
+        # requests that produced a token this step and decode next step (the fields, not the Request
+        # properties: at 256 requests this runs every step, speculation off included)
+        finished = Status.FINISHED
+        candidates = [r for s in plan.scheduled if s.samples and (r := s.req).status != finished
+                      and len(r.all_token_ids) - r.num_computed_tokens == 1]
         if not candidates:
             self.controller.finish_cycle(prev, prev_s)
             return
