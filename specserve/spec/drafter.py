@@ -41,7 +41,7 @@ from specserve.engine import sampler
 from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.kv_cache import KVSlots
-from specserve.engine.request import Request, Status
+from specserve.engine.request import Request
 from specserve.engine.runner import StepLists, allocate_kv_cache, kv_slab
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
@@ -1093,11 +1093,9 @@ class EagleSpeculator:
             prev_s = self._cycle_head + tail + now - self.engine.step_started
             prev = self.controller.detach_cycle()
             self._cycle_head = None
-        # requests that produced a token this step and decode next step (the fields, not the Request
-        # properties: at 256 requests this runs every step, speculation off included)
-        finished = Status.FINISHED
-        candidates = [r for s in plan.scheduled if s.samples and (r := s.req).status != finished
-                      and len(r.all_token_ids) - r.num_computed_tokens == 1]
+        # requests that produced a token this step and decode next step
+        candidates = [s.req for s in plan.scheduled
+                      if s.samples and not s.req.is_finished and s.req.num_tokens - s.req.num_computed_tokens == 1]
         if not candidates:
             self.controller.finish_cycle(prev, prev_s)
             return
