@@ -26,6 +26,7 @@ from specserve.loader import (
     load_model_source,
 )
 from specserve.models import build_model
+from hf_reference import hf_smollm2, release
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,10 +66,9 @@ def source(timed_sources):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    # (shared with test_engine_e2e, which runs first: one transformers GGUF load for both)
+    yield hf_smollm2()
+    release()
 
 
 @pytest.fixture(scope="module")
