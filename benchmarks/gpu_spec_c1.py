@@ -45,10 +45,11 @@ PARITY_CONFIG = "chain3"
 def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, dict[str, Any], float]:
     """``name``: a CONFIGS entry, or one with "+noearly" (no verify launched before the commit)."""
     base, _, opt = name.partition("+")
-    if opt not in ("", "noearly", "nograph", "norope"):
+    if opt not in ("", "noearly", "nograph", "norope", "nofused"):
         raise SystemExit(f"unknown option +{opt} in {name!r} (noearly: no verify launched before the commit, "
                          "nograph: the fused launch step by step, not as one graph, norope: the head's "
-                         "rotary by torch ops, not one kernel with the KV write)")
+                         "rotary by torch ops, not one kernel with the KV write, nofused: no fused launch "
+                         "at all: the next drafts after the verify's sync)")
     spec = dict(CONFIGS[base])
     if spec:
         spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
@@ -66,6 +67,8 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
         llm.engine.drafter.controller.early_verify = False
     elif opt == "nograph":
         llm.engine.drafter.controller.fused_launch_graph = False
+    elif opt == "nofused":
+        llm.engine.drafter.fused_launch = llm.engine.drafter.tree_launch = None
     return llm, kw, time.perf_counter() - t0
 
 
@@ -110,6 +113,8 @@ def fallbacks(name: str, delta: Counter, prompts: int) -> list[str]:
         bad.append(f"{name}: {delta['chain:eager']} eager chain draft loops")
     if delta["tree:eager"]:
         bad.append(f"{name}: {delta['tree:eager']} eager tree expansions")
+    if delta["fused_launch:eager"] and "+nograph" not in name:
+        bad.append(f"{name}: {delta['fused_launch:eager']} fused launches run eagerly")
     # a prompt's first catch-up covers the whole prompt (eager Triton); the rest must replay
     if delta["catch_up:eager"] > prompts or delta["catch_up:torch"]:
         bad.append(f"{name}: catch-up eager {delta['catch_up:eager']}, torch {delta['catch_up:torch']} "

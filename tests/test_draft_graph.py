@@ -12,6 +12,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.spec.drafter import DEFAULT_HEAD, PENDING
+from specserve.spec.tree import tree_fields
 from tiny_model import make_random_head, make_tiny_model
 
 SHIPPED = (DEFAULT_HEAD / "config.json").exists()
@@ -35,6 +36,17 @@ def host_drafts(dr, r) -> list[int]:
         toks, row = st.device_drafts
         return toks[row, : len(d)].tolist()
     return list(d)
+
+
+def host_tree(dr, r) -> tuple[list[int], list[int]]:
+    """``r``'s tree (tokens, parents), read back where the expansion selected it on the device."""
+    st = dr.states.get(r.request_id)
+    if st is not None and st.device_tree is not None:
+        trees, row = st.device_tree
+        tok, par, _, _ = tree_fields(trees[row : row + 1], dr.max_k + 1)
+        n = len(r.draft_token_ids) + 1
+        return [r.all_token_ids[-1]] + tok[0, 1:n].tolist(), [-1] + par[0, 1:n].tolist()
+    return list(r.draft_tree.tokens), list(r.draft_tree.parents)
 
 
 def record_drafts(llm: LLM) -> list[list[tuple[str, list[int]]]]:
@@ -63,7 +75,7 @@ def record_trees(llm: LLM) -> list[list[tuple[str, list[int], list[int]]]]:
 
     def wrapped(todo, **kw):
         catch_up_s = orig(todo, **kw)
-        log.append([(r.request_id, list(r.draft_tree.tokens), list(r.draft_tree.parents)) for r, _ in todo])
+        log.append([(r.request_id, *host_tree(dr, r)) for r, _ in todo])
         return catch_up_s
 
     dr._draft = wrapped
@@ -362,6 +374,8 @@ def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", gr
     if not graphs:
         dr.tree_runner.graphs.clear()
         dr.catch_up_runner.graphs.clear()
+        if dr.tree_launch is not None:
+            dr.tree_launch.graphs.clear()
     log = record_trees(llm)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return out, log, dict(dr.path_counts)
@@ -473,5 +487,56 @@ def test_gpu_tree_graphs_equal_eager_expansion(tiny):
     assert out_g == out_e and log_g == log_e
     assert pg["tree:graph"] == len(log_g) and "tree:eager" not in pg
     assert pe["tree:eager"] == len(log_e) and "tree:graph" not in pe
+    # steps of up to four requests: acceptance, catch-up, expansion and trees as one graph
+    assert pg["fused_launch:graph"] > 0 and pe["fused_launch:eager"] == pg["fused_launch:graph"]
+    assert "fused_launch:eager" not in pg
     plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256)
     assert out_g == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("budget", [None, 20])
+def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
+    """Trees selected on the device and left there (no read-back per expansion); with the fused launch
+    the next catch-up, expansion and trees go to the device before the verify's sync (acceptance
+    computed there: accept_trees), and with early_verify the verify after them is launched before the
+    commit. A stop token ends a request mid-cycle, an arrival changes a launched plan and a token
+    budget cuts trees: outputs and every accepted count stay those of the static trees without
+    either, and of plain decoding."""
+    model, head = tiny
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    stop_tok = next(t for t in free[2][8:] if all(t not in f for j, f in enumerate(free) if j != 2))
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok])
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    runs = []
+    for fused, early in ((False, False), (True, False), (True, True)):
+        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_policy="static", max_num_seqs=8, **TREE,
+                  **({} if budget is None else {"max_num_batched_tokens": budget}))
+        dr = llm.engine.drafter
+        dr.enable_static_draft(attention="torch", fused_launch=fused)
+        assert (dr.tree_launch is not None) == fused
+        dr.controller.early_verify = early
+        eng, outs, n = llm.engine, {}, 0
+        for i, p in enumerate(PROMPTS[:3]):
+            eng.add_request(str(i), p, sp)
+        while eng.has_unfinished_requests():
+            n += 1
+            if n == 10:
+                eng.add_request("3", PROMPTS[3], sp)
+            if n == 40:
+                eng.add_request("4", PROMPTS[4], sp)
+            for o in eng.step():
+                outs[o.request_id] = o.outputs[0].token_ids
+        st = eng.stats
+        runs.append(([outs[str(i)] for i in range(len(PROMPTS))], st.spec_draft_tokens, st.spec_accepted_tokens,
+                     dict(dr.path_counts)))
+        assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    (o0, d0, a0, p0), (o1, d1, a1, p1), (o2, d2, a2, p2) = runs
+    assert o0 == o1 == o2 == ref
+    assert (d0, a0) == (d1, a1) == (d2, a2) and a0 > 0
+    assert "fused" not in p0 and p1["fused_launch:eager"] > 5 and p1["fused"] == p1["fused_launch:eager"]
+    assert "early_verify" not in p1 and p2["early_verify"] > p2["fused"] / 3
+    if budget is None:  # (under the budget no step of three requests fuses: the arrivals find none in flight)
+        assert p2.get("early_verify:discarded", 0) > 0

@@ -50,11 +50,13 @@ from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.bandit import batch_key
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
-from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, FusedLaunchRunner, TorchDecodeAttention
-from specserve.spec.tree import (Candidate, TreeVerifyResult, select_tree, tree_is_final, verify_tree_greedy,
+from specserve.spec.draft_graph import (FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner,
+                                        TorchDecodeAttention)
+from specserve.spec.tree import (Candidate, DraftTree, TreeVerifyResult, select_tree, tree_fields, tree_is_final,
+                                 verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
-from specserve.spec.tree_graph import TreeDraftRunner
+from specserve.spec.tree_graph import FusedTreeLaunch, TreeDraftRunner
 from specserve.spec.verify import verify_chains_sampled, verify_greedy
 
 if TYPE_CHECKING:
@@ -105,6 +107,9 @@ class DraftState:
     # (drafts [B, K], row) when the static chain loop left this request's drafts on the device: its
     # draft_token_ids then hold PENDING until the verify that reads them (see EagleSpeculator._fill_drafts)
     device_drafts: tuple[torch.Tensor, int] | None = None
+    # (packed trees [B, tree_width], row) when the tree expansion selected this request's tree on the
+    # device (spec.tree.select_trees): its draft_tree is then a placeholder until the verify's sync
+    device_tree: tuple[torch.Tensor, int] | None = None
 
 
 # a draft token whose value is still on the device (draft_token_ids keep the count on the host)
@@ -123,7 +128,8 @@ class EarlyVerify:
     logits: torch.Tensor
     argmax: torch.Tensor
     draft_rows: torch.Tensor  # input rows holding drafts, in request order
-    toks: torch.Tensor  # the drafts it read (the fused launch's)
+    toks: torch.Tensor  # the drafts it read (the fused launch's: chains [B, K], or packed trees)
+    tree_extra: torch.Tensor | None = None  # trees: their parents and depths, read back with the picks
 
 
 # finished requests' catch-up (Drafter._catch_up_finished): memory per step of the tokens it weighs,
@@ -402,6 +408,7 @@ class EagleSpeculator:
         self.tree_runner: TreeDraftRunner | None = None
         self.catch_up_runner: CatchUpRunner | None = None
         self.fused_launch: FusedLaunchRunner | None = None
+        self.tree_launch: FusedTreeLaunch | None = None
         # draft-side calls per path ("catch_up:graph", "chain:eager", ...): benchmarks check for fallbacks
         self.path_counts: Counter[str] = Counter()
         e = self.engine
@@ -412,12 +419,14 @@ class EagleSpeculator:
     def enable_static_draft(self, graphs: bool = False, attention: str = "auto", fused_launch: bool | None = None) -> None:
         """attention: "triton" (Triton decode attention for the loop, a Triton backend for the
         catch-up; on the CPU only under TRITON_INTERPRET=1, as tests do), "torch", or "auto"
-        (triton on CUDA with the triton backend, else torch). fused_launch (triton only): the fused
-        launch of small steps as one graph (FusedLaunchRunner; its body eagerly without graphs). Default:
-        with graphs (one request on the H200: 1.79x no-spec with it, 1.54x without, session 29)."""
+        (triton on CUDA with the triton backend, else torch). fused_launch: the fused launch of small
+        steps as one graph (chains: FusedLaunchRunner, triton only; trees: FusedTreeLaunch; their
+        bodies eagerly without graphs). Default: with graphs (one request on the H200: 1.79x no-spec
+        with it, 1.54x without, session 29)."""
         e = self.engine
         self.catch_up_runner = None  # (re)built below over the new loop's h0
         self.fused_launch = None
+        self.tree_launch = None
         bs, hc, dev = e.config.block_size, self.head.config, self.device
         max_batch = e.config.max_num_seqs
         max_blocks = -(-e.max_model_len // bs)
@@ -440,15 +449,18 @@ class EagleSpeculator:
                                              max_batch, self.max_k, dev, e.dtype)
         # trees expand over the same h0 and tables
         self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens, caches, tables, bs, self.chain_runner.h0,
-                                           max_batch, self.topk, self.cfg.num_steps, dev) if self.topk > 1 else None
+                                           max_batch, self.topk, self.cfg.num_steps, dev,
+                                           num_nodes=self.max_k + 1) if self.topk > 1 else None
+        if fused_launch is None:
+            fused_launch = graphs
+        if fused_launch and self.tree_runner is not None:
+            self.tree_launch = self._tree_launch(triton)
         if triton:
             cu_attn = TritonBackend(caches, bs, scale, num_heads=hc.num_attention_heads,
                                     max_num_tokens=e.config.max_num_batched_tokens, max_num_seqs=max_batch,
                                     max_blocks_per_seq=max_blocks, scratch_slot=self.scratch_slot)
             # after a verify a request catches up over its accepted drafts + 1; after a stretch of
             # plain decoding over every step of it, in chunks of up to a step's budget: both replay
-            if fused_launch is None:
-                fused_launch = graphs
             cu_sizes = capture_sizes(max(e.config.graph_token_limit, min(e.config.max_num_batched_tokens,
                                                                           max_batch * (self.max_k + 1)))) \
                 if graphs or fused_launch else []
@@ -470,10 +482,28 @@ class EagleSpeculator:
             log.info("draft CUDA graphs: catch-up %d (token counts %s) and %s in %.2fs using %.1f MiB of GPU memory",
                      a.graphs, ",".join(map(str, self.catch_up_runner.sizes)), what, a.seconds + b.seconds,
                      (a.bytes + b.bytes) / 2**20)
-            if self.fused_launch is not None:
-                c = self.fused_launch.capture(pool)
+            fl = self.fused_launch or self.tree_launch
+            if fl is not None:
+                c = fl.capture(pool)
                 log.info("fused launch CUDA graphs: %d (batch <= %d) in %.2fs using %.1f MiB of GPU memory",
-                         c.graphs, self.fused_launch.batch_sizes[-1], c.seconds, c.bytes / 2**20)
+                         c.graphs, fl.batch_sizes[-1], c.seconds, c.bytes / 2**20)
+
+    def _tree_launch(self, triton: bool) -> FusedTreeLaunch:
+        """The tree's fused launch over the expansion's buffers, its catch-up attending row by row."""
+        tr = self.tree_runner
+        assert tr is not None
+        hc, bs = self.head.config, self.engine.config.block_size
+        Bm = min(FUSED_MAX_BATCH, tr.batch_sizes[-1])
+        rows = Bm * (min(tr.depth, tr.num_nodes - 1) + 1)
+        row_tables = torch.zeros(rows, tr.block_tables.shape[1], dtype=torch.long, device=self.device)
+        caches, scale = self.attn.kv_caches, hc.head_dim**-0.5
+        if triton:
+            from specserve.attention.triton_backend import TritonDecodeAttention
+
+            attn: Any = TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads, block_tables=row_tables)
+        else:
+            attn = TorchDecodeAttention(caches, bs, scale, row_tables)
+        return FusedTreeLaunch(tr, attn, row_tables, self.scratch_slot, hc.feature_size, self.engine.dtype, Bm)
 
     @property
     def graph_memory_bytes(self) -> int:
@@ -481,6 +511,7 @@ class EagleSpeculator:
         n = self.catch_up_runner.stats.bytes if self.catch_up_runner else 0
         n += self.tree_runner.stats.bytes if self.tree_runner else 0
         n += self.fused_launch.stats.bytes if self.fused_launch else 0
+        n += self.tree_launch.stats.bytes if self.tree_launch else 0
         return n + (self.chain_runner.stats.bytes if self.chain_runner else 0)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -555,12 +586,13 @@ class EagleSpeculator:
                 self.path_counts["early_verify:discarded"] += 1
                 early = None
         drafted = any(s.draft_token_ids for s in plan.scheduled)
+        tree_extra = None
         if early is not None:  # this step's forward was launched with the last step's sync
             inputs, out = early.inputs, early.out
-            pending, pending_rows = list(plan.scheduled), early.draft_rows
+            pending, pending_rows, tree_extra = list(plan.scheduled), early.draft_rows, early.tree_extra
         else:
             inputs = self.runner.prepare(plan)
-            pending, pending_rows = self._fill_drafts(plan, inputs) if drafted else ([], None)
+            pending, pending_rows, tree_extra = self._fill_drafts(plan, inputs) if drafted else ([], None, None)
             out = self.runner.forward(inputs)
         # launched: on a GPU the last cycle's bookkeeping runs while the device computes (a CPU forward
         # has returned by now, and it costs what it would have anyway)
@@ -600,7 +632,10 @@ class EagleSpeculator:
         fused = None
         if logits is not None:
             argmax = early.argmax if early is not None else logits.argmax(-1)
-            back = torch.cat((argmax, inputs.input_ids.index_select(0, pending_rows))) if pending else argmax
+            back = argmax
+            if pending:  # (and the structure of trees selected on the device)
+                back = torch.cat([argmax, inputs.input_ids.index_select(0, pending_rows)]
+                                 + ([] if tree_extra is None else [tree_extra]))
             fused = self._fused_targets(plan) if sb_all is None else None
             if fused:  # the next cycle's catch-up and drafts go to the device before the host waits
                 vals = self._read_back_around(back, lambda: self._launch_fused(fused, inputs, argmax, feats))
@@ -653,36 +688,88 @@ class EagleSpeculator:
         self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
 
-    def _fill_drafts(self, plan: StepPlan, inputs) -> tuple[list, torch.Tensor | None]:
+    def _fill_drafts(self, plan: StepPlan, inputs) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
         """Write drafts still on the device (PENDING on the host) into the step's input ids, device to
         device: the draft loop then needs no host sync of its own, and the host prepares this step
-        while the device drafts. Returns the requests filled and their input rows (the verify's sync
-        brings the values back)."""
+        while the device drafts. Trees selected on the device also bring their RoPE positions and
+        attention masks (prepare() planned placeholders of the same shape). Returns the requests
+        filled, their input rows, and their trees' parents and depths (the verify's sync brings the
+        values back: _resolve_drafts)."""
         groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         pending = []
         spans = iter(inputs.sample_spans)
         states = self.states
-        for s in plan.scheduled:
+        tree_src: list[tuple[torch.Tensor, int, int, int, int]] = []  # (trees, row, first input row, nodes, b)
+        for b, s in enumerate(plan.scheduled):
             if not s.samples:
                 continue
             a, n = next(spans)
             d = s.draft_token_ids
             if not d or d[0] != PENDING:
                 continue
-            toks, row = states[s.req.request_id].device_drafts  # type: ignore[misc]
+            st = states[s.req.request_id]
+            if st.device_tree is not None:
+                trees, row = st.device_tree
+                tree_src.append((trees, row, a, n, b))
+                pending.append(s)
+                continue
+            toks, row = st.device_drafts  # type: ignore[misc]
             K = toks.shape[1]
             _, src, dst = groups.setdefault(id(toks), (toks, [], []))
             src.extend(range(row * K, row * K + n - 1))  # (the scheduler may have cut the drafts short)
             dst.extend(range(a + 1, a + n))
             pending.append(s)
         if not pending:
-            return pending, None
+            return pending, None, None
         rows = []
         for toks, src, dst in groups.values():
             idx = host_to_device(dst + src, self.device)
             rows.append(idx[: len(dst)])
             inputs.input_ids.index_copy_(0, rows[-1], toks.view(-1).index_select(0, idx[len(dst):]))
-        return pending, rows[0] if len(rows) == 1 else torch.cat(rows)
+        extra = None
+        if tree_src:
+            roots = [s.req.num_computed_tokens + s.num_new_tokens - 1 for s in pending
+                     if states[s.req.request_id].device_tree is not None]  # each root's position
+            tree_rows, extra = self._fill_trees(tree_src, inputs, roots)
+            rows.append(tree_rows)
+        return pending, rows[0] if len(rows) == 1 else torch.cat(rows), extra
+
+    def _fill_trees(self, src: list[tuple[torch.Tensor, int, int, int, int]], inputs,
+                    roots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device trees into a step's inputs: for each (packed trees, row, first input row, nodes n,
+        request index in the step) the drafts' ids, the nodes' positions (root's + depth) and the
+        tree mask. Returns the drafts' input rows and the trees' parents and depths of nodes 1..n-1
+        (a gather to read back with the picks)."""
+        N = self.max_k + 1
+        W = src[0][0].shape[1]
+        dst_ids: list[int] = []
+        src_ids: list[int] = []
+        dst_pos: list[int] = []
+        src_pos: list[int] = []
+        offs: list[int] = []
+        src_extra: list[int] = []
+        same = all(t is src[0][0] for t, *_ in src)
+        flat = src[0][0] if same else torch.cat([t for t, *_ in src])
+        base = 0
+        for (trees, row, a, n, b), nc in zip(src, roots):
+            r0 = (base if not same else 0) + row
+            if not same:
+                base += trees.shape[0]
+            dst_ids.extend(range(a + 1, a + n))
+            src_ids.extend(range(r0 * W + 1, r0 * W + n))
+            dst_pos.extend(range(a, a + n))
+            src_pos.extend(range(r0 * W + 2 * N, r0 * W + 2 * N + n))
+            offs.extend([nc] * n)
+            src_extra.extend(range(r0 * W + N + 1, r0 * W + N + n))  # parents of nodes 1..n-1
+            src_extra.extend(range(r0 * W + 2 * N + 1, r0 * W + 2 * N + n))  # their depths
+            inputs.meta.tree_masks[b] = flat[r0, 3 * N :].view(N, N)[:n, :n] != 0
+        k1, k2, k3 = len(dst_ids), 2 * len(dst_ids), 2 * len(dst_ids) + len(dst_pos)
+        k4, k5 = k3 + len(dst_pos), k3 + 2 * len(dst_pos)
+        idx = host_to_device(dst_ids + src_ids + dst_pos + src_pos + offs + src_extra, self.device)
+        vals = flat.view(-1)
+        inputs.input_ids.index_copy_(0, idx[:k1], vals.index_select(0, idx[k1:k2]))
+        inputs.positions.index_copy_(0, idx[k2:k3], vals.index_select(0, idx[k3:k4]) + idx[k4:k5])
+        return idx[:k1], vals.index_select(0, idx[k5:])
 
     # -- the next cycle's drafts launched before the verify's sync ----------------------------------
     def _early_ks(self, found: list[tuple[Request, int]]) -> list[int]:
@@ -738,20 +825,27 @@ class EagleSpeculator:
         the static loop can draft it; None otherwise. Their catch-up (over every verified row: which
         rows hold accepted tokens is computed on the device) and next chain are then launched before
         the verify's host sync, and run on the device while the host commits this step."""
-        if self.chain_runner is None or self.topk > 1:
+        tree = self.topk > 1
+        if self.chain_runner is None or (tree and (self.tree_launch is None or
+                                                   len(plan.scheduled) > self.tree_launch.batch_sizes[-1])):
             return None
         found = []
+        snapshot = None
         for s in plan.scheduled:
             r, k = s.req, len(s.draft_token_ids)
-            if not (k and s.samples and s.num_new_tokens == 1 and s.tree is None and r.params.greedy
+            if not (k and s.samples and s.num_new_tokens == 1 and (s.tree is not None) == tree and r.params.greedy
                     and r.params.logprobs is None and not r.no_draft_kv):
                 return None
             st = self.states.get(r.request_id)
             if st is None or st.draft_pos != r.num_computed_tokens:
                 return None
+            if tree:  # whole trees selected on the device, by one launch
+                if k != self.max_k or st.device_tree is None or (snapshot is not None and st.device_tree[0] is not snapshot):
+                    return None
+                snapshot = st.device_tree[0]
             found.append((r, k))
         ks = self._early_ks(found)
-        if not ks or not all(ks):
+        if not ks or not all(ks) or (tree and not all(k == self.max_k for k in ks)):
             return None
         out = [(r, k, kk) for (r, k), kk in zip(found, ks)]
         sched = self.engine.scheduler
@@ -771,7 +865,10 @@ class EagleSpeculator:
         k_list = [k for _, k, _ in targets]
         nk = [kk for _, _, kk in targets]
         B, K, T = len(reqs), max(k_list), sum(k_list) + len(reqs)
-        assert argmax.shape[0] == T == inputs.input_ids.shape[0], "a fused step verifies chains only"
+        assert argmax.shape[0] == T == inputs.input_ids.shape[0], "a fused step verifies drafts only"
+        if self.topk > 1:
+            self._launch_fused_trees(reqs, argmax, feats[:T])
+            return
         fl = self.fused_launch
         key = fl.key(T, B, K, max(nk)) if fl is not None and self.controller.fused_launch_graph else None
         if key is not None:  # what follows, as one graph (FusedLaunchRunner)
@@ -823,6 +920,22 @@ class EagleSpeculator:
                                            device_base=base_d + accepted)
         self._adopt_launched(reqs, nk, toks, path)
 
+    def _launch_fused_trees(self, reqs: list[Request], argmax: torch.Tensor, feats: torch.Tensor) -> None:
+        """FusedTreeLaunch from the verify's picks: acceptance, catch-up, the next expansion and trees."""
+        tl = self.tree_launch
+        assert tl is not None
+        computed = [r.num_computed_tokens for r in reqs]
+        key = tl.key(len(reqs), max(computed))
+        assert key is not None  # (_fused_targets checked the batch)
+        trees, _ = self.states[reqs[0].request_id].device_tree  # type: ignore[misc]
+        rows = host_to_device([self.states[r.request_id].device_tree[1] for r in reqs], self.device)  # type: ignore[index]
+        tl.write(key, computed, [r.kv.block_table for r in reqs])
+        path = tl.run(key, argmax, feats, trees, rows)
+        self.path_counts[f"fused_launch:{path}"] += 1  # (the expansion inside it)
+        self.path_counts["fused"] += 1
+        self._fused = {r.request_id: (i, self.max_k) for i, r in enumerate(reqs)}
+        self._fused_toks = tl.tree.trees[: len(reqs)].clone()
+
     def _adopt_launched(self, reqs: list[Request], nk: list[int], toks: torch.Tensor, chain_path: str) -> None:
         """What a fused launch leaves for draft_step: each request's row and k, and a copy of the drafts."""
         self.path_counts[f"chain:{chain_path}"] += 1
@@ -844,10 +957,12 @@ class EagleSpeculator:
             return
         toks = self._fused_toks
         assert toks is not None
+        tree = self.topk > 1
         K, bs = toks.shape[1], self.engine.config.block_size
         lists = StepLists(bs)
         src: list[int] = []  # the drafts' places in toks, and their input rows
         dst: list[int] = []
+        tree_src: list[tuple[torch.Tensor, int, int, int, int]] = []
         plan, blocks = [], []
         for i, ((r, _, kk), res) in enumerate(zip(targets, results)):
             p = r.params
@@ -857,21 +972,27 @@ class EagleSpeculator:
             bt = r.kv.block_table
             # (the drafts: filled on the device below)
             a = lists.add([res.tokens[-1]] + [0] * kk, start, bt, sample_rows=kk + 1)
+            tree_src.append((toks, i, a, kk + 1, i))
             src.extend(range(i * K, i * K + kk))
             dst.extend(range(a + 1, a + kk + 1))
             plan.append((r.request_id, start, res.tokens[-1], kk))
             blocks.append(bt[start // bs : (start + kk) // bs + 1])
         inputs = self.runner.upload(lists)
-        idx = host_to_device(dst + src, self.device)
-        rows = idx[: len(dst)]
-        inputs.input_ids.index_copy_(0, rows, toks.view(-1).index_select(0, idx[len(dst):]))
+        extra = None
+        if tree:  # ids, positions and masks of the trees the fused launch selected
+            inputs.meta.tree_masks = {}
+            rows, extra = self._fill_trees(tree_src, inputs, [start for _, start, _, _ in plan])
+        else:
+            idx = host_to_device(dst + src, self.device)
+            rows = idx[: len(dst)]
+            inputs.input_ids.index_copy_(0, rows, toks.view(-1).index_select(0, idx[len(dst):]))
         out = self.runner.forward(inputs)
         hidden = out[0] if isinstance(out, tuple) else out
         logits = self.target.compute_logits(hidden)
         reqs = [r for r, _, _ in targets]
         for r, (_, start, _, kk) in zip(reqs, plan):
             r.kv_hold_tokens = start + kk + 1  # commit would free the blocks past what it commits
-        self._early = EarlyVerify(plan, blocks, reqs, inputs, out, logits, logits.argmax(-1), rows, toks)
+        self._early = EarlyVerify(plan, blocks, reqs, inputs, out, logits, logits.argmax(-1), rows, toks, extra)
 
     def _early_matches(self, early: EarlyVerify, plan: StepPlan) -> bool:
         """Whether ``plan`` verifies what ``early`` launched: the same requests in the same order, each
@@ -882,11 +1003,12 @@ class EagleSpeculator:
         for i, (s, (rid, start, first, kk), blocks) in enumerate(zip(plan.scheduled, early.plan, early.blocks)):
             r = s.req
             if (r.request_id != rid or r.num_computed_tokens != start or s.num_new_tokens != 1 or not s.samples
-                    or s.tree is not None or len(s.draft_token_ids) != kk or r.all_token_ids[start] != first
+                    or (s.tree is not None) != (self.topk > 1) or len(s.draft_token_ids) != kk
+                    or r.all_token_ids[start] != first
                     or r.kv.block_table[start // bs : (start + kk) // bs + 1] != blocks):
                 return False
             st = self.states.get(rid)
-            dd = st.device_drafts if st is not None else None
+            dd = None if st is None else st.device_tree if self.topk > 1 else st.device_drafts
             if s.draft_token_ids[0] != PENDING or dd is None or dd[0] is not early.toks or dd[1] != i:
                 return False
         return True
@@ -926,7 +1048,11 @@ class EagleSpeculator:
             adopted.append((r, k))
             rows.append(row)
         if adopted:
-            self._pend(adopted, self._fused_toks, rows)
+            assert self._fused_toks is not None
+            if self.topk > 1:
+                self._pend_trees(adopted, self._fused_toks, rows)
+            else:
+                self._pend(adopted, self._fused_toks, rows)
         return rest
 
     def _pend(self, todo: list[tuple[Request, int]], toks: torch.Tensor, rows: list[int]) -> None:
@@ -938,15 +1064,37 @@ class EagleSpeculator:
             st.draft_probs = None
             st.device_drafts = (toks, i)
 
+    def _pend_trees(self, todo: list[tuple[Request, int]], trees: torch.Tensor, rows: list[int]) -> None:
+        """Trees left on the device: row ``rows[i]`` of packed ``trees`` for request i. On the host its
+        drafts are PENDING and its tree a chain-shaped placeholder of as many nodes (prepare() plans
+        with it; _fill_drafts writes the real positions and mask; the verify's sync brings the rest)."""
+        for (r, k), i in zip(todo, rows):
+            r.draft_token_ids = [PENDING] * k
+            r.draft_tree = DraftTree([r.all_token_ids[-1]] + [PENDING] * k, list(range(-1, k)), list(range(k + 1)))
+            st = self.states[r.request_id]
+            st.draft_probs = None
+            st.device_drafts = None
+            st.device_tree = (trees, i)
+
     def _resolve_drafts(self, pending: list, values: list[int]) -> None:
-        """The host values of the drafts _fill_drafts wrote, in its order."""
+        """The host values of the drafts _fill_drafts wrote, in its order (chains' and trees' drafts by
+        input row, then each device tree's parents and depths)."""
+        chains = [s for s in pending if self.states[s.req.request_id].device_tree is None]
+        trees = [s for s in pending if self.states[s.req.request_id].device_tree is not None]
         off = 0
-        for s in pending:
+        for s in chains + trees:  # (the input rows' order)
             n = len(s.draft_token_ids)
             s.draft_token_ids = values[off : off + n]
             s.req.draft_token_ids = s.draft_token_ids
             self.states[s.req.request_id].device_drafts = None
             off += n
+        for s in trees:
+            n = len(s.draft_token_ids)
+            parents, depths = values[off : off + n], values[off + n : off + 2 * n]
+            off += 2 * n
+            s.tree = s.req.draft_tree = DraftTree([s.req.all_token_ids[-1]] + s.draft_token_ids, [-1] + parents,
+                                                  [0] + depths)
+            self.states[s.req.request_id].device_tree = None
 
     def _verify_all(self, sampling, logits, greedy_argmax: list[int], sb_all) -> list[TreeVerifyResult]:
         """Per sampling request: accepted node path, tokens to commit. Sampled chains go in one batch."""
@@ -1376,13 +1524,15 @@ class EagleSpeculator:
         self._pend(todo, toks.clone(), list(range(len(todo))))
 
     def _draft_tree_static(self, todo: list[tuple[Request, int]]) -> None:
-        """The tree expansion on static buffers (a CUDA graph per padded batch on the GPU), then each
-        request's tree from its candidates on the host (the head's output is already in ``h0``)."""
+        """The tree expansion and each request's tree (select_trees) on static buffers, a CUDA graph per
+        padded batch and width on the GPU (the head's output is already in ``h0``)."""
         assert self.tree_runner is not None
         reqs = [r for r, _ in todo]
-        cands, path = self.tree_runner.run([r.num_tokens - 1 for r in reqs], [r.kv.block_table for r in reqs])
+        path = self.tree_runner.run_device([r.num_tokens - 1 for r in reqs], [r.kv.block_table for r in reqs],
+                                           [k for _, k in todo])
         self.path_counts[f"tree:{path}"] += 1
-        self._set_trees(todo, cands)
+        # no host sync: the trees stay on the device until the next verify reads them (_fill_drafts)
+        self._pend_trees(todo, self.tree_runner.trees[: len(reqs)].clone(), list(range(len(reqs))))
 
     def _draft_chain(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
         reqs = [r for r, _ in todo]

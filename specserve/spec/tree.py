@@ -138,3 +138,83 @@ def verify_tree_sampled(tree: DraftTree, probs: torch.Tensor, gen: torch.Generat
             return TreeVerifyResult(path, [tree.tokens[i] for i in path] + [tok], len(path))
         path.append(accepted)
         node = accepted
+
+
+# -- the same on the device: trees as tensors, no host sync (the tree's graphed cycle) -------------
+#
+# A batch of trees of ``num_nodes`` tokens each (the root and num_nodes - 1 drafts) is one long tensor
+# [B, tree_width(num_nodes)]: per request its node tokens, parents (node indices; the root's own index,
+# 0, so gathers need no special case), depths, and its attention mask (row i, column j: 1 iff j is i
+# or an ancestor of i), flattened.
+
+
+def tree_width(num_nodes: int) -> int:
+    return 3 * num_nodes + num_nodes * num_nodes
+
+
+def tree_fields(packed: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, parents, depths [B, N] each, mask [B, N, N]) views of packed trees [B, tree_width(N)]."""
+    N, B = num_nodes, packed.shape[0]
+    return (packed[:, :N], packed[:, N : 2 * N], packed[:, 2 * N : 3 * N],
+            packed[:, 3 * N :].view(B, N, N))
+
+
+def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: torch.Tensor,
+                 cand_depth: torch.Tensor, num_nodes: int, max_depth: int, out: torch.Tensor,
+                 sizes: torch.Tensor | None = None) -> None:
+    """``select_tree`` for every row at once: candidates [B, C] (token, score, parent candidate or -1)
+    of depths ``cand_depth`` [C] (non-decreasing: the expansion's order) into packed trees ``out``
+    [B, tree_width(num_nodes)] (roots' tokens 0: the caller knows them). Same trees as the host:
+    its order (-score, depth, index) is a stable sort by score, the depths rising with the index;
+    a parent scores at least its child and comes first, so the best num_nodes - 1 are closed under
+    parents; nodes then go in (depth, rank) order. ``sizes`` [B]: drafts per request where fewer than
+    num_nodes - 1 (its best ``sizes[b]`` come first; the nodes after them are left over)."""
+    B, C = cand_score.shape
+    M = num_nodes - 1
+    if M > C:
+        raise ValueError(f"a tree of {num_nodes} tokens from {C} candidates")
+    dev = cand_score.device
+    best = torch.sort(cand_score, dim=1, descending=True, stable=True).indices[:, :M]  # [B, M]
+    rank = torch.arange(M, device=dev)
+    key = cand_depth[best] * M + rank
+    if sizes is not None:
+        key = torch.where(rank[None, :] < sizes[:, None], key, (max_depth + 1) * M + rank)
+    order = key.argsort(dim=1)
+    nodes = best.gather(1, order)  # candidate index of node 1 .. M
+    cpar = cand_parent.gather(1, nodes)
+    index = torch.zeros(B, C, dtype=torch.long, device=dev)
+    index.scatter_(1, nodes, (rank + 1).expand(B, M))  # candidate -> node index
+    parents = torch.where(cpar < 0, 0, index.gather(1, cpar.clamp(min=0)))
+    zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    tok, par, dep, mask = tree_fields(out[:B], num_nodes)
+    tok.copy_(torch.cat([zero, cand_tok.gather(1, nodes)], 1))
+    par.copy_(torch.cat([zero, parents], 1))
+    dep.copy_(torch.cat([zero, cand_depth[nodes]], 1))
+    eye = torch.eye(num_nodes, dtype=torch.bool, device=dev)
+    anc = eye.expand(B, -1, -1)
+    rows = par[:, :, None].expand(-1, -1, num_nodes)
+    for _ in range(max_depth):  # row i = itself | its parent's row: exact after max_depth rounds
+        anc = eye | anc.gather(1, rows)
+    mask.copy_(anc)
+
+
+def accept_trees(tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, picks: torch.Tensor,
+                 max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``verify_tree_greedy`` for every row at once: trees (tokens, parents, depths [B, N]) and the
+    target's pick at each node [B, N]. Returns each request's accepted count [B], the accepted node
+    at each depth [B, max_depth + 2] (column 0 the root; columns past the count hold 0, but the
+    last, which collects the rest) and the bonus token [B] (the pick at the deepest accepted node)."""
+    B, N = tok.shape
+    dev = tok.device
+    is_root = torch.arange(N, device=dev) == 0
+    match = (tok == picks.gather(1, par)) | is_root  # a node's token is what the target picks at its parent
+    acc = match
+    for _ in range(max_depth):  # accepted: it and every ancestor match (siblings differ: one per depth)
+        acc = match & acc.gather(1, par)
+    # (a valid tree has at most max_depth; the clamp keeps a padding row's zeros in bounds)
+    accepted = (acc.long().sum(1) - 1).clamp(max=max_depth)
+    # node index of the accepted node at each depth (the rest land in a spare last column)
+    path = torch.zeros(B, max_depth + 2, dtype=torch.long, device=dev)
+    path.scatter_(1, torch.where(acc, dep, max_depth + 1), torch.arange(N, device=dev).expand(B, N))
+    last = path.gather(1, accepted[:, None])
+    return accepted, path, picks.gather(1, last)[:, 0]
