@@ -1,0 +1,90 @@
+"""Device time of each CUDA graph a one-request speculative cycle replays (the H200's C = 1 path),
+against the engine's wall time per cycle: which part of a cycle the device spends where, and how
+much of the cycle is host time.
+
+For each configuration: an engine (static policy, bf16, one request) generates ``--output-len``
+tokens for one ShareGPT prompt (ignore_eos), then every graph the cycle used is replayed
+``--reps`` times between CUDA events with the static buffers as the last step left them: the
+target at the verify's token count, the fused launch (chains: FusedLaunchRunner; trees:
+FusedTreeLaunch), the expansion / chain loop alone.
+
+    python benchmarks/gpu_graph_parts.py --model /tmp/m.gguf --configs chain5,tree,tree8 --output-file out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from spec_single import CONFIGS, DEFAULT_HEAD  # noqa: E402
+
+from specserve import LLM, SamplingParams  # noqa: E402
+
+
+def device_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--head", default=str(DEFAULT_HEAD))
+    ap.add_argument("--configs", default="chain5,tree")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--output-file", default="benchmarks/results/gpu_graph_parts.json")
+    args = ap.parse_args(argv)
+    prompt = None
+    rows = {}
+    for name in args.configs.split(","):
+        spec = dict(CONFIGS[name])
+        llm = LLM(model=None if args.model == "default" else args.model, dtype="bfloat16", max_num_seqs=1,
+                  num_kv_blocks=1024, speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
+                  speculative_policy="static", **spec)
+        if prompt is None:
+            prompt = chat_prompt_ids(llm.tokenizer, 1, seed=0)[0]
+        sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate([prompt], sp)  # warm-up
+        e, dr = llm.engine, llm.engine.drafter
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], sp)
+        wall = time.perf_counter() - t0
+        n_tok = len(out[0].outputs[0].token_ids)
+        K = dr.max_k + 1
+        g = e.runner.graphs
+        row = {"tokens": n_tok, "wall_s": wall, "tok_s": n_tok / wall,
+               "target_ms": {n: device_ms(g.graphs[n], args.reps) for n in g.sizes if n <= max(32, K)},
+               "verify_tokens": K}
+        if dr.tree_launch is not None:
+            tl = dr.tree_launch
+            row["fused_tree_launch_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in tl.graphs.items() if k[0] == 1}
+            row["expansion_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in dr.tree_runner.graphs.items() if k[0] == 1}
+        if dr.fused_launch is not None:
+            fl = dr.fused_launch
+            row["fused_launch_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in fl.graphs.items()
+                                      if k[1] == 1 and k[2] == dr.max_k and k[3] == dr.max_k}
+            row["chain_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in dr.chain_runner.graphs.items() if k[0] == 1}
+        row["paths"] = dict(dr.path_counts)
+        rows[name] = row
+        print(name, {k: v for k, v in row.items() if k != "paths"}, flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    write_json(args.output_file, {"meta": run_metadata(), "configs": rows, "command": " ".join(sys.argv)})
+
+
+if __name__ == "__main__":
+    main()
