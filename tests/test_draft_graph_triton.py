@@ -164,3 +164,34 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
             assert paths["fused_launch:eager"] > 2 and paths["fused_launch:eager"] == paths["fused"]
         else:  # steps of three requests launch step by step; of two (once request 1 ends), as one body
             assert paths["fused"] > paths["fused_launch:eager"] > 0
+
+
+@pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; test_draft_graph's gpu tests replay its graphs")
+def test_tree_lanes_and_fused_tree_launch_triton_same_trees(tmp_path):
+    """The tree expansion with each frontier slot a query of the Triton decode attention over its lane,
+    and the tree's fused launch (FusedTreeLaunch) with the Triton row attention, pick the trees the
+    PyTorch decode attention picks, and give plain decoding's outputs."""
+    from test_draft_graph import PROMPTS, TREE, record_trees
+    from tiny_model import make_random_head, make_tiny_model
+
+    from specserve import LLM, SamplingParams
+
+    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
+    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], sp)]
+    runs = []
+    for attention in ("torch", "triton"):
+        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_policy="static", max_num_seqs=4, **TREE)
+        dr = llm.engine.drafter
+        dr.enable_static_draft(attention=attention, fused_launch=True)
+        log = record_trees(llm)
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp)]
+        st = llm.engine.stats
+        runs.append((out, log, st.spec_accepted_tokens, dict(dr.path_counts)))
+    (o0, l0, a0, p0), (o1, l1, a1, p1) = runs
+    assert o0 == o1 == ref
+    assert l0 == l1 and a0 == a1 > 0
+    assert p1["fused_launch:eager"] > 3 and p1["fused_launch:eager"] == p0["fused_launch:eager"]

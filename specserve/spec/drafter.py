@@ -56,7 +56,7 @@ from specserve.spec.tree import (Candidate, DraftTree, TreeVerifyResult, select_
                                  verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
-from specserve.spec.tree_graph import FusedTreeLaunch, TreeDraftRunner
+from specserve.spec.tree_graph import FusedTreeLaunch, TreeDraftRunner, lane_blocks
 from specserve.spec.verify import verify_chains_sampled, verify_greedy
 
 if TYPE_CHECKING:
@@ -182,8 +182,12 @@ class EagleSpeculator:
             self.target.set_aux_hidden_layers(hc.resolved_aux_layer_ids(mc.num_hidden_layers))
         else:
             self.head.bind_target(self.target.compute_logits)
-        # one block beyond the block manager's: draft steps past a request's k (and padding rows) write there
-        caches = allocate_kv_cache(self.head.num_kv_layers, engine.blocks.num_blocks + 1,
+        # one block beyond the block manager's: draft steps past a request's k (and padding rows) write
+        # there; then, for trees, each frontier slot's lane (tree_graph.TreeDraftRunner)
+        self.topk = cfg.eagle_topk
+        lanes = engine.config.max_num_seqs * self.topk * lane_blocks(engine.config.block_size, cfg.num_steps) \
+            if self.topk > 1 else 0
+        caches = allocate_kv_cache(self.head.num_kv_layers, engine.blocks.num_blocks + 1 + lanes,
                                    engine.config.block_size, hc.num_key_value_heads, hc.head_dim,
                                    engine.dtype, self.device)
         self.scratch_slot = engine.blocks.num_blocks * engine.config.block_size
@@ -196,7 +200,6 @@ class EagleSpeculator:
                                     dtype=engine.dtype, device=self.device)
         self.attn = TorchNativeBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
-        self.topk = cfg.eagle_topk
         engine.blocks.require_draft_kv = True
         engine.scheduler.reuse_without_draft_kv = self._reuse_without_draft_kv
         self.states: dict[str, DraftState] = {}
@@ -447,10 +450,18 @@ class EagleSpeculator:
             dec = TorchDecodeAttention(caches, bs, scale, tables)
         self.chain_runner = ChainDraftRunner(self.head, self.target.embed_tokens, dec, tables, bs, self.scratch_slot,
                                              max_batch, self.max_k, dev, e.dtype)
-        # trees expand over the same h0 and tables
-        self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens, caches, tables, bs, self.chain_runner.h0,
-                                           max_batch, self.topk, self.cfg.num_steps, dev,
-                                           num_nodes=self.max_k + 1) if self.topk > 1 else None
+        # trees expand over the same h0 and tables, each frontier slot a query of a decode attention
+        self.tree_runner = None
+        if self.topk > 1:
+            row_tables = torch.zeros(max_batch * self.topk, max_blocks, dtype=torch.long, device=dev)
+            if triton:
+                tree_dec: Any = TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads,
+                                                      block_tables=row_tables)
+            else:
+                tree_dec = TorchDecodeAttention(caches, bs, scale, row_tables)
+            self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens, tree_dec, row_tables, tables, bs,
+                                               self.scratch_slot // bs + 1, self.chain_runner.h0, max_batch,
+                                               self.topk, self.cfg.num_steps, dev, num_nodes=self.max_k + 1)
         if fused_launch is None:
             fused_launch = graphs
         if fused_launch and self.tree_runner is not None:
@@ -925,7 +936,7 @@ class EagleSpeculator:
         tl = self.tree_launch
         assert tl is not None
         computed = [r.num_computed_tokens for r in reqs]
-        key = tl.key(len(reqs), max(computed))
+        key = tl.key(len(reqs))
         assert key is not None  # (_fused_targets checked the batch)
         trees, _ = self.states[reqs[0].request_id].device_tree  # type: ignore[misc]
         rows = host_to_device([self.states[r.request_id].device_tree[1] for r in reqs], self.device)  # type: ignore[index]

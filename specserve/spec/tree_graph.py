@@ -7,21 +7,23 @@ on the device from the numbers written once per engine step:
     h0[b]           the head's output at request b's last committed position (from the catch-up)
     base_pos[b]     the position of depth-2 nodes (= num_tokens - 1); depth d runs at base + d - 2,
                     and the request's committed draft KV is its first base_pos[b] positions
+    sizes[b]        how many drafts its tree holds
     block_tables[b] its block table (the draft KV shares the target's tables)
 
 Depth 1 takes the ``topk`` best tokens of h0's logits. Each later depth runs the head once over
 the frontier (``topk`` nodes per request, all at the same position), takes each node's ``topk``
 best children (topk^2 candidates) and keeps the ``topk`` best by cumulative log-probability as the
-next frontier. Every candidate is written out (token, score, parent); the host reads them in one
-transfer and picks each request's tree with ``select_tree``, the same selection the eager path
-makes (it may stop expanding early when deeper nodes can no longer enter; this path always runs
-every depth: fixed shapes are what a graph replays).
+next frontier. Every candidate is written out (token, score, parent), and each request's tree is
+selected from them on the device (``select_trees``: the host's ``select_tree``), so nothing is read
+back until the verify that uses it.
 
-Attention: a frontier node sees its request's committed draft KV (gathered from the paged cache
-once per expansion: the first ``width`` blocks of every block-table row, masked by base_pos, with
-``width`` the batch's longest prefix rounded up to a power of two: a graph per (padded batch,
-width)) and, among the tree nodes, itself and its ancestors. Tree
-nodes' K/V live in a dense buffer, never in the paged cache, so the expansion leaves nothing behind.
+Attention: a frontier node sees its request's committed draft KV and its own ancestors. Each
+frontier slot (b, k) has a lane: a few blocks of the draft KV cache past the engine's own, holding
+a copy of request b's partly filled last block and then the K/V of the slot's path (one position
+per depth). A frontier node is then one query of a decode attention (the chain loop's kernel, with
+the rotary and KV write fused) over a block table that is b's with the lane's blocks in place of
+the last ones. When the next frontier is chosen, each new slot's lane is copied from its parent's.
+The lanes are scratch: the expansion leaves nothing in the request's own blocks.
 """
 
 from __future__ import annotations
@@ -31,25 +33,14 @@ import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
-
 import torch
-import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, forward_context
 from specserve.engine.host_copy import host_buffer, host_to_device
+from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each
 from specserve.spec.tree import Candidate, accept_trees, select_trees, tree_fields, tree_width
-
-
-def width_buckets(max_blocks: int, smallest: int = 8) -> list[int]:
-    """Block-table widths the expansion's graphs gather: powers of two up to max_blocks, and max_blocks."""
-    sizes = []
-    w = smallest
-    while w < max_blocks:
-        sizes.append(w)
-        w *= 2
-    return sizes + [max_blocks]
 
 
 def candidate_depths(topk: int, depth: int) -> list[int]:
@@ -57,77 +48,33 @@ def candidate_depths(topk: int, depth: int) -> list[int]:
     return [1] * topk + [d for d in range(2, depth + 1) for _ in range(topk * topk)]
 
 
-class StaticTreeAttention(AttentionBackend):
-    """Attention of one depth's frontier: committed draft KV (paged) + ancestors and self (dense)."""
-
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float,
-                 max_batch: int, topk: int, depth: int) -> None:
-        super().__init__(kv_caches, block_size, scale)
-        self.topk = topk
-        nodes = max(depth - 1, 1) * topk  # tree queries over all depths >= 2
-        self.tree_k = [k.new_zeros(max_batch, nodes, *k.shape[-2:]) for k, _ in kv_caches]
-        self.tree_v = [v.new_zeros(max_batch, nodes, *v.shape[-2:]) for _, v in kv_caches]
-        self._prefix: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(kv_caches)
-        self._slots: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
-        self._at = 0
-
-    def plan(self, meta: Any) -> None:  # pragma: no cover - driven by begin()/set_depth()
-        raise NotImplementedError("StaticTreeAttention is driven by begin() and set_depth()")
-
-    def begin(self, block_tables: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
-        """Slots of every request's committed draft KV; returns the prefix validity [B, P]."""
-        B, W = block_tables.shape
-        bs = self.block_size
-        j = torch.arange(W * bs, device=block_tables.device)
-        slots = block_tables.gather(1, (j // bs)[None].expand(B, -1)) * bs + (j % bs)[None]
-        valid = j[None] < prefix_lens[:, None]
-        self._slots = torch.where(valid, slots, torch.zeros_like(slots))
-        self._prefix = [None] * len(self.kv_caches)  # gathered at each layer's first depth
-        return valid
-
-    def set_depth(self, index: int, mask: torch.Tensor) -> None:
-        """Depth ``index + 2``: its nodes go to tree columns [index * topk, (index + 1) * topk);
-        mask bool [B, topk, P + tree nodes]."""
-        self._at = index * self.topk
-        self._mask = mask[:, None]
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        assert self._slots is not None and self._mask is not None, "begin() and set_depth() first"
-        B, K = self._slots.shape[0], self.topk
-        h, d = q.shape[1], q.shape[2]
-        kvh = k.shape[1]
-        if self._prefix[layer] is None:
-            kc, vc = self.kv_caches[layer]
-            self._prefix[layer] = (kc.view(-1, kvh, d)[self._slots], vc.view(-1, kvh, d)[self._slots])
-        pk, pv = self._prefix[layer]
-        tk, tv = self.tree_k[layer][:B], self.tree_v[layer][:B]
-        tk[:, self._at : self._at + K] = k.view(B, K, kvh, d).to(tk.dtype)
-        tv[:, self._at : self._at + K] = v.view(B, K, kvh, d).to(tv.dtype)
-        qq = q.view(B, K, h, d).transpose(1, 2)
-        kk = torch.cat([pk, tk], 1).transpose(1, 2).to(qq.dtype)
-        vv = torch.cat([pv, tv], 1).transpose(1, 2).to(qq.dtype)
-        out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=self._mask, scale=self.scale,
-                                             enable_gqa=h != kvh)
-        return out.transpose(1, 2).reshape(B * K, h, d)
+def lane_blocks(block_size: int, depth: int) -> int:
+    """Blocks of one frontier slot's lane: the request's partly filled last block and depth - 1 positions."""
+    return (block_size - 1 + depth - 1) // block_size + 1
 
 
 class TreeDraftRunner:
     """The tree expansion over static buffers; ``capture()`` records it per padded batch."""
 
     def __init__(self, head: Eagle3DraftModel, embed: Callable[[torch.Tensor], torch.Tensor],
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_tables: torch.Tensor, block_size: int,
-                 h0: torch.Tensor, max_batch: int, topk: int, depth: int, device: torch.device,
-                 graph_max_batch: int = 32, num_nodes: int | None = None) -> None:
+                 attn: AttentionBackend, row_tables: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 first_lane_block: int, h0: torch.Tensor, max_batch: int, topk: int, depth: int,
+                 device: torch.device, graph_max_batch: int = 32, num_nodes: int | None = None) -> None:
         self.head = head
         self.embed = embed
+        self.attn = attn  # a decode attention over the draft KV whose block tables are row_tables
+        self.row_tables = row_tables  # [max_batch * topk, max_blocks]: each frontier slot's
         self.block_tables = block_tables  # [max_batch, max_blocks] long
+        self.block_size = block_size
         self.h0 = h0  # [max_batch, H]: the catch-up writes it
         self.max_batch = max_batch
         self.topk = topk
         self.depth = depth
         self.device = device
-        self.attn = StaticTreeAttention(kv_caches, block_size, head.config.head_dim**-0.5, max_batch, topk, depth)
+        nb = lane_blocks(block_size, depth)
+        # lane blocks of frontier slot r: first_lane_block + r * nb + [0, nb)
+        self.lanes = first_lane_block + torch.arange(max_batch * topk * nb, device=device).view(-1, nb)
+        self.kv_blocks = kv_slab(attn.kv_caches).unflatten(1, (-1, block_size))  # [2 x layers, blocks, bs, kvh, d]
         self.base_pos = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.depths = candidate_depths(topk, depth)
         n = len(self.depths)
@@ -139,27 +86,22 @@ class TreeDraftRunner:
         self.cand_depth = torch.tensor(self.depths, dtype=torch.long, device=device)
         self.sizes = torch.zeros(max_batch, dtype=torch.long, device=device)  # each request's drafts
         self.trees = torch.zeros(max_batch, tree_width(self.num_nodes), dtype=torch.long, device=device)
-        T = max(depth - 1, 1) * topk
-        # tree column block of each depth's nodes: a node sees itself there
-        eye = torch.eye(topk, dtype=torch.bool, device=device)
-        self._self_cols = [F.pad(eye, (i * topk, T - (i + 1) * topk)) for i in range(depth - 1)]
         self._first_parent = torch.full((topk,), -1, dtype=torch.long, device=device)
+        self._steps = torch.arange(max(depth - 1, 1), device=device)
         self.batch_sizes = batch_buckets(min(max_batch, graph_max_batch))
-        self.widths = width_buckets(block_tables.shape[1])
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
-    def _body(self, B: int, W: int) -> None:
-        """Expand rows [0, B) over the first W blocks of their tables and select each one's tree
-        (reads only static buffers; writes the cand_* buffers and ``trees``)."""
-        self._expand(B, W)
+    def _body(self, B: int) -> None:
+        """Expand rows [0, B) and select each one's tree (reads only static buffers; writes the
+        cand_* buffers and ``trees``)."""
+        self._expand(B)
         select_trees(self.cand_tok[:B], self.cand_score[:B], self.cand_parent[:B], self.cand_depth, self.num_nodes,
                      self.depth, self.trees, self.sizes[:B])
 
-    def _expand(self, B: int, W: int) -> None:
-        head, K, D = self.head, self.topk, self.depth
+    def _expand(self, B: int) -> None:
+        head, K, D, bs = self.head, self.topk, self.depth, self.block_size
         h = self.h0[:B]
-        base = self.base_pos[:B]
         score, tok = torch.log_softmax(head.compute_logits(h), -1).topk(K, dim=-1)  # [B, K]
         tok = head.draft_to_target(tok)
         self.cand_tok[:B, :K].copy_(tok)
@@ -167,42 +109,53 @@ class TreeDraftRunner:
         self.cand_parent[:B, :K].copy_(self._first_parent.expand(B, -1))
         if D < 2:
             return
-        prefix_valid = self.attn.begin(self.block_tables[:B, :W], base)
+        R = B * K
+        lanes = self.lanes[:R]
+        nb = lanes.shape[1]
+        bt = self.block_tables[:B]
+        base = self.base_pos[:B].repeat_interleave(K)  # [R]
+        first = base // bs  # the block that holds position base
+        # each slot's table: its request's, the lane's blocks from column `first` on
+        rel = torch.arange(bt.shape[1], device=self.device)[None, :] - first[:, None]
+        own = bt.repeat_interleave(K, dim=0)
+        self.row_tables[:R].copy_(torch.where((rel >= 0) & (rel < nb), lanes.gather(1, rel.clamp(0, nb - 1)), own))
+        # the committed part of block `first` into every lane (the rest of it is rewritten or unread)
+        src = own.gather(1, first.clamp(max=bt.shape[1] - 1)[:, None])[:, 0]
+        kvb = self.kv_blocks
+        kvb.index_copy_(1, lanes[:, 0], kvb.index_select(1, src))
+        # every depth's position, lane slot and key count ([D - 1, R])
+        pos = base[None, :] + self._steps[:, None]
+        slots = (lanes.gather(1, (pos // bs - first[None, :]).t()).t() * bs + pos % bs).contiguous()
+        seqs = (pos + 1).to(torch.int32)
         front_idx = torch.arange(K, device=self.device).expand(B, -1)  # candidate slot of each frontier node
-        front_h = h[:, None, :].expand(B, K, h.shape[-1]).reshape(B * K, -1)
+        front_h = h[:, None, :].expand(B, K, h.shape[-1]).reshape(R, -1)
         front_tok, front_score = tok, score
-        T = (D - 1) * K
-        anc = torch.zeros(B, K, T, dtype=torch.bool, device=self.device)  # tree ancestors of each frontier node
+        rows = torch.arange(B, device=self.device)[:, None] * K
         at = K
         for i in range(D - 1):  # depth i + 2
-            sees = anc | self._self_cols[i]
-            self.attn.set_depth(i, torch.cat([prefix_valid[:, None, :].expand(-1, K, -1), sees], 2))
-            pos = (base + i).repeat_interleave(K)
+            self.attn.set_step(slots[i], seqs[i])
             with forward_context(self.attn):
-                h_out = head(self.embed(front_tok.reshape(-1)), front_h, pos)
-            c_score, c_tok = torch.log_softmax(head.compute_logits(h_out), -1).topk(K, dim=-1)  # [B*K, K]
+                h_out = head(self.embed(front_tok.reshape(-1)), front_h, pos[i])
+            c_score, c_tok = torch.log_softmax(head.compute_logits(h_out), -1).topk(K, dim=-1)  # [R, K]
             c_score = (front_score.reshape(-1, 1) + c_score).reshape(B, K * K)
             c_tok = head.draft_to_target(c_tok).reshape(B, K * K)
             self.cand_tok[:B, at : at + K * K].copy_(c_tok)
             self.cand_score[:B, at : at + K * K].copy_(c_score)
             self.cand_parent[:B, at : at + K * K].copy_(front_idx.repeat_interleave(K, dim=1))
+            if i == D - 2:
+                break
             front_score, best = c_score.topk(K, dim=-1)  # next frontier [B, K]
-            parent = best // K  # which current node each new frontier node hangs under
+            parent = (rows + best // K).reshape(-1)  # the frontier slot each new node hangs under
             front_idx = at + best
-            anc = sees.gather(1, parent[:, :, None].expand(-1, -1, T))
-            front_h = h_out.view(B, K, -1).gather(1, parent[:, :, None].expand(-1, -1, h_out.shape[-1]))
-            front_h = front_h.reshape(B * K, -1)
+            front_h = h_out.index_select(0, parent)
             front_tok = c_tok.gather(1, best)
+            # each new slot's lane: its parent's path
+            kvb.index_copy_(1, lanes.reshape(-1), kvb.index_select(1, lanes.index_select(0, parent).reshape(-1)))
             at += K * K
 
     def padded_batch(self, B: int) -> int | None:
         i = bisect.bisect_left(self.batch_sizes, B)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
-
-    def width(self, base: list[int]) -> int:
-        """Blocks that hold the longest committed prefix, rounded up to a captured width."""
-        need = max(-(-max(base) // self.attn.block_size), 1)
-        return self.widths[bisect.bisect_left(self.widths, need)]
 
     def load(self, base: list[int], tables: list[list[int]], Bp: int, sizes: list[int] | None = None) -> None:
         B = len(base)
@@ -214,7 +167,7 @@ class TreeDraftRunner:
         buf = host_to_device(flat, self.device)
         self.base_pos[:Bp].copy_(buf[:Bp])
         self.sizes[:Bp].copy_(buf[Bp : 2 * Bp])
-        # columns past a row's own table keep stale block ids: their keys are masked by base_pos
+        # columns past a row's own table keep stale block ids: no key there is read (seq_lens)
         self.block_tables[:B, :width].copy_(buf[2 * Bp :].view(B, width))
 
     def run_device(self, base: list[int], tables: list[list[int]], sizes: list[int] | None = None) -> str:
@@ -223,14 +176,14 @@ class TreeDraftRunner:
         B = len(base)
         if B > self.max_batch:
             raise ValueError(f"tree batch {B} exceeds the expansion's {self.max_batch}")
-        Bp, W = self.padded_batch(B), self.width(base)
-        graph = self.graphs.get((Bp, W)) if Bp is not None else None
+        Bp = self.padded_batch(B)
+        graph = self.graphs.get((Bp,)) if Bp is not None else None
         if graph is not None:
             self.load(base, tables, Bp, sizes)
             graph.replay()
             return "graph"
         self.load(base, tables, B, sizes)
-        self._body(B, W)
+        self._body(B)
         return "eager"
 
     def run(self, base: list[int], tables: list[list[int]]) -> tuple[list[list[Candidate]], str]:
@@ -247,10 +200,10 @@ class TreeDraftRunner:
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
-        """One CUDA graph per padded batch (up to ``graph_max_batch``) and block-table width."""
+        """One CUDA graph per padded batch (up to ``graph_max_batch``)."""
         self.base_pos.zero_()
         self.block_tables.zero_()
-        keys = [(Bp, W) for Bp in reversed(self.batch_sizes) for W in reversed(self.widths)]
+        keys = [(Bp,) for Bp in reversed(self.batch_sizes)]
         self.graphs, self.stats = capture_each(keys, self._body, self.device, pool)
         return self.stats
 
@@ -258,7 +211,7 @@ class TreeDraftRunner:
 class FusedTreeLaunch:
     """The tree's fused launch: from a verify's picks, each request's accepted path (accept_trees),
     the head's catch-up over it, the next expansion and the next trees (select_trees), all on the
-    device and launched before the verify's host sync; one CUDA graph per (padded batch, width).
+    device and launched before the verify's host sync; one CUDA graph per padded batch.
 
     A request verified the whole tree (root + num_nodes - 1 drafts, rows b * N + i). The catch-up
     runs L = min(depth, N - 1) + 1 rows per request at positions nc .. nc + L - 1: row j pairs the
@@ -278,7 +231,7 @@ class FusedTreeLaunch:
         self.batch_sizes = [b for b in tree.batch_sizes if b <= max_batch]
         Bm = self.batch_sizes[-1]
         self.width = tree.block_tables.shape[1]
-        self.block_size = tree.attn.block_size
+        self.block_size = tree.block_size
         self.scratch_slot = scratch_slot
         dev = self.device
         self.picks = torch.zeros(Bm * self.N, dtype=torch.long, device=dev)
@@ -287,7 +240,7 @@ class FusedTreeLaunch:
         self.meta = torch.zeros(self.layout(Bm)[-1], dtype=torch.long, device=dev)
         self.row_tables = row_tables  # [Bm * L, width]: each catch-up row's block table (its request's)
         self.row_attn = row_attn  # a decode attention over the draft KV reading row_tables
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
     def layout(self, Bp: int) -> list[int]:
@@ -295,14 +248,13 @@ class FusedTreeLaunch:
         n = Bp * self.L
         return np.cumsum([0, n, n, Bp, Bp * self.width]).tolist()
 
-    def key(self, B: int, max_computed: int) -> tuple[int, int] | None:
-        """(padded batch, expansion width) of a step of B requests, or None where not covered."""
+    def key(self, B: int) -> tuple[int] | None:
+        """(padded batch,) of a step of B requests, or None where not covered."""
         if B > self.batch_sizes[-1]:
             return None
-        Bp = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
-        return Bp, self.tree.width([max_computed + self.L])
+        return (self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)],)
 
-    def _body(self, Bp: int, W: int) -> None:
+    def _body(self, Bp: int) -> None:
         N, L, tree = self.N, self.L, self.tree
         head = tree.head
         o = self.layout(Bp)
@@ -322,9 +274,9 @@ class FusedTreeLaunch:
         tree.h0[:Bp].copy_(h.view(Bp, L, -1).gather(1, acc[:, :, None].expand(-1, -1, h.shape[-1]))[:, 0])
         tree.base_pos[:Bp].copy_(nc + 1 + accepted)
         tree.sizes[:Bp].fill_(N - 1)
-        tree._body(Bp, W)
+        tree._body(Bp)
 
-    def write(self, key: tuple[int, int], computed: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+    def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
         """A step's numbers into ``meta`` (one host-to-device copy): requests with ``computed``
         tokens in their KV before the verify, and their block tables."""
         Bp = key[0]
@@ -346,7 +298,7 @@ class FusedTreeLaunch:
             h[start : start + len(table)] = table
         self.meta[: o[-1]].copy_(t, non_blocking=True)
 
-    def run(self, key: tuple[int, int], picks: torch.Tensor, feats: torch.Tensor, trees: torch.Tensor,
+    def run(self, key: tuple[int], picks: torch.Tensor, feats: torch.Tensor, trees: torch.Tensor,
             rows: torch.Tensor) -> str:
         """After ``write``: the verify's picks and target features (rows b * N + i) and the verified
         trees (rows ``rows`` of packed ``trees``) in, launch; the next trees are in ``tree.trees``."""
@@ -363,14 +315,14 @@ class FusedTreeLaunch:
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
-        """A graph per (padded batch, width); warm-up and capture inputs: every row writes the scratch slot."""
+        """A graph per padded batch; warm-up and capture inputs: every row writes the scratch slot."""
         for t in (self.picks, self.feats, self.trees_in):
             t.zero_()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for key in [(Bp, W) for Bp in reversed(self.batch_sizes) for W in reversed(self.tree.widths)]:
+        for key in [(Bp,) for Bp in reversed(self.batch_sizes)]:
             self.write(key, [], [])  # (outside the graph: it reads meta)
             self._body(*key)  # warm-up
             torch.cuda.synchronize(self.device)
