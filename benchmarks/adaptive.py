@@ -525,9 +525,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="each engine's turn in the round robin: steps for this many seconds of its own clock "
                          "(0: one step). On the H200 at 256 requests, one step per turn among five engines put a "
                          "spec engine held at plain decoding at 0.94x no-spec, where alone it ran 0.986x")
-    ap.add_argument("--variant", default=None, metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
+    ap.add_argument("--variant", default=None, action="append", metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
                     help="one more adaptive engine (adaptive_NAME) with fields under its controller set, e.g. "
-                         "mem0:bandit.memory_s=0: an A/B in the same run, reported beside adaptive")
+                         "mem0:bandit.memory_s=0: an A/B in the same run, reported beside adaptive (once: a "
+                         "second one is refused, not silently dropped)")
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--threshold-n", type=int, default=4)
     ap.add_argument("--threshold-steps", type=int, default=3)
@@ -573,7 +574,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     os.makedirs(args.output_dir, exist_ok=True)
 
-    var_name, var_fields = variant(args.variant) if args.variant else (None, {})
+    if args.variant and len(args.variant) > 1:
+        ap.error(f"--variant given {len(args.variant)} times: one per run")
+    var_name, var_fields = variant(args.variant[0]) if args.variant else (None, {})
     cfgs = configs(args, var_name)
     names = list(cfgs)
     max_c = max(cs + levels + [args.off_concurrency])
