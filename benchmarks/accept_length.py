@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--draft", default=os.path.join(REPO, "models", "smollm2-135m-eagle3"))
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated; NAME@DTYPE runs NAME with the head in DTYPE (speculative_draft_dtype)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     names = [c for c in args.configs.split(",") if c]
     for c in names:
-        if c not in CONFIGS:
+        if c.partition("@")[0] not in CONFIGS:
             raise SystemExit(f"unknown config {c!r}; choose from {list(CONFIGS)}")
     common = dict(device=args.device, dtype=args.dtype, kv_cache_memory_gb=1.0, max_num_seqs=args.num_prompts)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -67,12 +68,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nospec_output_tokens": sum(map(len, ref)), "configs": {},
     }
     for name in names:
+        base_name, _, draft_dtype = name.partition("@")
         llm = LLM(**common, speculative_algorithm="EAGLE3", speculative_draft_model_path=args.draft,
-                  speculative_policy="static", **CONFIGS[name])
+                  speculative_policy="static", speculative_draft_dtype=draft_dtype or None, **CONFIGS[base_name])
         outs = llm.generate(prompts, sp)
         st = llm.engine.get_stats()
         same = sum(list(o.outputs[0].token_ids) == r for o, r in zip(outs, ref))
-        row = {**CONFIGS[name], "accept_length": st.avg_accept_length,
+        row = {**CONFIGS[base_name], "draft_dtype": draft_dtype or "auto", "accept_length": st.avg_accept_length,
                "acceptance_rate_per_position": [round(a / d, 4) if d else None for a, d in
                                                 zip(st.spec_accepted_per_position, st.spec_drafted_per_position)],
                "verify_steps": st.spec_verify_steps, "accepted_tokens": st.spec_accepted_tokens,

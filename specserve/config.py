@@ -86,8 +86,13 @@ class SpeculativeConfig:
     # adaptive: time engine steps of every depth on scratch requests at start-up, per batch size
     # (None: where steps replay CUDA graphs, whose host time the forward profile cannot see)
     calibrate: bool | None = None
+    # the head's own dtype ("auto": the engine's). The head is small: in float32 under a bfloat16
+    # target it costs little more per draft step and keeps its logits from bf16 rounding
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"speculative_draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.algorithm not in ("EAGLE", "EAGLE3"):
             raise ValueError(f"speculative_algorithm must be EAGLE or EAGLE3, got {self.algorithm!r}")
         if self.num_steps < 1:
@@ -181,6 +186,7 @@ class EngineConfig:
             "speculative_policy": "policy",
             "speculative_disable_batch_threshold": "disable_batch_threshold",
             "speculative_calibrate": "calibrate",
+            "speculative_draft_dtype": "draft_dtype",
         }
         spec_kwargs = {spec_map[k]: v for k in list(kwargs) if k in spec_map and (v := kwargs.pop(k)) is not None}
         names = {f.name for f in dataclasses.fields(cls)}

@@ -545,3 +545,27 @@ def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
     assert "early_verify" not in p1 and p2["early_verify"] > p2["fused"] / 3
     if budget is None:  # (under the budget no step of three requests fuses: the arrivals find none in flight)
         assert p2.get("early_verify:discarded", 0) > 0
+
+
+@pytest.mark.parametrize("static", [None, "torch"])
+def test_draft_head_in_its_own_dtype(tiny, static):
+    """``speculative_draft_dtype``: a float32 head (weights, draft KV, the loop's hidden states) under a
+    bfloat16 target drafts from the target's bf16 features and stays lossless; a dtype it does not
+    know is refused."""
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(model=model, device="cpu", dtype="bfloat16").generate(PROMPTS[:3], sp)]
+    llm = LLM(model=model, device="cpu", dtype="bfloat16", speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=3,
+              speculative_draft_dtype="float32")
+    dr = llm.engine.drafter
+    if static is not None:
+        dr.enable_static_draft(attention=static)
+        assert dr.chain_runner.h0.dtype == torch.float32
+    assert dr.head.fc.weight.dtype == torch.float32 and dr.attn.kv_caches[0][0].dtype == torch.float32
+    assert llm.engine.dtype == torch.bfloat16 and dr.features.dtype == torch.bfloat16
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)]
+    assert out == ref and llm.engine.stats.spec_draft_tokens > 50
+    with pytest.raises(ValueError, match="speculative_draft_dtype"):
+        LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+            speculative_draft_dtype="int8")

@@ -43,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-calibrate", default=None, action=argparse.BooleanOptionalAction,
                    help="adaptive policy: time engine steps of every draft depth per batch size at start-up "
                         "(default: on where steps replay CUDA graphs)")
+    s.add_argument("--speculative-draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft head's dtype (default auto: the engine's --dtype)")
 
 
 ENGINE_FIELDS = (
@@ -54,7 +56,7 @@ ENGINE_FIELDS = (
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
     "speculative_num_draft_tokens", "speculative_policy", "speculative_disable_batch_threshold",
-    "speculative_calibrate",
+    "speculative_calibrate", "speculative_draft_dtype",
 )
 
 

@@ -104,7 +104,9 @@ def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
     if config.speculative is not None:
         # the draft head keeps one KV layer per block, shaped like the target's (EAGLE heads), and
         # the drafter the target's features of every token (three layers' hidden states, EAGLE-3)
-        per_block = (per_block * (mc.num_hidden_layers + 1) // mc.num_hidden_layers
+        sc = config.speculative
+        head_size = dtype.itemsize if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype).itemsize
+        per_block = (per_block + per_block * head_size // (mc.num_hidden_layers * dtype.itemsize)
                      + 3 * mc.hidden_size * dtype.itemsize * config.block_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

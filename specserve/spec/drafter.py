@@ -95,7 +95,8 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
         packing += f",rows>{cpu_packing.EXACT_ROWS}/{cpu_packing.ROW_BUCKETS_PER_OCTAVE}"
     return (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
             f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
-            f"{num_draft_tokens}|graphs={graphs}|{packing}")
+            f"{num_draft_tokens}|graphs={graphs}|{packing}"
+            + ("" if e.config.speculative.draft_dtype == "auto" else f"|draft={e.config.speculative.draft_dtype}"))
 
 
 @dataclass
@@ -164,13 +165,14 @@ class EagleSpeculator:
         self.target = engine.runner.model
         self.device = engine.device
         path = cfg.draft_model_path or default_draft_path()
-        self.head = Eagle3DraftModel.from_pretrained(path, device=self.device, dtype=engine.dtype).eval()
+        self.head_dtype = engine.dtype if cfg.draft_dtype == "auto" else getattr(torch, cfg.draft_dtype)
+        self.head = Eagle3DraftModel.from_pretrained(path, device=self.device, dtype=self.head_dtype).eval()
         self.head.fuse_projections()
         # rotary + KV write as one kernel (positions < max_model_len + depth); SPECSERVE_DRAFT_ROPE_KERNEL=0:
         # the torch ops (the benchmarks' A/B)
         if self.device.type == "cuda" and os.environ.get("SPECSERVE_DRAFT_ROPE_KERNEL", "1") != "0":
             self.head.build_rope_tables(engine.max_model_len + cfg.num_steps + 2)
-        pack_for_cpu(self.head, engine.config.cpu_weight_packing, self.device, engine.dtype)
+        pack_for_cpu(self.head, engine.config.cpu_weight_packing, self.device, self.head_dtype)
         hc = self.head.config
         want = "EAGLE3" if cfg.algorithm == "EAGLE3" else "EAGLE"
         if hc.algorithm != want:
@@ -189,7 +191,7 @@ class EagleSpeculator:
             if self.topk > 1 else 0
         caches = allocate_kv_cache(self.head.num_kv_layers, engine.blocks.num_blocks + 1 + lanes,
                                    engine.config.block_size, hc.num_key_value_heads, hc.head_dim,
-                                   engine.dtype, self.device)
+                                   self.head_dtype, self.device)
         self.scratch_slot = engine.blocks.num_blocks * engine.config.block_size
         # the target features (aux layers' hidden states) of every computed token, by KV slot like
         # the KV itself: a step writes its committed rows with one scatter, and a catch-up reads back
@@ -449,7 +451,7 @@ class EagleSpeculator:
         else:
             dec = TorchDecodeAttention(caches, bs, scale, tables)
         self.chain_runner = ChainDraftRunner(self.head, self.target.embed_tokens, dec, tables, bs, self.scratch_slot,
-                                             max_batch, self.max_k, dev, e.dtype)
+                                             max_batch, self.max_k, dev, self.head_dtype)
         # trees expand over the same h0 and tables, each frontier slot a query of a decode attention
         self.tree_runner = None
         if self.topk > 1:
