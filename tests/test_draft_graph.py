@@ -569,3 +569,21 @@ def test_draft_head_in_its_own_dtype(tiny, static):
     with pytest.raises(ValueError, match="speculative_draft_dtype"):
         LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
             speculative_draft_dtype="int8")
+
+
+def test_adaptive_trees_take_the_fused_launch(tiny):
+    """The adaptive policy's early picks for trees (quick decisions and forced depths, taken before the
+    verify's sync; a tree's arm is a depth, and drafting it means the whole tree) let its steps of
+    whole trees take the fused tree launch (before, the depth was taken for a draft count and no
+    step fused); outputs stay plain decoding's."""
+    model, head = tiny
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], SP24)]
+    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="adaptive", **TREE)
+    dr = llm.engine.drafter
+    dr.enable_static_draft(attention="torch", fused_launch=True)
+    dr.controller.forced_arm = TREE["speculative_num_steps"]  # (drafting on every cycle: the tiny head accepts little)
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SP24)]
+    assert out == ref
+    assert dr.path_counts["fused"] > 5 and dr.path_counts["fused"] == dr.path_counts["fused_launch:eager"]

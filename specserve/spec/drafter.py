@@ -795,12 +795,16 @@ class EagleSpeculator:
             return [self._capped(r, k, self.max_k) for r, k in found]
         if self.cfg.policy != "adaptive" or not ctl.fuse_quick:
             return []
+        # (a tree's arm is its depth: drafting it means the whole tree, as controller.uniform)
+        def drafts(arm: int) -> int:
+            return self.max_k if arm and self.topk > 1 else arm
+
         if ctl.forced_arm is not None:
-            return [self._capped(r, k, ctl.forced_arm) for r, k in found]
+            return [self._capped(r, k, drafts(ctl.forced_arm)) for r, k in found]
         arm = ctl.quick_arm(len(found), len(self.engine.scheduler.running))
         if arm is not None:
             self._pre_arm = (len(found), arm)  # quick_arm counted the decision: draft_step applies it
-            return [self._capped(r, k, arm) for r, k in found]
+            return [self._capped(r, k, drafts(arm)) for r, k in found]
         caps = [self._capped(r, k, self.max_k) for r, k in found]
         if not ctl.fuse_full or not all(caps):
             return []
