@@ -100,13 +100,21 @@ class TreeDraftRunner:
                      self.depth, self.trees, self.sizes[:B])
 
     def _expand(self, B: int) -> None:
-        head, K, D, bs = self.head, self.topk, self.depth, self.block_size
+        """Every depth's candidates, written into the cand_* buffers at the end (one concatenation
+        each: at one request the expansion is bound by its kernel count)."""
+        head, K = self.head, self.topk
         h = self.h0[:B]
         score, tok = torch.log_softmax(head.compute_logits(h), -1).topk(K, dim=-1)  # [B, K]
         tok = head.draft_to_target(tok)
-        self.cand_tok[:B, :K].copy_(tok)
-        self.cand_score[:B, :K].copy_(score)
-        self.cand_parent[:B, :K].copy_(self._first_parent.expand(B, -1))
+        toks, scores, parents = [tok], [score], [self._first_parent.expand(B, -1)]
+        self._expand_depths(B, h, tok, score, toks, scores, parents)
+        torch.cat(toks, 1, out=self.cand_tok[:B])
+        torch.cat(scores, 1, out=self.cand_score[:B])
+        torch.cat(parents, 1, out=self.cand_parent[:B])
+
+    def _expand_depths(self, B: int, h: torch.Tensor, tok: torch.Tensor, score: torch.Tensor,
+                       toks: list[torch.Tensor], scores: list[torch.Tensor], parents: list[torch.Tensor]) -> None:
+        head, K, D, bs = self.head, self.topk, self.depth, self.block_size
         if D < 2:
             return
         R = B * K
@@ -139,9 +147,9 @@ class TreeDraftRunner:
             c_score, c_tok = torch.log_softmax(head.compute_logits(h_out), -1).topk(K, dim=-1)  # [R, K]
             c_score = (front_score.reshape(-1, 1) + c_score).reshape(B, K * K)
             c_tok = head.draft_to_target(c_tok).reshape(B, K * K)
-            self.cand_tok[:B, at : at + K * K].copy_(c_tok)
-            self.cand_score[:B, at : at + K * K].copy_(c_score)
-            self.cand_parent[:B, at : at + K * K].copy_(front_idx.repeat_interleave(K, dim=1))
+            toks.append(c_tok)
+            scores.append(c_score)
+            parents.append(front_idx.repeat_interleave(K, dim=1))
             if i == D - 2:
                 break
             front_score, best = c_score.topk(K, dim=-1)  # next frontier [B, K]
