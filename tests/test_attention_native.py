@@ -79,3 +79,14 @@ def test_decodes_are_not_padded_to_a_prompt():
     cache, q, k, v, meta, _ = _step([1] * 6 + [40], [30] * 6 + [0])
     _, be = _run(TorchNativeBackend.short_q, cache, q, k, v, meta)
     assert sorted(g.shape for g in be._groups) == [(1, 40, 40), (6, 1, 31)]
+
+
+def test_tree_rows_packed_as_bits_are_the_mask():
+    """A tree handed over as each row's bits (the drafter's device trees) attends as its bool mask does."""
+    cache, q, k, v, meta, tables = _step([1, 4, 3], [17, 6, 11], trees={1: TREE})
+    out, _ = _run(TorchNativeBackend.short_q, cache, q, k, v, meta)
+    bits = (TREE.long() << torch.arange(TREE.shape[1])).sum(-1)
+    cache2, q2, k2, v2, meta2, _ = _step([1, 4, 3], [17, 6, 11], trees={1: bits})
+    out2, _ = _run(TorchNativeBackend.short_q, cache2, q2, k2, v2, meta2)
+    assert torch.equal(out, out2)
+    assert torch.allclose(out, _by_hand(cache, q, k, v, meta, tables), atol=1e-5)

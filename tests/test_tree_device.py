@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from specserve.spec.tree import (Candidate, DraftTree, accept_trees, select_tree, select_trees, tree_fields, tree_width,
+from specserve.spec.tree import (Candidate, DraftTree, bits_to_mask, accept_trees, select_tree, select_trees, tree_fields, tree_width,
                                  verify_tree_greedy)
 from specserve.spec.tree_graph import candidate_depths
 
@@ -50,7 +50,8 @@ def test_select_trees_is_select_tree(device):
             assert dep.tolist() == [c.depth for c in batch[0]]
             out = torch.zeros(B, tree_width(n), dtype=torch.long, device=device)
             select_trees(tok.to(device), score.to(device), par.to(device), dep.to(device), n, depth, out)
-            t, p, d, m = tree_fields(out.cpu(), n)
+            t, p, d, bits = tree_fields(out.cpu(), n)
+            m = bits_to_mask(bits)
             for b, cs in enumerate(batch):
                 # (scores as the device holds them: fp32)
                 cs32 = [Candidate(c.token, float(torch.tensor(c.score, dtype=torch.float32)), c.parent, c.depth)
@@ -112,7 +113,8 @@ def test_select_trees_smaller_sizes_are_their_own_best(device):
                  torch.tensor([[c.parent for c in cs] for cs in batch], device=device),
                  torch.tensor(candidate_depths(topk, depth), device=device), n, depth, out,
                  torch.tensor(sizes, device=device))
-    t, p, d, m = tree_fields(out.cpu(), n)
+    t, p, d, bits = tree_fields(out.cpu(), n)
+    m = bits_to_mask(bits)
     cut = 0
     for b, (cs, k) in enumerate(zip(batch, sizes)):
         cs32 = [Candidate(c.token, float(torch.tensor(c.score, dtype=torch.float32)), c.parent, c.depth) for c in cs]

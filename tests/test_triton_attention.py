@@ -6,6 +6,8 @@ so the same kernel source is checked here and on the GPU. Skipped when triton is
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ NO_SPLIT = {"split_kv": False}
 
 
 def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
-          trees=None, num_blocks=64, seed=0, block_n=16, backend=NO_SPLIT):
+          trees=None, num_blocks=64, seed=0, block_n=16, backend=NO_SPLIT, packed=False):
     """Run both backends on the same random step; return (out_ref, out_triton, caches equal)."""
     g = torch.Generator().manual_seed(seed)
     seq = [c + q for c, q in zip(ctx_lens, q_lens)]
@@ -58,6 +60,9 @@ def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, d
     ref = TorchNativeBackend(caches_ref, block_size, head_dim**-0.5)
     ref.plan(meta)
     out_ref = ref.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    if packed:  # the Triton backend's trees as rows packed into bits (what the drafter's device trees give)
+        meta = dataclasses.replace(meta, tree_masks={
+            b: (m.long() << torch.arange(m.shape[1], device=m.device)).sum(-1) for b, m in meta.tree_masks.items()})
     tri = TritonBackend(caches_tri, block_size, head_dim**-0.5, num_heads=heads, max_num_tokens=128,
                         max_num_seqs=8, max_blocks_per_seq=32, block_n=block_n, **backend)
     tri.plan(meta)
@@ -110,6 +115,9 @@ def test_tree_masks_and_causal_in_one_batch(backend):
     # the mask matters: a causal run of the same step differs on the tree rows
     causal_ref, _, _ = _case([5, 1, 5, 3], [9, 3, 0, 14])
     assert not torch.allclose(causal_ref[:5], ref[:5], atol=1e-3)
+    # the same trees handed over as packed bits
+    ref_p, out_p, same_p = _case([5, 1, 5, 3], [9, 3, 0, 14], trees={0: TREE, 2: TREE}, backend=backend, packed=True)
+    assert same_p and torch.equal(out_p, out)
 
 
 def test_large_step_tiles(monkeypatch):

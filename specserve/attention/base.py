@@ -25,7 +25,8 @@ class AttentionMetadata:
     seq_lens: list[int]  # host copy: cached tokens per request after this step's writes
     slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token (block * block_size + offset)
     block_tables: torch.Tensor  # [B, max_blocks] int64 block ids per request
-    tree_masks: dict[int, torch.Tensor] | None = None  # b -> bool [q_b, q_b]; row attends column
+    # b -> bool [q_b, q_b] (row attends column), or int64 [q_b]: each row packed as bits (bit j: column j)
+    tree_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

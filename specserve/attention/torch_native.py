@@ -80,6 +80,8 @@ class TorchNativeBackend(AttentionBackend):
             if tm is None:
                 continue
             ql, kl = meta.query_lens[b], meta.seq_lens[b]
+            if tm.dim() == 1 and tm.dtype == torch.int64 and tm.shape[0] == ql:  # rows packed as bits
+                tm = ((tm[:, None] >> torch.arange(ql, device=tm.device)) & 1).bool()
             if tm.shape != (ql, ql):
                 raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
             mask[i, :ql, kl - ql : kl] = tm.to("cpu", torch.bool)

@@ -180,7 +180,9 @@ def _pack_rows(mask: np.ndarray) -> np.ndarray:
 def _check_trees(trees: dict, q_lens: list[int]) -> None:
     for b, tm in trees.items():
         ql = q_lens[b]
-        if tuple(tm.shape) != (ql, ql):
+        if tm.dim() == 1 and tm.dtype == torch.int64 and tm.shape[0] == ql:
+            pass  # rows already packed as bits (spec.tree.tree_fields)
+        elif tuple(tm.shape) != (ql, ql):
             raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
         if ql > MAX_TREE_TOKENS:
             raise ValueError(f"tree of request {b} has {ql} tokens; at most {MAX_TREE_TOKENS} are supported")
@@ -456,6 +458,12 @@ class TritonBackend(AttentionBackend):
                 hb, host_bits = host_buffer(T, torch.int64, self._meta.device)
             for b, tm in trees.items():
                 ql, s = int(q_lens[b]), int(starts[b])
+                if tm.dim() == 1:  # packed already
+                    if on_host:
+                        hb[s : s + ql] = tm.numpy()
+                    else:
+                        self._tree_bits[s : s + ql].copy_(tm, non_blocking=True)
+                    continue
                 if on_host:
                     hb[s : s + ql] = _pack_rows(tm.numpy().astype(bool))
                     continue

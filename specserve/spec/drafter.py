@@ -775,7 +775,7 @@ class EagleSpeculator:
             offs.extend([nc] * n)
             src_extra.extend(range(r0 * W + N + 1, r0 * W + N + n))  # parents of nodes 1..n-1
             src_extra.extend(range(r0 * W + 2 * N + 1, r0 * W + 2 * N + n))  # their depths
-            inputs.meta.tree_masks[b] = flat[r0, 3 * N :].view(N, N)[:n, :n] != 0
+            inputs.meta.tree_masks[b] = flat[r0, 3 * N : 3 * N + n]  # (rows packed as bits: AttentionMetadata)
         k1, k2, k3 = len(dst_ids), 2 * len(dst_ids), 2 * len(dst_ids) + len(dst_pos)
         k4, k5 = k3 + len(dst_pos), k3 + 2 * len(dst_pos)
         idx = host_to_device(dst_ids + src_ids + dst_pos + src_pos + offs + src_extra, self.device)

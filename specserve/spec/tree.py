@@ -144,19 +144,24 @@ def verify_tree_sampled(tree: DraftTree, probs: torch.Tensor, gen: torch.Generat
 #
 # A batch of trees of ``num_nodes`` tokens each (the root and num_nodes - 1 drafts) is one long tensor
 # [B, tree_width(num_nodes)]: per request its node tokens, parents (node indices; the root's own index,
-# 0, so gathers need no special case), depths, and its attention mask (row i, column j: 1 iff j is i
-# or an ancestor of i), flattened.
+# 0, so gathers need no special case), depths, and each node's ancestor bits (bit j set iff node j is
+# it or an ancestor: a row of its attention mask packed, as the Triton attention reads it).
 
 
 def tree_width(num_nodes: int) -> int:
-    return 3 * num_nodes + num_nodes * num_nodes
+    return 4 * num_nodes
 
 
 def tree_fields(packed: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, parents, depths [B, N] each, mask [B, N, N]) views of packed trees [B, tree_width(N)]."""
-    N, B = num_nodes, packed.shape[0]
-    return (packed[:, :N], packed[:, N : 2 * N], packed[:, 2 * N : 3 * N],
-            packed[:, 3 * N :].view(B, N, N))
+    """(tokens, parents, depths, ancestor bits) [B, N] views of packed trees [B, tree_width(N)]."""
+    N = num_nodes
+    return packed[:, :N], packed[:, N : 2 * N], packed[:, 2 * N : 3 * N], packed[:, 3 * N : 4 * N]
+
+
+def bits_to_mask(bits: torch.Tensor) -> torch.Tensor:
+    """Ancestor bits [..., n] -> the attention mask bool [..., n, n] (row i, column j: bit j of row i)."""
+    n = bits.shape[-1]
+    return ((bits[..., :, None] >> torch.arange(n, device=bits.device)) & 1).bool()
 
 
 def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: torch.Tensor,
@@ -186,16 +191,15 @@ def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: 
     index.scatter_(1, nodes, (rank + 1).expand(B, M))  # candidate -> node index
     parents = torch.where(cpar < 0, 0, index.gather(1, cpar.clamp(min=0)))
     zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
-    tok, par, dep, mask = tree_fields(out[:B], num_nodes)
+    tok, par, dep, bits = tree_fields(out[:B], num_nodes)
     tok.copy_(torch.cat([zero, cand_tok.gather(1, nodes)], 1))
     par.copy_(torch.cat([zero, parents], 1))
     dep.copy_(torch.cat([zero, cand_depth[nodes]], 1))
-    eye = torch.eye(num_nodes, dtype=torch.bool, device=dev)
-    anc = eye.expand(B, -1, -1)
-    rows = par[:, :, None].expand(-1, -1, num_nodes)
-    for _ in range(max_depth):  # row i = itself | its parent's row: exact after max_depth rounds
-        anc = eye | anc.gather(1, rows)
-    mask.copy_(anc)
+    own = torch.ones(num_nodes, dtype=torch.long, device=dev) << torch.arange(num_nodes, device=dev)
+    anc = own.expand(B, -1)
+    for _ in range(max_depth):  # a node's bits = its own | its parent's: exact after max_depth rounds
+        anc = own | anc.gather(1, par)
+    bits.copy_(anc)
 
 
 def accept_trees(tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, picks: torch.Tensor,
