@@ -1,0 +1,20 @@
+#!/bin/bash
+# NOT RUN in session 30 (its device time was spent): the next session's first calls, after staging.
+# (a) tests and one request after 343b5c9 / 18b4ddf (candidates in one concatenation, ancestor bits) and e988ead
+#     (adaptive trees fuse); (b) the A/B run6 meant to make: full decisions taken before the sync (fuse_full);
+# (c) where the adaptive engine's decisions lose at one request: every cycle's arm and time.
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p $OUT/r
+timeout 200 python3 -m pytest -q -x -m gpu tests/test_gpu_graphs.py tests/test_draft_graph.py > $OUT/r/gpu_tests.log 2>&1
+tail -3 $OUT/r/gpu_tests.log
+timeout 200 python3 benchmarks/gpu_spec_c1.py --model /tmp/m.gguf --num-prompts 10 --natural-stops \
+    --configs nospec,chain3,chain5,tree,tree12 --parity-prompts 10 --skip-fp32-parity \
+    --output-file $OUT/r/c1.json > $OUT/r/c1.log 2>&1
+grep -E "^(nospec|chain3|chain5|tree[0-9a-z+]*):|parity" $OUT/r/c1.log | cut -c1-160
+timeout 100 python3 benchmarks/gpu_graph_parts.py --model /tmp/m.gguf --configs chain5,tree --output-file $OUT/r/parts.json
+timeout 300 python3 benchmarks/adaptive.py --model /tmp/m.gguf --concurrency 1,4,16 --static-steps 5 --adaptive-steps 5 \
+    --output-len 128 --max-input-len 300 --num-kv-blocks 16384 --point-s 10 --threshold-n 0 --off-s 0 --ramp "" \
+    --max-wait 2 --retry-noisy 0 --slice-s 0.5 --variant full:fuse_full=True --log-cycles \
+    --output-dir /tmp/sweep_full > $OUT/r/sweep_full.log 2>&1
+tar czf $OUT/r/sweep_full.tgz -C /tmp sweep_full
+grep -E "^C=" $OUT/r/sweep_full.log | cut -c1-250
