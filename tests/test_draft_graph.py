@@ -275,6 +275,19 @@ def test_adaptive_full_decisions_launch_before_the_sync(tiny):
     assert len(measured) >= len(decisions) - 2 and len({id(c) for c in measured}) == len(measured)
 
 
+def stop_mid_cycle(model: str) -> tuple[SamplingParams, list[list[int]]]:
+    """Greedy params whose stop token only request 2 comes to (past its first few tokens: it stops
+    there, mid-cycle; the others run to max_tokens 40), and plain decoding's outputs of PROMPTS."""
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    free = [o.outputs[0].token_ids for o in
+            plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
+    stop_tok = next(t for t in free[2][8:] if all(t not in f for j, f in enumerate(free) if j != 2))
+    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok])
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    assert 8 < len(ref[2]) < 40 and sum(len(o) == 40 for o in ref) >= 2  # (one more ends at EOS)
+    return sp, ref
+
+
 @pytest.mark.parametrize("budget", [None, 13])
 def test_early_verify_runs_the_next_verify_launched_before_the_commit(tiny, budget):
     """With ``early_verify`` (on by default on a GPU) the verify after a fused launch's drafts is launched
@@ -283,14 +296,7 @@ def test_early_verify_runs_the_next_verify_launched_before_the_commit(tiny, budg
     those early verifies are discarded. Outputs and every accepted count stay those of the same engine
     without it, and of plain decoding."""
     model, head = tiny
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    free = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
-    # a token only request 2 comes to, past its first few: it stops there, the others run to max_tokens
-    stop_tok = next(t for t in free[2][8:] if all(t not in f for j, f in enumerate(free) if j != 2))
-    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok])
-    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
-    assert 8 < len(ref[2]) < 40 and sum(len(o) == 40 for o in ref) >= 2  # (one more ends at EOS)
+    sp, ref = stop_mid_cycle(model)
     runs = []
     for early in (False, True):
         llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
@@ -508,12 +514,7 @@ def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
     budget cuts trees: outputs and every accepted count stay those of the static trees without
     either, and of plain decoding."""
     model, head = tiny
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    free = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
-    stop_tok = next(t for t in free[2][8:] if all(t not in f for j, f in enumerate(free) if j != 2))
-    sp = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok])
-    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
+    sp, ref = stop_mid_cycle(model)
     runs = []
     for fused, early in ((False, False), (True, False), (True, True)):
         llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,

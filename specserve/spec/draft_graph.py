@@ -99,15 +99,19 @@ class GraphStats:
 
 
 def capture_each(keys: list[tuple[int, ...]], body: Callable[..., None], device: torch.device,
-                 pool: Any = None) -> tuple[dict[tuple[int, ...], torch.cuda.CUDAGraph], GraphStats]:
+                 pool: Any = None, prepare: Callable[..., None] | None = None
+                 ) -> tuple[dict[tuple[int, ...], torch.cuda.CUDAGraph], GraphStats]:
     """A CUDA graph of ``body(*key)`` per key (largest first, so smaller ones reuse the pool's
-    memory), each after one eager warm-up run (compiles Triton kernels, settles allocations)."""
+    memory), each after one eager warm-up run (compiles Triton kernels, settles allocations);
+    ``prepare(*key)`` first, outside the graph (what the body reads, written by the host)."""
     torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     t0 = time.perf_counter()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
     for key in keys:
+        if prepare is not None:
+            prepare(*key)
         body(*key)
         torch.cuda.synchronize(device)
         g = torch.cuda.CUDAGraph()
@@ -478,19 +482,6 @@ class FusedLaunchRunner:
                             keys.add(key)
         for t in (self.ids, self.picks, self.feats):
             t.zero_()
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        t0 = time.perf_counter()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for key in sorted(keys, reverse=True):
-            self.write(key, [], [], [], [])
-            self._body(*key)  # warm-up
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._body(*key)
-            self.graphs[key] = graph
-        torch.cuda.synchronize(self.device)
-        self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
-                                max(0, free_before - torch.cuda.mem_get_info(self.device)[0]))
+        self.graphs, self.stats = capture_each(sorted(keys, reverse=True), self._body, self.device, pool,
+                                               prepare=lambda *key: self.write(key, [], [], [], []))  # type: ignore[arg-type]
         return self.stats

@@ -29,7 +29,6 @@ The lanes are scratch: the expansion leaves nothing in the request's own blocks.
 from __future__ import annotations
 
 import bisect
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -326,19 +325,7 @@ class FusedTreeLaunch:
         """A graph per padded batch; warm-up and capture inputs: every row writes the scratch slot."""
         for t in (self.picks, self.feats, self.trees_in):
             t.zero_()
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        t0 = time.perf_counter()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for key in [(Bp,) for Bp in reversed(self.batch_sizes)]:
-            self.write(key, [], [])  # (outside the graph: it reads meta)
-            self._body(*key)  # warm-up
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._body(*key)
-            self.graphs[key] = graph
-        torch.cuda.synchronize(self.device)
-        self.stats = GraphStats(len(self.graphs), time.perf_counter() - t0,
-                                max(0, free_before - torch.cuda.mem_get_info(self.device)[0]))
+        keys = [(Bp,) for Bp in reversed(self.batch_sizes)]
+        self.graphs, self.stats = capture_each(keys, self._body, self.device, pool,  # type: ignore[assignment]
+                                               prepare=lambda *key: self.write(key, [], []))  # type: ignore[arg-type]
         return self.stats
