@@ -123,6 +123,16 @@ def capture_each(keys: list[tuple[int, ...]], body: Callable[..., None], device:
     return graphs, stats
 
 
+def replay_or_eager(graphs: dict, key: tuple[int, ...], body: Callable[..., None]) -> str:
+    """Replay ``key``'s graph, or run ``body(*key)`` eagerly where it has none; the path taken."""
+    graph = graphs.get(key)
+    if graph is not None:
+        graph.replay()
+        return "graph"
+    body(*key)
+    return "eager"
+
+
 class ChainDraftRunner:
     """The greedy chain draft loop over static buffers; ``capture()`` records it per (padded batch, K)."""
 
@@ -460,12 +470,7 @@ class FusedLaunchRunner:
         self.ids[:T].copy_(ids)
         self.picks[:T].copy_(picks)
         self.feats[:T].copy_(feats)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return "graph"
-        self._body(*key)
-        return "eager"
+        return replay_or_eager(self.graphs, key, self._body)
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:

@@ -38,7 +38,7 @@ from specserve.attention.base import AttentionBackend, forward_context
 from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each
+from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
 from specserve.spec.tree import Candidate, accept_trees, select_trees, tree_fields, tree_width
 
 
@@ -313,12 +313,7 @@ class FusedTreeLaunch:
         self.picks[:T].copy_(picks)
         self.feats[:T].copy_(feats)
         self.trees_in[: rows.shape[0]].copy_(trees.index_select(0, rows))
-        graph = self.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return "graph"
-        self._body(*key)
-        return "eager"
+        return replay_or_eager(self.graphs, key, self._body)
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
