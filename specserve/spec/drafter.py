@@ -751,7 +751,7 @@ class EagleSpeculator:
                     roots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Device trees into a step's inputs: for each (packed trees, row, first input row, nodes n,
         request index in the step) the drafts' ids, the nodes' positions (root's + depth) and the
-        tree mask. Returns the drafts' input rows and the trees' parents and depths of nodes 1..n-1
+        tree's attention rows (ancestor bits). Returns the drafts' input rows and the trees' parents and depths of nodes 1..n-1
         (a gather to read back with the picks)."""
         N = self.max_k + 1
         W = src[0][0].shape[1]
