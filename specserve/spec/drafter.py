@@ -89,6 +89,8 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
     from specserve.spec.cost_model import FORMAT_VERSION
 
     dev_name = torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else "cpu"
+    sc = getattr(e.config, "speculative", None)
+    draft_dtype = sc.draft_dtype if sc is not None else "auto"  # (the head's own dtype, where it has one)
     head_shape = dataclasses.replace(head_config, extra={})
     packing = f"packed>={packed_min_rows(e.dtype)}" if e.packed_linears else "unpacked"
     if e.packed_linears and cpu_packing.ROW_BUCKETS:  # steps of many rows run padded
@@ -96,7 +98,7 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
     return (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
             f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
             f"{num_draft_tokens}|graphs={graphs}|{packing}"
-            + ("" if e.config.speculative.draft_dtype == "auto" else f"|draft={e.config.speculative.draft_dtype}"))
+            + ("" if draft_dtype == "auto" else f"|draft={draft_dtype}"))
 
 
 @dataclass
