@@ -169,8 +169,8 @@ def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: 
                  sizes: torch.Tensor | None = None) -> None:
     """``select_tree`` for every row at once: candidates [B, C] (token, score, parent candidate or -1)
     of depths ``cand_depth`` [C] (non-decreasing: the expansion's order) into packed trees ``out``
-    [B, tree_width(num_nodes)] (roots' tokens 0: the caller knows them). Same trees as the host:
-    its order (-score, depth, index) is a stable sort by score, the depths rising with the index;
+    [B, tree_width(num_nodes)] (nodes 1..N-1: the roots' columns are left as they are). Same trees
+    as the host: its order (-score, depth, index) is a stable sort by score, the depths rising with the index;
     a parent scores at least its child and comes first, so the best num_nodes - 1 are closed under
     parents; nodes then go in (depth, rank) order. ``sizes`` [B]: drafts per request where fewer than
     num_nodes - 1 (its best ``sizes[b]`` come first; the nodes after them are left over)."""
@@ -190,16 +190,16 @@ def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: 
     index = torch.zeros(B, C, dtype=torch.long, device=dev)
     index.scatter_(1, nodes, (rank + 1).expand(B, M))  # candidate -> node index
     parents = torch.where(cpar < 0, 0, index.gather(1, cpar.clamp(min=0)))
-    zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
     tok, par, dep, bits = tree_fields(out[:B], num_nodes)
-    tok.copy_(torch.cat([zero, cand_tok.gather(1, nodes)], 1))
-    par.copy_(torch.cat([zero, parents], 1))
-    dep.copy_(torch.cat([zero, cand_depth[nodes]], 1))
+    # nodes 1..M only: the roots' columns stay as ``out`` holds them (zeros in a zeroed buffer)
+    tok[:, 1:] = cand_tok.gather(1, nodes)
+    par[:, 1:] = parents
+    dep[:, 1:] = cand_depth[nodes]
     own = torch.ones(num_nodes, dtype=torch.long, device=dev) << torch.arange(num_nodes, device=dev)
     anc = own.expand(B, -1)
-    for _ in range(max_depth):  # a node's bits = its own | its parent's: exact after max_depth rounds
+    for _ in range(max_depth - 1):  # a node's bits = its own | its parent's: exact after max_depth rounds
         anc = own | anc.gather(1, par)
-    bits.copy_(anc)
+    torch.bitwise_or(own, anc.gather(1, par), out=bits)
 
 
 def accept_trees(tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, picks: torch.Tensor,
