@@ -42,6 +42,9 @@ SPEC: dict[str, dict[str, Any]] = {
     "static_chain3": {"speculative_num_steps": 3, "speculative_policy": "static"},
     "static_chain5": {"speculative_num_steps": 5, "speculative_policy": "static"},
     "adaptive": {"speculative_num_steps": 5, "speculative_policy": "adaptive"},
+    # the default tree (5 x top-4, 16 nodes), static: its fused launch at up to four requests
+    "static_tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16,
+                    "speculative_policy": "static"},
     # the same without the start-up calibration (spec/calibrate.py): the bandit starts from the profile alone
     "adaptive_nocal": {"speculative_num_steps": 5, "speculative_policy": "adaptive", "speculative_calibrate": False},
     # the head loaded, speculation never on (threshold 0): what plain decoding costs in a spec engine
@@ -57,8 +60,8 @@ def engine_args(name: str, model: str, head: str, max_num_seqs: int, num_kv_bloc
                               dtype="bfloat16" if torch.cuda.is_available() else "float32",
                               max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks)
     if SPEC[name]:
-        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_eagle_topk=1,
-                  **SPEC[name])
+        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_eagle_topk=1)
+        kw.update(SPEC[name])
     return kw
 
 

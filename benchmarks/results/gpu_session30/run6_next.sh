@@ -2,7 +2,8 @@
 # NOT RUN in session 30 (its device time was spent): the next session's first calls, after staging.
 # (a) tests and one request after 343b5c9 / 18b4ddf (candidates in one concatenation, ancestor bits) and e988ead
 #     (adaptive trees fuse); (b) the A/B run6 meant to make: full decisions taken before the sync (fuse_full);
-# (c) where the adaptive engine's decisions lose at one request: every cycle's arm and time.
+# (c) where the adaptive engine's decisions lose at one request: every cycle's arm and time;
+# (d) where a tree cycle's time goes against a chain's (torch profiler + cProfile): host or device.
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p $OUT/r
 timeout 200 python3 -m pytest -q -x -m gpu tests/test_gpu_graphs.py tests/test_draft_graph.py > $OUT/r/gpu_tests.log 2>&1
@@ -18,3 +19,7 @@ timeout 300 python3 benchmarks/adaptive.py --model /tmp/m.gguf --concurrency 1,4
     --output-dir /tmp/sweep_full > $OUT/r/sweep_full.log 2>&1
 tar czf $OUT/r/sweep_full.tgz -C /tmp sweep_full
 grep -E "^C=" $OUT/r/sweep_full.log | cut -c1-250
+timeout 200 python3 benchmarks/gpu_step_breakdown.py --model /tmp/m.gguf --concurrency 1 \
+    --configs static_chain5,static_tree --output-len 128 --requests-per-c 6 --profile --output-file $OUT/r/bd_tree.json \
+    > $OUT/r/bd_tree.log 2>&1
+tail -5 $OUT/r/bd_tree.log | cut -c1-300
