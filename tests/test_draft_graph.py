@@ -588,3 +588,20 @@ def test_adaptive_trees_take_the_fused_launch(tiny):
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SP24)]
     assert out == ref
     assert dr.path_counts["fused"] > 5 and dr.path_counts["fused"] == dr.path_counts["fused_launch:eager"]
+
+
+def test_device_trees_with_preemption_match_no_spec(tiny):
+    """Trees left on the device (and fused launches of up to four requests) through preemptions: a
+    preempted request's pending tree is dropped with its drafts, and it drafts afresh once back."""
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS * 2
+    plain = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=70, block_size=4)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    llm = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=70, block_size=4, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static", **TREE)
+    llm.engine.drafter.enable_static_draft(attention="torch", fused_launch=True)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.drafter.path_counts["fused"] > 0
+    assert out == ref
