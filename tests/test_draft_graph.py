@@ -17,6 +17,7 @@ from tiny_model import make_random_head, make_tiny_model
 
 SHIPPED = (DEFAULT_HEAD / "config.json").exists()
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [5, 9, 33, 2, 41, 17]]
+TREE = dict(speculative_num_steps=4, speculative_eagle_topk=3, speculative_num_draft_tokens=9)
 
 
 @pytest.fixture(scope="module")
@@ -130,17 +131,25 @@ def test_static_chain_mixed_k_in_one_batch(tiny):
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
 
 
-def test_static_chain_with_preemption_matches_no_spec(tiny):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_static_draft_with_preemption_matches_no_spec(tiny, shape):
+    """The static loop through preemptions; trees left on the device (and fused launches of up to four
+    requests) too: a preempted request's pending tree is dropped with its drafts, and it drafts afresh
+    once back."""
     model, head = tiny
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS * 2
-    plain = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=60, block_size=4)
+    blocks = 60 if shape == "chain" else 70
+    plain = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=blocks, block_size=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=60, block_size=4, speculative_algorithm="EAGLE3",
-              speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=4)
-    llm.engine.drafter.enable_static_draft()
+    llm = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=blocks, block_size=4, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static",
+              **(dict(speculative_num_steps=4) if shape == "chain" else TREE))
+    llm.engine.drafter.enable_static_draft(fused_launch=shape == "tree")
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert llm.engine.scheduler.num_preemptions > 0
+    if shape == "tree":
+        assert llm.engine.drafter.path_counts["fused"] > 0
     assert out == ref
 
 
@@ -367,7 +376,6 @@ def test_sampled_requests_keep_the_eager_loop(tiny):
     assert "chain:eager" not in llm.engine.drafter.path_counts  # the q distributions need the eager loop
 
 
-TREE = dict(speculative_num_steps=4, speculative_eagle_topk=3, speculative_num_draft_tokens=9)
 
 
 def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", graphs: bool = True, **engine):
@@ -588,20 +596,3 @@ def test_adaptive_trees_take_the_fused_launch(tiny):
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SP24)]
     assert out == ref
     assert dr.path_counts["fused"] > 5 and dr.path_counts["fused"] == dr.path_counts["fused_launch:eager"]
-
-
-def test_device_trees_with_preemption_match_no_spec(tiny):
-    """Trees left on the device (and fused launches of up to four requests) through preemptions: a
-    preempted request's pending tree is dropped with its drafts, and it drafts afresh once back."""
-    model, head = tiny
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = PROMPTS * 2
-    plain = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=70, block_size=4)
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=70, block_size=4, speculative_algorithm="EAGLE3",
-              speculative_draft_model_path=head, speculative_policy="static", **TREE)
-    llm.engine.drafter.enable_static_draft(attention="torch", fused_launch=True)
-    out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.drafter.path_counts["fused"] > 0
-    assert out == ref
