@@ -947,9 +947,9 @@ class EagleSpeculator:
         key = tl.key(len(reqs))
         assert key is not None  # (_fused_targets checked the batch)
         trees, _ = self.states[reqs[0].request_id].device_tree  # type: ignore[misc]
-        rows = host_to_device([self.states[r.request_id].device_tree[1] for r in reqs], self.device)  # type: ignore[index]
-        tl.write(key, computed, [r.kv.block_table for r in reqs])
-        path = tl.run(key, argmax, feats, trees, rows)
+        rows = [self.states[r.request_id].device_tree[1] for r in reqs]  # type: ignore[index]
+        tl.write(key, computed, [r.kv.block_table for r in reqs], rows)
+        path = tl.run(key, argmax, feats, trees)
         self.path_counts[f"fused_launch:{path}"] += 1  # (the expansion inside it)
         self.path_counts["fused"] += 1
         self._fused = {r.request_id: (i, self.max_k) for i, r in enumerate(reqs)}

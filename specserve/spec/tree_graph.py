@@ -244,16 +244,18 @@ class FusedTreeLaunch:
         self.picks = torch.zeros(Bm * self.N, dtype=torch.long, device=dev)
         self.feats = torch.zeros(Bm * self.N, feature_size, dtype=dtype, device=dev)
         self.trees_in = torch.zeros(Bm, tree_width(self.N), dtype=torch.long, device=dev)
-        self.meta = torch.zeros(self.layout(Bm)[-1], dtype=torch.long, device=dev)
+        self.layouts = {Bp: self.layout(Bp) for Bp in self.batch_sizes}  # (on the host's path of every cycle)
+        self.meta = torch.zeros(self.layouts[Bm][-1], dtype=torch.long, device=dev)
         self.row_tables = row_tables  # [Bm * L, width]: each catch-up row's block table (its request's)
         self.row_attn = row_attn  # a decode attention over the draft KV reading row_tables
         self.graphs: dict[tuple[int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
     def layout(self, Bp: int) -> list[int]:
-        """Offsets in ``meta`` of pos, slot [Bp x L each], nc [Bp], block tables [Bp x width]."""
+        """Offsets in ``meta`` of pos, slot [Bp x L each], nc [Bp], block tables [Bp x width], and the
+        verified trees' rows in their packed tensor [Bp] (read by ``run``, outside the graph)."""
         n = Bp * self.L
-        return np.cumsum([0, n, n, Bp, Bp * self.width]).tolist()
+        return np.cumsum([0, n, n, Bp, Bp * self.width, Bp]).tolist()
 
     def key(self, B: int) -> tuple[int] | None:
         """(padded batch,) of a step of B requests, or None where not covered."""
@@ -264,8 +266,8 @@ class FusedTreeLaunch:
     def _body(self, Bp: int) -> None:
         N, L, tree = self.N, self.L, self.tree
         head = tree.head
-        o = self.layout(Bp)
-        pos, slot, nc, tab = (self.meta[o[i] : o[i + 1]] for i in range(4))
+        o = self.layouts[Bp]
+        pos, slot, nc, tab = (self.meta[o[i] : o[i + 1]] for i in range(4))  # (and the rows: run)
         tok, par, dep, _ = tree_fields(self.trees_in[:Bp], N)
         accepted, path, bonus = accept_trees(tok, par, dep, self.picks[: Bp * N].view(Bp, N), self.D)
         j = torch.arange(L, device=self.device)[None, :]
@@ -283,12 +285,14 @@ class FusedTreeLaunch:
         tree.sizes[:Bp].fill_(N - 1)
         tree._body(Bp)
 
-    def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+    def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]],
+              rows: Sequence[int] = ()) -> None:
         """A step's numbers into ``meta`` (one host-to-device copy): requests with ``computed``
-        tokens in their KV before the verify, and their block tables."""
+        tokens in their KV before the verify, their block tables, and their trees' ``rows`` in the
+        packed tensor ``run`` is given."""
         Bp = key[0]
         L, bs = self.L, self.block_size
-        o = self.layout(Bp)
+        o = self.layouts[Bp]
         h, t = host_buffer(o[-1], torch.long, self.device)  # zeroed
         pos: list[int] = []
         slot: list[int] = []
@@ -303,16 +307,20 @@ class FusedTreeLaunch:
         for b, table in enumerate(tables):
             start = o[3] + b * self.width
             h[start : start + len(table)] = table
+        h[o[4] : o[4] + len(rows)] = rows
         self.meta[: o[-1]].copy_(t, non_blocking=True)
 
-    def run(self, key: tuple[int], picks: torch.Tensor, feats: torch.Tensor, trees: torch.Tensor,
-            rows: torch.Tensor) -> str:
+    def run(self, key: tuple[int], picks: torch.Tensor, feats: torch.Tensor, trees: torch.Tensor) -> str:
         """After ``write``: the verify's picks and target features (rows b * N + i) and the verified
-        trees (rows ``rows`` of packed ``trees``) in, launch; the next trees are in ``tree.trees``."""
+        trees (the rows ``write`` was given, of packed ``trees``) in, launch; the next trees are in
+        ``tree.trees``."""
         T = picks.shape[0]
+        Bp = key[0]
+        o = self.layouts[Bp]
         self.picks[:T].copy_(picks)
         self.feats[:T].copy_(feats)
-        self.trees_in[: rows.shape[0]].copy_(trees.index_select(0, rows))
+        # (padding requests take row 0's tree: they accept nothing that is read)
+        self.trees_in[:Bp].copy_(trees.index_select(0, self.meta[o[4] : o[5]]))
         return replay_or_eager(self.graphs, key, self._body)
 
     @torch.inference_mode()
