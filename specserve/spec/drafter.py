@@ -52,7 +52,7 @@ from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
 from specserve.spec.draft_graph import (FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner,
                                         TorchDecodeAttention)
-from specserve.spec.tree import (Candidate, DraftTree, TreeVerifyResult, select_tree, tree_fields, tree_is_final,
+from specserve.spec.tree import (Candidate, DraftTree, TreeVerifyResult, select_tree, tree_is_final,
                                  verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
@@ -444,26 +444,18 @@ class EagleSpeculator:
         triton = attention == "triton"
         if graphs and not (triton and dev.type == "cuda"):
             raise ValueError("CUDA graphs of the draft loop need a CUDA device and the triton attention backend")
-        tables = torch.zeros(max_batch, max_blocks, dtype=torch.long, device=dev)
         if triton:
-            from specserve.attention.triton_backend import TritonBackend, TritonDecodeAttention
+            from specserve.attention.triton_backend import TritonBackend
             from specserve.engine.cuda_graph import capture_sizes
-
-            dec: Any = TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads, block_tables=tables)
-        else:
-            dec = TorchDecodeAttention(caches, bs, scale, tables)
+        dec = self._decode_attention(max_batch, triton)
+        tables = dec.block_tables
         self.chain_runner = ChainDraftRunner(self.head, self.target.embed_tokens, dec, tables, bs, self.scratch_slot,
                                              max_batch, self.max_k, dev, self.head_dtype)
         # trees expand over the same h0 and tables, each frontier slot a query of a decode attention
         self.tree_runner = None
         if self.topk > 1:
-            row_tables = torch.zeros(max_batch * self.topk, max_blocks, dtype=torch.long, device=dev)
-            if triton:
-                tree_dec: Any = TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads,
-                                                      block_tables=row_tables)
-            else:
-                tree_dec = TorchDecodeAttention(caches, bs, scale, row_tables)
-            self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens, tree_dec, row_tables, tables, bs,
+            self.tree_runner = TreeDraftRunner(self.head, self.target.embed_tokens,
+                                               self._decode_attention(max_batch * self.topk, triton), tables, bs,
                                                self.scratch_slot // bs + 1, self.chain_runner.h0, max_batch,
                                                self.topk, self.cfg.num_steps, dev, num_nodes=self.max_k + 1)
         if fused_launch is None:
@@ -507,18 +499,21 @@ class EagleSpeculator:
         """The tree's fused launch over the expansion's buffers, its catch-up attending row by row."""
         tr = self.tree_runner
         assert tr is not None
-        hc, bs = self.head.config, self.engine.config.block_size
         Bm = min(FUSED_MAX_BATCH, tr.batch_sizes[-1])
-        rows = Bm * (min(tr.depth, tr.num_nodes - 1) + 1)
-        row_tables = torch.zeros(rows, tr.block_tables.shape[1], dtype=torch.long, device=self.device)
+        attn = self._decode_attention(Bm * (min(tr.depth, tr.num_nodes - 1) + 1), triton)
+        return FusedTreeLaunch(tr, attn, self.scratch_slot, self.head.config.feature_size, self.engine.dtype, Bm)
+
+    def _decode_attention(self, rows: int, triton: bool) -> Any:
+        """A decode attention over the draft KV (one query per row), reading its own block tables
+        ``block_tables`` [rows, max blocks] that its caller fills: Triton's, or plain PyTorch's."""
+        hc, bs = self.head.config, self.engine.config.block_size
+        tables = torch.zeros(rows, -(-self.engine.max_model_len // bs), dtype=torch.long, device=self.device)
         caches, scale = self.attn.kv_caches, hc.head_dim**-0.5
         if triton:
             from specserve.attention.triton_backend import TritonDecodeAttention
 
-            attn: Any = TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads, block_tables=row_tables)
-        else:
-            attn = TorchDecodeAttention(caches, bs, scale, row_tables)
-        return FusedTreeLaunch(tr, attn, row_tables, self.scratch_slot, hc.feature_size, self.engine.dtype, Bm)
+            return TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads, block_tables=tables)
+        return TorchDecodeAttention(caches, bs, scale, tables)
 
     @property
     def graph_memory_bytes(self) -> int:
@@ -714,7 +709,7 @@ class EagleSpeculator:
         pending = []
         spans = iter(inputs.sample_spans)
         states = self.states
-        tree_src: list[tuple[torch.Tensor, int, int, int, int]] = []  # (trees, row, first input row, nodes, b)
+        tree_src: list[tuple[torch.Tensor, int, int, int, int, int]] = []  # (trees, row, first input row, nodes, b, root)
         for b, s in enumerate(plan.scheduled):
             if not s.samples:
                 continue
@@ -725,7 +720,7 @@ class EagleSpeculator:
             st = states[s.req.request_id]
             if st.device_tree is not None:
                 trees, row = st.device_tree
-                tree_src.append((trees, row, a, n, b))
+                tree_src.append((trees, row, a, n, b, s.req.num_computed_tokens + s.num_new_tokens - 1))
                 pending.append(s)
                 continue
             toks, row = st.device_drafts  # type: ignore[misc]
@@ -743,16 +738,13 @@ class EagleSpeculator:
             inputs.input_ids.index_copy_(0, rows[-1], toks.view(-1).index_select(0, idx[len(dst):]))
         extra = None
         if tree_src:
-            roots = [s.req.num_computed_tokens + s.num_new_tokens - 1 for s in pending
-                     if states[s.req.request_id].device_tree is not None]  # each root's position
-            tree_rows, extra = self._fill_trees(tree_src, inputs, roots)
+            tree_rows, extra = self._fill_trees(tree_src, inputs)
             rows.append(tree_rows)
         return pending, rows[0] if len(rows) == 1 else torch.cat(rows), extra
 
-    def _fill_trees(self, src: list[tuple[torch.Tensor, int, int, int, int]], inputs,
-                    roots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fill_trees(self, src: list[tuple[torch.Tensor, int, int, int, int, int]], inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Device trees into a step's inputs: for each (packed trees, row, first input row, nodes n,
-        request index in the step) the drafts' ids, the nodes' positions (root's + depth) and the
+        request index in the step, root position) the drafts' ids, the nodes' positions (root's + depth) and the
         tree's attention rows (ancestor bits). Returns the drafts' input rows and the trees' parents and depths of nodes 1..n-1
         (a gather to read back with the picks)."""
         N = self.max_k + 1
@@ -766,7 +758,7 @@ class EagleSpeculator:
         same = all(t is src[0][0] for t, *_ in src)
         flat = src[0][0] if same else torch.cat([t for t, *_ in src])
         base = 0
-        for (trees, row, a, n, b), nc in zip(src, roots):
+        for trees, row, a, n, b, nc in src:
             r0 = (base if not same else 0) + row
             if not same:
                 base += trees.shape[0]
@@ -981,7 +973,7 @@ class EagleSpeculator:
         lists = StepLists(bs)
         src: list[int] = []  # the drafts' places in toks, and their input rows
         dst: list[int] = []
-        tree_src: list[tuple[torch.Tensor, int, int, int, int]] = []
+        tree_src: list[tuple[torch.Tensor, int, int, int, int, int]] = []
         plan, blocks = [], []
         for i, ((r, _, kk), res) in enumerate(zip(targets, results)):
             p = r.params
@@ -991,7 +983,7 @@ class EagleSpeculator:
             bt = r.kv.block_table
             # (the drafts: filled on the device below)
             a = lists.add([res.tokens[-1]] + [0] * kk, start, bt, sample_rows=kk + 1)
-            tree_src.append((toks, i, a, kk + 1, i))
+            tree_src.append((toks, i, a, kk + 1, i, start))
             src.extend(range(i * K, i * K + kk))
             dst.extend(range(a + 1, a + kk + 1))
             plan.append((r.request_id, start, res.tokens[-1], kk))
@@ -1000,7 +992,7 @@ class EagleSpeculator:
         extra = None
         if tree:  # ids, positions and masks of the trees the fused launch selected
             inputs.meta.tree_masks = {}
-            rows, extra = self._fill_trees(tree_src, inputs, [start for _, start, _, _ in plan])
+            rows, extra = self._fill_trees(tree_src, inputs)
         else:
             idx = host_to_device(dst + src, self.device)
             rows = idx[: len(dst)]

@@ -39,7 +39,7 @@ from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
-from specserve.spec.tree import Candidate, accept_trees, select_trees, tree_fields, tree_width
+from specserve.spec.tree import accept_trees, select_trees, tree_fields, tree_width
 
 
 def candidate_depths(topk: int, depth: int) -> list[int]:
@@ -56,13 +56,12 @@ class TreeDraftRunner:
     """The tree expansion over static buffers; ``capture()`` records it per padded batch."""
 
     def __init__(self, head: Eagle3DraftModel, embed: Callable[[torch.Tensor], torch.Tensor],
-                 attn: AttentionBackend, row_tables: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                 first_lane_block: int, h0: torch.Tensor, max_batch: int, topk: int, depth: int,
+                 attn: AttentionBackend, block_tables: torch.Tensor, block_size: int, first_lane_block: int, h0: torch.Tensor, max_batch: int, topk: int, depth: int,
                  device: torch.device, graph_max_batch: int = 32, num_nodes: int | None = None) -> None:
         self.head = head
         self.embed = embed
-        self.attn = attn  # a decode attention over the draft KV whose block tables are row_tables
-        self.row_tables = row_tables  # [max_batch * topk, max_blocks]: each frontier slot's
+        self.attn = attn  # a decode attention over the draft KV reading its own block tables:
+        self.row_tables = attn.block_tables  # [max_batch * topk, max_blocks], each frontier slot's
         self.block_tables = block_tables  # [max_batch, max_blocks] long
         self.block_size = block_size
         self.h0 = h0  # [max_batch, H]: the catch-up writes it
@@ -75,14 +74,10 @@ class TreeDraftRunner:
         self.lanes = first_lane_block + torch.arange(max_batch * topk * nb, device=device).view(-1, nb)
         self.kv_blocks = kv_slab(attn.kv_caches).unflatten(1, (-1, block_size))  # [2 x layers, blocks, bs, kvh, d]
         self.base_pos = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.depths = candidate_depths(topk, depth)
-        n = len(self.depths)
-        self.cand_tok = torch.zeros(max_batch, n, dtype=torch.long, device=device)
-        self.cand_score = torch.zeros(max_batch, n, dtype=torch.float32, device=device)
-        self.cand_parent = torch.zeros(max_batch, n, dtype=torch.long, device=device)
+        depths = candidate_depths(topk, depth)
         # every request's tree of num_nodes tokens, selected on the device (select_trees)
-        self.num_nodes = num_nodes if num_nodes is not None else min(n, 63) + 1
-        self.cand_depth = torch.tensor(self.depths, dtype=torch.long, device=device)
+        self.num_nodes = num_nodes if num_nodes is not None else min(len(depths), 63) + 1
+        self.cand_depth = torch.tensor(depths, dtype=torch.long, device=device)
         self.sizes = torch.zeros(max_batch, dtype=torch.long, device=device)  # each request's drafts
         self.trees = torch.zeros(max_batch, tree_width(self.num_nodes), dtype=torch.long, device=device)
         self._first_parent = torch.full((topk,), -1, dtype=torch.long, device=device)
@@ -92,24 +87,20 @@ class TreeDraftRunner:
         self.stats = GraphStats()
 
     def _body(self, B: int) -> None:
-        """Expand rows [0, B) and select each one's tree (reads only static buffers; writes the
-        cand_* buffers and ``trees``)."""
-        self._expand(B)
-        select_trees(self.cand_tok[:B], self.cand_score[:B], self.cand_parent[:B], self.cand_depth, self.num_nodes,
-                     self.depth, self.trees, self.sizes[:B])
+        """Expand rows [0, B) and select each one's tree (reads only static buffers; writes ``trees``)."""
+        toks, scores, parents = self._expand(B)
+        select_trees(toks, scores, parents, self.cand_depth, self.num_nodes, self.depth, self.trees, self.sizes[:B])
 
-    def _expand(self, B: int) -> None:
-        """Every depth's candidates, written into the cand_* buffers at the end (one concatenation
-        each: at one request the expansion is bound by its kernel count)."""
+    def _expand(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every depth's candidates [B, C]: tokens, scores, parents (one concatenation each: at one
+        request the expansion is bound by its kernel count)."""
         head, K = self.head, self.topk
         h = self.h0[:B]
         score, tok = torch.log_softmax(head.compute_logits(h), -1).topk(K, dim=-1)  # [B, K]
         tok = head.draft_to_target(tok)
         toks, scores, parents = [tok], [score], [self._first_parent.expand(B, -1)]
         self._expand_depths(B, h, tok, score, toks, scores, parents)
-        torch.cat(toks, 1, out=self.cand_tok[:B])
-        torch.cat(scores, 1, out=self.cand_score[:B])
-        torch.cat(parents, 1, out=self.cand_parent[:B])
+        return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1)
 
     def _expand_depths(self, B: int, h: torch.Tensor, tok: torch.Tensor, score: torch.Tensor,
                        toks: list[torch.Tensor], scores: list[torch.Tensor], parents: list[torch.Tensor]) -> None:
@@ -193,18 +184,6 @@ class TreeDraftRunner:
         self._body(B)
         return "eager"
 
-    def run(self, base: list[int], tables: list[list[int]]) -> tuple[list[list[Candidate]], str]:
-        """Every request's candidates (h0[:B] must hold the catch-up output) and the path taken."""
-        B = len(base)
-        path = self.run_device(base, tables)
-        toks = self.cand_tok[:B].tolist()  # the expansion's one host sync
-        scores = self.cand_score[:B].tolist()
-        parents = self.cand_parent[:B].tolist()
-        depths = self.depths
-        cands = [[Candidate(t, s, p, d) for t, s, p, d in zip(toks[b], scores[b], parents[b], depths)]
-                 for b in range(B)]
-        return cands, path
-
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
         """One CUDA graph per padded batch (up to ``graph_max_batch``)."""
@@ -229,8 +208,7 @@ class FusedTreeLaunch:
     writes (``write``, one copy): each row's position and KV slot, each request's nc and block
     table; padding rows write the scratch slot, padding requests accept nothing that matters."""
 
-    def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, row_tables: torch.Tensor,
-                 scratch_slot: int, feature_size: int, dtype: torch.dtype, max_batch: int) -> None:
+    def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, scratch_slot: int, feature_size: int, dtype: torch.dtype, max_batch: int) -> None:
         self.tree = tree
         self.device = tree.device
         self.N, self.D = tree.num_nodes, tree.depth
@@ -246,8 +224,8 @@ class FusedTreeLaunch:
         self.trees_in = torch.zeros(Bm, tree_width(self.N), dtype=torch.long, device=dev)
         self.layouts = {Bp: self.layout(Bp) for Bp in self.batch_sizes}  # (on the host's path of every cycle)
         self.meta = torch.zeros(self.layouts[Bm][-1], dtype=torch.long, device=dev)
-        self.row_tables = row_tables  # [Bm * L, width]: each catch-up row's block table (its request's)
-        self.row_attn = row_attn  # a decode attention over the draft KV reading row_tables
+        self.row_attn = row_attn  # a decode attention over the draft KV reading its own block tables:
+        self.row_tables = row_attn.block_tables  # [Bm * L, width], each catch-up row's (its request's)
         self.graphs: dict[tuple[int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
