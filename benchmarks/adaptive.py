@@ -67,7 +67,7 @@ from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 STATIC = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static"}
 
 
-def configs(args: argparse.Namespace, variant_name: str | None = None) -> dict[str, dict[str, Any]]:
+def configs(args: argparse.Namespace, variant_names: list[str] = ()) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"none": {}}
     for k in args.static_steps:
         out[f"chain{k}"] = {**STATIC, "speculative_num_steps": k}
@@ -76,8 +76,8 @@ def configs(args: argparse.Namespace, variant_name: str | None = None) -> dict[s
                                            "speculative_num_steps": args.threshold_steps}
     out["adaptive"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "adaptive",
                        "speculative_num_steps": args.adaptive_steps, "speculative_calibrate": args.adaptive_calibrate}
-    if variant_name:
-        out[variant_name] = dict(out["adaptive"])
+    for name in variant_names:
+        out[name] = dict(out["adaptive"])
     return out
 
 
@@ -527,8 +527,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "spec engine held at plain decoding at 0.94x no-spec, where alone it ran 0.986x")
     ap.add_argument("--variant", default=None, action="append", metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
                     help="one more adaptive engine (adaptive_NAME) with fields under its controller set, e.g. "
-                         "mem0:bandit.memory_s=0: an A/B in the same run, reported beside adaptive (once: a "
-                         "second one is refused, not silently dropped)")
+                         "mem0:bandit.memory_s=0: an A/B in the same run, reported beside adaptive (repeatable: "
+                         "one engine per --variant, names distinct)")
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--threshold-n", type=int, default=4)
     ap.add_argument("--threshold-steps", type=int, default=3)
@@ -574,10 +574,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     os.makedirs(args.output_dir, exist_ok=True)
 
-    if args.variant and len(args.variant) > 1:
-        ap.error(f"--variant given {len(args.variant)} times: one per run")
-    var_name, var_fields = variant(args.variant[0]) if args.variant else (None, {})
-    cfgs = configs(args, var_name)
+    try:
+        variants = dict(variant(v) for v in args.variant or [])
+    except ValueError as e:
+        ap.error(str(e))
+    if len(variants) < len(args.variant or []):
+        ap.error("--variant: two variants share a name")
+    cfgs = configs(args, list(variants))
     names = list(cfgs)
     max_c = max(cs + levels + [args.off_concurrency])
     result: dict[str, Any] = {"benchmark": "adaptive", **run_metadata(), "device": device_name(), "configs": names,
@@ -589,8 +592,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         llms[n] = LLM(args.model, kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(max_c, 8), seed=args.seed,
                       num_kv_blocks=args.num_kv_blocks, **kw)
-        if n == var_name:
-            apply_variant(llms[n], var_fields)
+        if n in variants:
+            apply_variant(llms[n], variants[n])
         print(f"engine {n}: {time.perf_counter() - t0:.1f}s", flush=True)
     ctl = controller(llms["adaptive"])
     result["cost_profile"] = dict(ctl.cost.meta)
@@ -619,12 +622,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for attempt in range(1 + args.retry_noisy):
             src = source(offset)
             quiet = wait_for_quiet(args.quiet_threshold, args.max_wait)
-            log = CycleLog.start(llms["adaptive"]) if args.log_cycles else None
+            # every adaptive engine's cycles (the variants' too: an A/B is read from both sides)
+            logs = {n: CycleLog.start(llms[n]) for n in names if n.startswith("adaptive")} if args.log_cycles else {}
             p = run_point(clients, C, src, args.point_s, args.slice_s)
-            if log is not None:
+            for n, log in logs.items():
+                if log is None:
+                    continue
                 log.detach()
-                p["configs"]["adaptive"]["cycle_summary"] = log.summary()
-                with open(os.path.join(args.output_dir, f"cycles_c{C}.json"), "w") as f:
+                p["configs"][n]["cycle_summary"] = log.summary()
+                tag = "" if n == "adaptive" else "_" + n.removeprefix("adaptive_")
+                with open(os.path.join(args.output_dir, f"cycles_c{C}{tag}.json"), "w") as f:
                     json.dump(log.logs(), f)  # compact: thousands of short rows
             offset += max(c.issued for c in clients)
             p["attempt"], p["other_cpu_before"] = attempt, quiet

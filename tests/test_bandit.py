@@ -548,3 +548,38 @@ def test_a_new_buckets_warm_up_may_leave_plain_decoding_on_every_buckets_budget(
     assert warm_up(False, False) == []
     assert 1 in warm_up(True, False)
     assert warm_up(True, True) == []
+
+
+def test_a_decision_sure_not_to_explore_never_explores():
+    """``cannot_explore`` (what lets a full decision be taken before the cycle in flight is known)
+    is never wrong, and is sure on more than the turns between explorations: on exploration turns
+    whose budget is spent too, here a head that is never right with a catch-up out of plain decoding."""
+    rng = np.random.default_rng(3)
+    b = GoodputBandit(explore_budget=0.01)
+    priors = {0: (32.0, 0.30), 1: (48.0, 0.36), 2: (56.0, 0.42)}
+    last, sure_turns, turns = 0, 0, 0
+    for _ in range(3000):
+        visit = b.visits.get(10, 0)
+        sure = b.cannot_explore(10)
+        turn = b.explores_at(10, visit) and visit >= b.warm_visits
+        between = not b.explores_at(10, visit) and 10 not in b._explore_again
+        arm, exploring = b.choose(10, priors, 32, switch_s=0.3)
+        assert not (sure and exploring), visit
+        if between:
+            assert sure
+        turns += turn
+        sure_turns += turn and sure
+        sec = priors[arm][1] * rng.lognormal(0, 0.1)
+        if arm and last == 0:
+            b.charge(10, arm, 32.0, sec + 0.3)
+        else:
+            b.observe(10, arm, priors[arm][1], 32.0, sec, requests=32)
+        last = arm
+    assert 0 < sure_turns < turns, (sure_turns, turns)
+    # an exploration's second cycle and a warm-up turn are never sure
+    fresh = GoodputBandit()
+    fresh.visits[4] = fresh.warm_every - 1
+    assert not fresh.cannot_explore(4)
+    fresh.visits[4] = 40
+    fresh._explore_again[4] = 2
+    assert not fresh.cannot_explore(4)

@@ -284,6 +284,30 @@ def test_adaptive_full_decisions_launch_before_the_sync(tiny):
     assert len(measured) >= len(decisions) - 2 and len({id(c) for c in measured}) == len(measured)
 
 
+def test_adaptive_full_decisions_sure_not_to_explore_launch_before_the_sync(tiny):
+    """With ``fuse_exploit`` (and not ``fuse_full``) only the full decisions the bandit is sure will not
+    explore are taken before the verify's sync; the others after it, as before. Outputs stay plain
+    decoding's."""
+    llm, ref, decisions = adaptive_static_loop(*tiny)
+    dr = llm.engine.drafter
+    ctl = dr.controller
+    ctl.fuse_full, ctl.fuse_exploit = False, True
+    ctl.quick_arm = lambda batch, running=None: None  # every decision a full one
+    sure: list[bool] = []
+    ctl.bandit.cannot_explore = lambda key: sure.append(len(sure) % 2 == 0) or sure[-1]  # every other one
+    ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: (max(priors), False)
+    early, late = [], []
+    decide_early, decide = ctl.decide_early, ctl.decide
+    ctl.decide_early = lambda *a, **k: (early.append(1), decide_early(*a, **k))[1]
+    ctl.decide = lambda *a, **k: (late.append(1), decide(*a, **k))[1]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP24)]
+    assert out == ref
+    # every decide_early calls decide once itself: the late ones are the rest
+    assert len(early) == sum(sure) > 3
+    assert len(late) - len(early) >= len(sure) - sum(sure) > 3
+    assert dr.path_counts["fused"] >= len(early) - 2
+
+
 def stop_mid_cycle(model: str) -> tuple[SamplingParams, list[list[int]]]:
     """Greedy params whose stop token only request 2 comes to (past its first few tokens: it stops
     there, mid-cycle; the others run to max_tokens 40), and plain decoding's outputs of PROMPTS."""

@@ -369,6 +369,22 @@ class GoodputBandit:
                 return alt, True
         return best, False
 
+    def cannot_explore(self, key: int) -> bool:
+        """Whether ``choose``'s next decision in bucket ``key`` is sure not to explore (so that it can be
+        taken before the outcome of the cycle in flight is known): no exploration's second cycle is
+        due, and the decision is not an exploration turn or its budget is spent even before the
+        catch-up an exploration out of plain decoding would add. Warm-up turns may explore whatever
+        the budget (while drafting is the pick): never sure."""
+        visit = self.visits.get(key, 0)
+        if key in self._explore_again:
+            return False
+        if not self.explores_at(key, visit):
+            return True
+        if visit < self.warm_visits:
+            return False
+        spent = self.spent.get(key, 0.0) + self._last_loss.get(key, 0.0)
+        return spent > self.explore_budget * self.elapsed.get(key, 0.0)
+
     def explores_at(self, key: int, visit: int) -> bool:
         """Whether decision number ``visit`` of bucket ``key`` may explore (so needs a full decision)."""
         if not self.explore_every:

@@ -211,6 +211,12 @@ class SpecController:
     # settled on depth 3 where 5 ran faster), though a later run without it settled on depth 3 too:
     # that lock-in, not this, may be the cause (BENCHMARKS.md, GPU section, session 27)
     fuse_full: bool = False
+    # ... only those full decisions that cannot explore (GoodputBandit.cannot_explore: the turns whose
+    # exploration budget is spent, and the re-weighing turns between exploration turns): explorations
+    # stay timed as before, while the rest stop costing the lost overlap of drafting after the sync
+    # (a full decision's draft step took ~1.1 ms against a fused one's ~0.05 at one request on the
+    # H200: one in 16 cycles, ~5 % of the time; BENCHMARKS.md, GPU section, session 31)
+    fuse_exploit: bool = False
     # where the next cycle's drafts were launched before the sync, the verify after them is launched
     # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
     # device then has the next verify queued behind the drafts while the host commits and schedules.
@@ -299,6 +305,10 @@ class SpecController:
         b.visits[key] = visit + 1
         self._quick_key = key
         return arm
+
+    def exploit_only(self, batch: int) -> bool:
+        """Whether the next full decision for ``batch`` requests is sure not to explore."""
+        return self.cfg.policy == "adaptive" and self.bandit.cannot_explore(batch_key(batch))
 
     def full_decision_every(self) -> int:
         """``full_every``, or more decisions apart where a full one costs more than ``decide_budget``

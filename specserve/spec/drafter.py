@@ -782,7 +782,8 @@ class EagleSpeculator:
     def _early_ks(self, found: list[tuple[Request, int]]) -> list[int]:
         """Each request's next k, where the next decision is known before this verify's outcome: the
         static policy's, a forced depth's (the adaptive policy's calibration) and, with ``fuse_quick``,
-        the adaptive policy's quick decision and (``fuse_full``) its full one, taken here for
+        the adaptive policy's quick decision and (``fuse_full``; ``fuse_exploit``: where it cannot
+        explore) its full one, taken here for
         draft_step to apply (_pre_arm, _pre_ks); [] where it is not known or a cap could bind."""
         ctl = self.controller
         if self.cfg.policy == "static":
@@ -800,7 +801,7 @@ class EagleSpeculator:
             self._pre_arm = (len(found), arm)  # quick_arm counted the decision: draft_step applies it
             return [self._capped(r, k, drafts(arm)) for r, k in found]
         caps = [self._capped(r, k, self.max_k) for r, k in found]
-        if not ctl.fuse_full or not all(caps):
+        if not all(caps) or not (ctl.fuse_full or (ctl.fuse_exploit and ctl.exploit_only(len(found)))):
             return []
         reqs = [r for r, _ in found]
         # (what this verify commits is not known yet: up to k + 1 tokens each to catch up)
