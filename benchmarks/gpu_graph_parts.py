@@ -39,6 +39,28 @@ def device_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return a.elapsed_time(b) / reps
 
 
+def kernels(graph: torch.cuda.CUDAGraph, reps: int = 20, top: int = 30) -> list[dict]:
+    """The kernels one replay of ``graph`` runs, by device time (the profiler traces a graph's kernels
+    where CUPTI can): name, launches per replay, microseconds per replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = getattr(ev, "cuda_time_total", 0.0)
+        if us > 0:
+            rows.append({"name": ev.key[:120], "per_replay": ev.count / reps, "us": us / reps})
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -46,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", default="chain5,tree")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the kernels of the one-request fused launch and expansion / chain loop, by device time")
     ap.add_argument("--output-file", default="benchmarks/results/gpu_graph_parts.json")
     args = ap.parse_args(argv)
     prompt = None
@@ -78,9 +102,24 @@ def main(argv: list[str] | None = None) -> None:
             row["fused_launch_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in fl.graphs.items()
                                       if k[1] == 1 and k[2] == dr.max_k and k[3] == dr.max_k}
             row["chain_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in dr.chain_runner.graphs.items() if k[0] == 1}
+        if args.kernels:
+            parts = {}
+            if dr.tree_launch is not None:
+                parts["fused_tree_launch"] = next(gr for k, gr in dr.tree_launch.graphs.items() if k[0] == 1)
+                parts["expansion"] = next(gr for k, gr in dr.tree_runner.graphs.items() if k[0] == 1)
+            if dr.fused_launch is not None:
+                parts["fused_launch"] = next(gr for k, gr in dr.fused_launch.graphs.items()
+                                             if k[1] == 1 and k[2] == dr.max_k and k[3] == dr.max_k)
+                parts["chain"] = next(gr for k, gr in dr.chain_runner.graphs.items() if k[0] == 1)
+            row["kernels"] = {p: kernels(gr) for p, gr in parts.items()}
+            for p, ks in row["kernels"].items():
+                print(f"  {name} {p}: {sum(k['per_replay'] for k in ks):.0f} launches (top {len(ks)}), "
+                      f"{sum(k['us'] for k in ks):.0f} us", flush=True)
+                for k in ks[:12]:
+                    print(f"    {k['us']:7.1f} us {k['per_replay']:5.1f}x {k['name'][:90]}", flush=True)
         row["paths"] = dict(dr.path_counts)
         rows[name] = row
-        print(name, {k: v for k, v in row.items() if k != "paths"}, flush=True)
+        print(name, {k: v for k, v in row.items() if k not in ("paths", "kernels")}, flush=True)
         del llm
         torch.cuda.empty_cache()
     write_json(args.output_file, {"meta": run_metadata(), "configs": rows, "command": " ".join(sys.argv)})
