@@ -58,7 +58,8 @@ def kernels(graph: torch.cuda.CUDAGraph, reps: int = 20, top: int = 30) -> list[
         if us > 0:
             rows.append({"name": ev.key[:120], "per_replay": ev.count / reps, "us": us / reps})
     rows.sort(key=lambda r: -r["us"])
-    return rows[:top]
+    total = {"name": "(all kernels)", "per_replay": sum(r["per_replay"] for r in rows), "us": sum(r["us"] for r in rows)}
+    return [total] + rows[:top]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,9 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                 parts["chain"] = next(gr for k, gr in dr.chain_runner.graphs.items() if k[0] == 1)
             row["kernels"] = {p: kernels(gr) for p, gr in parts.items()}
             for p, ks in row["kernels"].items():
-                print(f"  {name} {p}: {sum(k['per_replay'] for k in ks):.0f} launches (top {len(ks)}), "
-                      f"{sum(k['us'] for k in ks):.0f} us", flush=True)
-                for k in ks[:12]:
+                print(f"  {name} {p}: {ks[0]['per_replay']:.0f} launches, {ks[0]['us']:.0f} us", flush=True)
+                for k in ks[1:13]:
                     print(f"    {k['us']:7.1f} us {k['per_replay']:5.1f}x {k['name'][:90]}", flush=True)
         row["paths"] = dict(dr.path_counts)
         rows[name] = row
