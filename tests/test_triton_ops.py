@@ -241,3 +241,28 @@ def test_fused_head_step_takes_one_rotary_kernel_and_matches_the_torch_ops(monke
     for a, b in zip(cache, cache_ref):  # (the norms before qkv are fused kernels too: bf16 rounding)
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2)
     assert not torch.equal(cache[0], base)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 8192, 4), (16, 8192, 4), (3, 1000, 8), (2, 64, 1)])
+def test_topk_logprobs_matches_log_softmax_then_topk(dtype, rows, n, k):
+    g = torch.Generator().manual_seed(rows * n + k)
+    logits = (torch.randn(rows, n, generator=g) * 4).to(DEVICE, dtype)
+    val, idx = triton_ops.topk_logprobs(logits, k)
+    ref_val, ref_idx = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+    torch.testing.assert_close(val, ref_val, atol=1e-5, rtol=1e-5)
+    # bf16 logits tie often: then each index must still hold its value
+    if dtype == torch.float32:
+        assert torch.equal(idx, ref_idx)
+    torch.testing.assert_close(torch.log_softmax(logits.float(), -1).gather(1, idx), val, atol=1e-5, rtol=1e-5)
+    assert (val[:, :-1] >= val[:, 1:]).all()
+
+
+def test_topk_logprobs_takes_the_lower_index_among_ties_and_refuses_wide_rows():
+    logits = torch.zeros(2, 32, device=DEVICE)
+    logits[0, [5, 9, 20]] = 1.0
+    val, idx = triton_ops.topk_logprobs(logits, 4)
+    assert idx[0].tolist() == [5, 9, 20, 0] and idx[1].tolist() == [0, 1, 2, 3]
+    assert torch.allclose(val[1], torch.full((4,), -torch.log(torch.tensor(32.0)).item(), device=DEVICE))
+    with pytest.raises(ValueError, match="at most"):
+        triton_ops.topk_logprobs(torch.zeros(1, triton_ops.TOPK_LOGPROBS_MAX_N + 1, device=DEVICE), 2)

@@ -485,10 +485,12 @@ class Eagle3DraftModel(nn.Module):
         """Attach the target's logits function (EAGLE-1 heads have no lm_head of their own)."""
         self._target_logits = compute_logits
 
-    def compute_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, draft_vocab] (EAGLE-1: the target's full vocab)."""
+    def compute_logits(self, hidden_out: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """fp32 logits [T, draft_vocab] (EAGLE-1: the target's full vocab); ``fp32=False``: in the
+        lm_head's dtype, for a kernel that reads them in fp32 itself (layers.topk_logprobs)."""
         if self.is_eagle3:
-            return self.lm_head(self.norm(hidden_out)).float()
+            out = self.lm_head(self.norm(hidden_out))
+            return out.float() if fp32 else out
         if self._target_logits is None:
             raise RuntimeError("an EAGLE-1 head needs the target's lm_head: call bind_target(target.compute_logits)")
         return self._target_logits(hidden_out).float()

@@ -103,6 +103,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(s, weight, eps), s
 
 
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits) in fp32, top ``k`` per row: (values, indices). One kernel on the GPU for
+    rows up to triton_ops.TOPK_LOGPROBS_MAX_N wide (a draft vocabulary), torch's ops elsewhere."""
+    if _fused(logits) and logits.dim() == 2 and logits.shape[-1] <= _triton_ops().TOPK_LOGPROBS_MAX_N:
+        return _triton_ops().topk_logprobs(logits, k)
+    return torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for gate_up = [gate | up] on the last dim: one kernel on the GPU."""
     if _fused(gate_up):

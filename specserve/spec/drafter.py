@@ -47,6 +47,7 @@ from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
 from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
 from specserve.models.eagle3 import Eagle3DraftModel
+from specserve.models.layers import topk_logprobs
 from specserve.spec.bandit import batch_key
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
@@ -1576,8 +1577,7 @@ class EagleSpeculator:
         """EAGLE-2: expand the topk best frontier nodes per step; keep the best k candidates."""
         reqs = [r for r, _ in todo]
         B, K, dev = len(reqs), self.topk, self.device
-        logp = torch.log_softmax(self.head.compute_logits(h), -1)
-        score, tok = logp.topk(K, dim=-1)  # [B, K]
+        score, tok = topk_logprobs(self.head.compute_logits(h, fp32=False), K)  # [B, K]
         tok = self.head.draft_to_target(tok)
         cands: list[list[Candidate]] = [[] for _ in range(B)]
         sc_l, tok_l = score.tolist(), tok.tolist()
@@ -1597,8 +1597,7 @@ class EagleSpeculator:
             self.tree_attn.set_ancestors(anc)
             with forward_context(self.tree_attn):
                 h_out = self.head(self.target.embed_tokens(front_tok.reshape(-1)), front_h, pos)
-            lp = torch.log_softmax(self.head.compute_logits(h_out), -1)
-            c_score, c_tok = lp.topk(K, dim=-1)  # [B*K, K]
+            c_score, c_tok = topk_logprobs(self.head.compute_logits(h_out, fp32=False), K)  # [B*K, K]
             c_score = (front_score.reshape(-1, 1) + c_score).reshape(B, K * K)
             c_tok = self.head.draft_to_target(c_tok).reshape(B, K * K)
             best_score, best = c_score.topk(K, dim=-1)  # next frontier [B, K]

@@ -38,6 +38,7 @@ from specserve.attention.base import AttentionBackend, forward_context
 from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
+from specserve.models.layers import topk_logprobs
 from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
 from specserve.spec.tree import accept_trees, select_trees, tree_fields, tree_width
 
@@ -96,7 +97,7 @@ class TreeDraftRunner:
         request the expansion is bound by its kernel count)."""
         head, K = self.head, self.topk
         h = self.h0[:B]
-        score, tok = torch.log_softmax(head.compute_logits(h), -1).topk(K, dim=-1)  # [B, K]
+        score, tok = topk_logprobs(head.compute_logits(h, fp32=False), K)  # [B, K]
         tok = head.draft_to_target(tok)
         toks, scores, parents = [tok], [score], [self._first_parent.expand(B, -1)]
         self._expand_depths(B, h, tok, score, toks, scores, parents)
@@ -134,7 +135,7 @@ class TreeDraftRunner:
             self.attn.set_step(slots[i], seqs[i])
             with forward_context(self.attn):
                 h_out = head(self.embed(front_tok.reshape(-1)), front_h, pos[i])
-            c_score, c_tok = torch.log_softmax(head.compute_logits(h_out), -1).topk(K, dim=-1)  # [R, K]
+            c_score, c_tok = topk_logprobs(head.compute_logits(h_out, fp32=False), K)  # [R, K]
             c_score = (front_score.reshape(-1, 1) + c_score).reshape(B, K * K)
             c_tok = head.draft_to_target(c_tok).reshape(B, K * K)
             toks.append(c_tok)
