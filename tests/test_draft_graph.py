@@ -99,6 +99,32 @@ def run(model: str | None, head: str, static: str | None, prompts, params, catch
     return [o.outputs[0].token_ids for o in outs], log, dict(llm.engine.drafter.path_counts)
 
 
+def assert_same_drafts(log: list, ref_log: list) -> int:
+    """Each request drafts what it drafts in ``ref_log`` step for step, except that a fused launch may
+    draft a request near its end shorter (a prefix: its cap after the most the verify could commit,
+    drafter._capped), in one of its last 2k + 2 draft steps; past that the two runs may part. Returns
+    the draft steps compared."""
+    def per_request(lg: list) -> dict:
+        out: dict = {}
+        for step in lg:
+            for rid, d in step:
+                out.setdefault(rid, []).append(d)
+        return out
+
+    mine, ref = per_request(log), per_request(ref_log)
+    assert mine.keys() == ref.keys()
+    compared = 0
+    for rid, seq in mine.items():
+        for i, (a, b) in enumerate(zip(seq, ref[rid])):
+            if a != b:
+                # (capped where the verify of k drafts, committing all k + 1, would leave fewer than k
+                # drafts: within 2k + 1 tokens of the end, at most 2k + 2 steps of one token or more)
+                assert len(a) < len(b) and a == b[: len(a)] and i >= len(ref[rid]) - (2 * len(b) + 2), (rid, i, a, b)
+                break
+            compared += 1
+    return compared
+
+
 def mixed_k_params(n: int, max_tokens: int = 24) -> list[SamplingParams]:
     """Per-request draft caps 1..3 (and different lengths): one batch mixes every k."""
     return [SamplingParams(temperature=0, max_tokens=max_tokens - 3 * (i % 2), ignore_eos=True,
@@ -113,7 +139,7 @@ def test_static_chain_same_drafts_as_eager_tiny(tiny, steps):
     ref_out, ref_log, _ = run(model, head, None, PROMPTS, sp, **eng)
     out, log, paths = run(model, head, "torch", PROMPTS, sp, **eng)
     assert out == ref_out
-    assert log == ref_log and len(log) > 10
+    assert assert_same_drafts(log, ref_log) > 10
     assert paths.get("chain:eager", 0) == len(log) and "chain:graph" not in paths
 
 
@@ -126,7 +152,7 @@ def test_static_chain_mixed_k_in_one_batch(tiny):
     assert out == ref_out
     assert {len(d) for step in log for _, d in step} == {1, 2, 3}
     # rows past their k only write the scratch slot: the drafts of every k are the eager loop's
-    assert log == ref_log
+    assert assert_same_drafts(log, ref_log) > 10
     plain = LLM(model=model, device="cpu", max_num_seqs=8)
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
 
@@ -384,9 +410,9 @@ def test_static_chain_smollm2_chat(chat_prompts):
     out, log, paths = run(None, str(DEFAULT_HEAD), "torch", prompts, sp, **eng)
     assert out == ref_out
     # drafts accepted, most cycles launched before the verify's sync (the accepted rows picked on the
-    # device), and every draft the eager loop's
+    # device), and every draft the eager loop's (short of a request's end: assert_same_drafts)
     assert sum(len(d) for step in log for _, d in step) > len(log) and paths.get("fused", 0) > len(log) / 2
-    assert log == ref_log
+    assert assert_same_drafts(log, ref_log) > 5
     plain = LLM(device="cpu", max_num_seqs=2)
     assert out == [o.outputs[0].token_ids for o in plain.chat(prompts, sp)]
 

@@ -50,7 +50,7 @@ def test_triton_decode_attention_matches_torch():
 def test_triton_static_draft_path_same_drafts(tmp_path):
     """Catch-up through a Triton backend and the loop through Triton decode attention (eagerly):
     the drafts of the eager torch-native loop, step for step."""
-    from test_draft_graph import PROMPTS, mixed_k_params, run
+    from test_draft_graph import PROMPTS, assert_same_drafts, mixed_k_params, run
     from tiny_model import make_random_head, make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
@@ -60,11 +60,11 @@ def test_triton_static_draft_path_same_drafts(tmp_path):
     ref_out, ref_log, _ = run(model, head, None, PROMPTS[:3], params, **eng)
     out, log, paths = run(model, head, "triton", PROMPTS[:3], params, **eng)
     assert out == ref_out
-    assert log == ref_log
+    assert assert_same_drafts(log, ref_log) > 5
     assert paths["catch_up:eager"] == len(log) and paths["chain:eager"] == len(log)
     # catch-ups larger than the static runner's token budget: in groups of whole requests, same drafts
     out, log, paths = run(model, head, "triton", PROMPTS[:3], params, catch_up_tokens=12, **eng)
-    assert out == ref_out and log == ref_log
+    assert out == ref_out and assert_same_drafts(log, ref_log) > 5
     assert paths["catch_up:eager"] > len(log) and "catch_up:torch" not in paths
 
 
