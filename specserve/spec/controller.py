@@ -216,7 +216,7 @@ class SpecController:
     # stay timed as before, while the rest stop costing the lost overlap of drafting after the sync
     # (a full decision's draft step took ~1.1 ms against a fused one's ~0.05 at one request on the
     # H200: one in 16 cycles, ~5 % of the time; BENCHMARKS.md, GPU section, session 31)
-    fuse_exploit: bool = False
+    fuse_exploit: bool = True
     # where the next cycle's drafts were launched before the sync, the verify after them is launched
     # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
     # device then has the next verify queued behind the drafts while the host commits and schedules.
