@@ -583,3 +583,21 @@ def test_a_decision_sure_not_to_explore_never_explores():
     fresh.visits[4] = 40
     fresh._explore_again[4] = 2
     assert not fresh.cannot_explore(4)
+
+
+def test_an_explorations_measured_cycle_is_in_flight_until_the_next_decision():
+    """exploration_in_flight: true right after choose returned an exploration's second cycle (the one
+    measured), false once any later decision of the bucket is counted (a full one or a quick one)."""
+    b = GoodputBandit()
+    priors = {0: (1.0, 0.010), 1: (1.6, 0.012), 2: (2.0, 0.014)}
+    seen = 0
+    for _ in range(200):
+        arm, exploring = b.choose(0, priors)
+        second = exploring and 0 not in b._explore_again
+        assert b.exploration_in_flight(0) == second
+        seen += second
+        b.observe(0, arm, priors[arm][1], priors[arm][0], priors[arm][1])
+        if second:
+            b.visits[0] += 1  # a quick decision (controller.quick_arm counts it so)
+            assert not b.exploration_in_flight(0)
+    assert seen > 3

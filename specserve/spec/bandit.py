@@ -197,6 +197,7 @@ class GoodputBandit:
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
     _plain_turn: dict[int, bool] = field(default_factory=dict)  # bucket -> plain decoding's turn to be explored
+    _measured_at: dict[int, int] = field(default_factory=dict)  # bucket -> decision of its last exploration's second cycle
 
     def excess_per_request(self) -> float:
         """Measured minus predicted seconds per cycle and request, over every bucket."""
@@ -270,6 +271,7 @@ class GoodputBandit:
         self.visits[key] = visit + 1
         again = self._explore_again.pop(key, None)
         if again in est:  # an exploration's second cycle (its first paid the switch)
+            self._measured_at[key] = visit
             return again, True
         arms = self.stats.get(key, {})
         # past a bucket's warm-up the pick is among arms with served cycles there: an arm known only by
@@ -368,6 +370,10 @@ class GoodputBandit:
                 self._last_loss[key] = 0.0
                 return alt, True
         return best, False
+
+    def exploration_in_flight(self, key: int) -> bool:
+        """Whether the last decision in bucket ``key`` was an exploration's second (measured) cycle."""
+        return self._measured_at.get(key, -2) == self.visits.get(key, 0) - 1
 
     def cannot_explore(self, key: int) -> bool:
         """Whether ``choose``'s next decision in bucket ``key`` is sure not to explore (so that it can be

@@ -217,6 +217,13 @@ class SpecController:
     # (a full decision's draft step took ~1.1 ms against a fused one's ~0.05 at one request on the
     # H200: one in 16 cycles, ~5 % of the time; BENCHMARKS.md, GPU section, session 31)
     fuse_exploit: bool = True
+    # the decision after an exploration's measured (second) cycle taken after the sync, where the
+    # drafter would take it before: a cycle's measure runs from its decision to the next, so with the
+    # next cycle's drafts launched before the sync that cycle holds them, not its own (which ran in the
+    # cycle before, unfused after a full decision's sync): an explored depth is timed with the next
+    # pick's drafts on top of its own. Off: to be A/B'd on the H200 (session 31 found the adaptive
+    # engine settling on depths 3-4 where 5 ran fastest, at 1, 4 and 16 requests, in some runs)
+    isolate_explorations: bool = False
     # where the next cycle's drafts were launched before the sync, the verify after them is launched
     # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
     # device then has the next verify queued behind the drafts while the host commits and schedules.
@@ -305,6 +312,10 @@ class SpecController:
         b.visits[key] = visit + 1
         self._quick_key = key
         return arm
+
+    def after_exploration(self, batch: int) -> bool:
+        """Whether the next decision for ``batch`` requests must wait for the sync (isolate_explorations)."""
+        return self.isolate_explorations and self.bandit.exploration_in_flight(batch_key(batch))
 
     def exploit_only(self, batch: int) -> bool:
         """Whether the next full decision for ``batch`` requests is sure not to explore."""

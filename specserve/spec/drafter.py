@@ -797,6 +797,8 @@ class EagleSpeculator:
 
         if ctl.forced_arm is not None:
             return [self._capped(r, k, drafts(ctl.forced_arm)) for r, k in found]
+        if ctl.after_exploration(len(found)):
+            return []
         arm = ctl.quick_arm(len(found), len(self.engine.scheduler.running))
         if arm is not None:
             self._pre_arm = (len(found), arm)  # quick_arm counted the decision: draft_step applies it
