@@ -784,8 +784,8 @@ class EagleSpeculator:
         """Each request's next k, where the next decision is known before this verify's outcome: the
         static policy's, a forced depth's (the adaptive policy's calibration) and, with ``fuse_quick``,
         the adaptive policy's quick decision and (``fuse_full``; ``fuse_exploit``: where it cannot
-        explore) its full one, taken here for
-        draft_step to apply (_pre_arm, _pre_ks); [] where it is not known or a cap could bind."""
+        explore) its full one, taken here for draft_step to apply (_pre_arm, _pre_ks); each capped
+        as the most this verify can commit leaves it (_capped). [] where the decision is not known."""
         ctl = self.controller
         if self.cfg.policy == "static":
             return [self._capped(r, k, self.max_k) for r, k in found]
