@@ -30,7 +30,8 @@ class CycleLog:
         self.cycles: list[list[Any]] = []  # as the bandit got them: [bucket, arm, tokens, seconds, requests, measured]
         self.decisions: list[list[Any]] = []  # [bucket, visit, batch, arm, exploring, {arm: [goodput, stderr]}]
         # every finished cycle before the prompt share is taken out: [bucket, arm, tokens, seconds, prompt
-        # share (s), measured, draft_step calls started when its bookkeeping ran]
+        # share (s), measured, draft_step calls started when its bookkeeping ran, exploring, requests whose
+        # drafts were launched before the sync (fused)]
         self.raw: list[list[Any]] = []
         # per engine.step: [start, draft_step start (-1: none), end, target tokens, requests, target s, prompt tokens]
         self.steps: list[list[float]] = []
@@ -76,7 +77,7 @@ class CycleLog:
             # a cycle decided in draft_step call i is finished in call i + 1, its bookkeeping run there or
             # (deferred, on a GPU) at the next verify's flush: before call i + 2 starts either way
             self.raw.append([c.key, c.arm, c.tokens, round(seconds, 6), round(c.prefill_seconds, 6), int(c.measured),
-                             len(self.draft_calls)])
+                             len(self.draft_calls), int(c.exploring), c.launched_early])
             finish(c, seconds)
 
         def stepped(num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0, decode_rows: int = 0,
@@ -122,16 +123,22 @@ class CycleLog:
     def summary(self, min_cycles: int = 3) -> dict[str, Any]:
         """Per bucket (its batch size) and arm: cycles, tokens per cycle, and per cycle the engine's own
         ms, the raw measure's ms (x own), the prompt share taken out, and tok/s by each (the bandit's:
-        measured cycles after the prompt share, as it counts them)."""
+        measured cycles after the prompt share, as it counts them); the shares of its cycles that
+        explored and whose drafts were launched before the sync, and the raw tok/s of the latter."""
         by: dict[tuple[int, int], collections.Counter] = collections.defaultdict(collections.Counter)
         covered = 0.0
-        for key, arm, tokens, sec, pf, measured, calls in self.raw:
+        for key, arm, tokens, sec, pf, measured, calls, exploring, early in self.raw:
             own = self.own_seconds(calls)
             if own is None or own <= 0:
                 continue
             covered += own
             b = by[(key, arm)]
             b["n"] += 1
+            b["exploring"] += exploring
+            if early:
+                b["fused"] += 1
+                b["f_tokens"] += tokens
+                b["f_raw"] += sec
             b["tokens"] += tokens
             b["own"] += own
             b["raw"] += sec
@@ -150,7 +157,9 @@ class CycleLog:
                 "raw_over_own": round(b["raw"] / b["own"], 3), "prompt_ms": round(1e3 * b["prompt_s"] / b["n"], 3),
                 "tok_s_own": round(b["tokens"] / b["own"], 1), "tok_s_raw": round(b["tokens"] / b["raw"], 1),
                 "tok_s_bandit": round(b["m_tokens"] / b["m_s"], 1) if b["m_s"] > 0 else None,
-                "measured_share": round(b["measured"] / b["n"], 3)}
+                "measured_share": round(b["measured"] / b["n"], 3),
+                "exploring_share": round(b["exploring"] / b["n"], 3), "fused_share": round(b["fused"] / b["n"], 3),
+                "tok_s_raw_fused": round(b["f_tokens"] / b["f_raw"], 1) if b["f_raw"] > 0 else None}
         steps = [s for s in self.steps if s[2] > 0]
         total = sum(s[2] - s[0] for s in steps)
         return {"by_bucket": out, "engine_steps": len(steps), "engine_s": round(total, 4),

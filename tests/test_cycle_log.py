@@ -35,8 +35,9 @@ def test_own_time_spans_decision_to_decision_inside_steps():
 
 def test_summary_compares_the_bandits_measure_with_own_time():
     steps = [[0.0, 6.0, 8.0], [10.0, 16.0, 18.0], [20.0, 26.0, 28.0]]
-    # [bucket, arm, tokens, seconds, prompt share, measured, draft calls]: 4 requests (bucket 4)
-    raw = [[4, 2, 12, 6.0, 0.0, 1, 2], [4, 2, 12, 7.0, 1.0, 1, 3]]
+    # [bucket, arm, tokens, seconds, prompt share, measured, draft calls, exploring, launched early]:
+    # 4 requests (bucket 4); the first cycle's drafts launched before the sync, the second exploring
+    raw = [[4, 2, 12, 6.0, 0.0, 1, 2, 0, 4], [4, 2, 12, 7.0, 1.0, 1, 3, 1, 0]]
     s = make_log(steps, [0, 1, 2], raw).summary(min_cycles=1)
     arm = s["by_bucket"]["4"]["2"]
     assert arm["cycles"] == 2 and arm["own_ms"] == pytest.approx(8000.0)
@@ -46,3 +47,5 @@ def test_summary_compares_the_bandits_measure_with_own_time():
     assert arm["tok_s_raw"] == pytest.approx(24 / 13.0, abs=0.05)
     assert arm["tok_s_bandit"] == pytest.approx(24 / 12.0, abs=0.05)  # the prompt share (1 s) taken out
     assert s["engine_s"] == pytest.approx(24.0) and s["cycles_own_s"] == pytest.approx(16.0)
+    assert arm["fused_share"] == 0.5 and arm["exploring_share"] == 0.5
+    assert arm["tok_s_raw_fused"] == pytest.approx(12 / 6.0, abs=0.05)

@@ -157,6 +157,8 @@ class Cycle:
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
     requests: int = 0  # in the decision
     prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
+    exploring: bool = False  # an exploration's cycle
+    launched_early: int = 0  # requests whose drafts were launched before the last verify's sync (fused)
 
 
 @dataclass
@@ -312,6 +314,12 @@ class SpecController:
         b.visits[key] = visit + 1
         self._quick_key = key
         return arm
+
+    def note_launched_early(self, n: int) -> None:
+        """``n`` requests of the cycle just decided took drafts launched before the sync (observability:
+        benchmarks/cycle_log.py sets fused cycles against the others)."""
+        if self._cycle is not None:
+            self._cycle.launched_early = n
 
     def after_exploration(self, batch: int) -> bool:
         """Whether the next decision for ``batch`` requests must wait for the sync (isolate_explorations)."""
@@ -575,7 +583,8 @@ class SpecController:
         arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
-        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests))
+        self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests),
+                            exploring=exploring)
         ks = depths[i]
         if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
             self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests

@@ -1316,6 +1316,7 @@ class EagleSpeculator:
                 todo.append((r, k))
         shift = 0.0
         rest = self._adopt_fused(todo)  # drafted before the verify's sync: only their bookkeeping is left
+        self.controller.note_launched_early(len(todo) - len(rest))
         # (adopted drafts ran inside the last step, with the catch-up of what its verify committed: that
         # cycle's time has them already, and their host time here is no draft step's cost)
         if rest:
