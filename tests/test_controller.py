@@ -594,3 +594,43 @@ def test_deferred_bookkeeping_leaves_every_decision_as_it_was():
     assert snap_later["measured_goodput"] == snap_now["measured_goodput"] and snap_later["cycles"] > 1000
     assert snap_later["cost"] == snap_now["cost"] and not ctl.pending
     assert len({tuple(k) for k in now}) > 3  # the loop did decide (several depths), not sit at one
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_an_explorations_first_cycle_holding_the_seconds_drafts_is_not_measured(fuse):
+    """fuse_explorations: where an exploration's second cycle is decided before the sync (decide_early),
+    the first one (in flight, its window holding the second's drafts) is charged, not measured; a
+    cycle followed early by another depth, or without the flag, stays measured."""
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
+    ctl.fuse_explorations = fuse
+    picks = iter([(2, True), (2, True), (3, False), (1, True), (3, True)])
+    ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: next(picks)
+    reqs = [R("a")]
+    ctl.decide(reqs, [3], 1, 0)  # an exploration's first cycle (depth 2)
+    first = ctl._cycle
+    _, second = ctl.decide_early(reqs, [3], 1, 0)  # its second, before the first's outcome
+    assert second is not None and second.exploring and second.measured
+    assert ctl._cycle is first and first.measured == (not fuse)
+    ctl.install_cycle(second)
+    _, after = ctl.decide_early(reqs, [3], 1, 0)  # the exploited depth again: the second stays measured
+    assert second.measured and after is not None and not after.exploring
+    ctl.install_cycle(after)
+    ctl.decide(reqs, [3], 1, 0)  # another exploration (depth 1) ...
+    other = ctl._cycle
+    _, nxt = ctl.decide_early(reqs, [3], 1, 0)  # ... followed early by one of another depth
+    assert other.measured and nxt is not None and nxt.arm == 3
+
+
+def test_full_decisions_before_the_sync_where_sure_or_a_second_cycle():
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
+    b = ctl.bandit
+    b.visits[0] = 40
+    b._explore_again[0] = 2  # an exploration's second cycle is due: it may explore (cannot_explore: no)
+    assert not b.cannot_explore(0) and b.second_cycle_due(0)
+    assert not ctl.full_early(1)
+    ctl.fuse_explorations = True
+    assert ctl.full_early(1)
+    del b._explore_again[0]
+    assert ctl.full_early(1) == b.cannot_explore(0)  # visit 40: not an exploration turn, sure
+    b.visits[0] = 47  # an exploration turn with its budget unspent: may explore
+    assert not ctl.full_early(1)

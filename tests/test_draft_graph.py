@@ -334,6 +334,27 @@ def test_adaptive_full_decisions_sure_not_to_explore_launch_before_the_sync(tiny
     assert dr.path_counts["fused"] >= len(early) - 2
 
 
+def test_an_explorations_second_cycle_launches_before_the_sync(tiny):
+    """With ``fuse_explorations`` (and neither ``fuse_full`` nor a decision sure not to explore) a full
+    decision is taken before the sync exactly where an exploration's second cycle is due; outputs stay
+    plain decoding's."""
+    llm, ref, _ = adaptive_static_loop(*tiny)
+    dr = llm.engine.drafter
+    ctl = dr.controller
+    ctl.fuse_full, ctl.fuse_exploit, ctl.fuse_explorations = False, True, True
+    ctl.quick_arm = lambda batch, running=None: None
+    ctl.bandit.cannot_explore = lambda key: False
+    due: list[bool] = []
+    ctl.bandit.second_cycle_due = lambda key: due.append(len(due) % 3 == 0) or due[-1]  # one in three
+    ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: (max(priors), False)
+    early = []
+    decide_early = ctl.decide_early
+    ctl.decide_early = lambda *a, **k: (early.append(1), decide_early(*a, **k))[1]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP24)]
+    assert out == ref
+    assert len(early) == sum(due) > 2 and len(due) > 2 * sum(due)
+
+
 def test_isolated_explorations_leave_the_next_decision_after_the_sync(tiny):
     """With ``isolate_explorations`` the decision after an exploration's measured cycle is not taken
     before the sync (here every decision follows one: nothing fuses); without it, the same engine

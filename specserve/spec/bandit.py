@@ -371,6 +371,11 @@ class GoodputBandit:
                 return alt, True
         return best, False
 
+    def second_cycle_due(self, key: int) -> bool:
+        """Whether ``choose``'s next decision in bucket ``key`` is an exploration's second cycle (its
+        depth known already: the first one's)."""
+        return key in self._explore_again
+
     def exploration_in_flight(self, key: int) -> bool:
         """Whether the last decision in bucket ``key`` was an exploration's second (measured) cycle."""
         return self._measured_at.get(key, -2) == self.visits.get(key, 0) - 1

@@ -226,6 +226,13 @@ class SpecController:
     # pick's drafts on top of its own. Off: to be A/B'd on the H200 (session 31 found the adaptive
     # engine settling on depths 3-4 where 5 ran fastest, at 1, 4 and 16 requests, in some runs)
     isolate_explorations: bool = False
+    # explorations launched like the exploited cycles they are compared with: an exploration's second
+    # cycle, whose depth is known once its first is decided, taken before the sync (its drafts fused);
+    # its first cycle (decided after a sync, its drafts not fused, and holding the second's) charged to
+    # exploration, not measured. Off: for an A/B on the H200 (session 31: explored depths measured
+    # ~30-40 % slow at one request against the exploited one, so whatever depth is picked stays picked).
+    # With it, isolate_explorations does nothing (the measured cycle's drafts are fused)
+    fuse_explorations: bool = False
     # where the next cycle's drafts were launched before the sync, the verify after them is launched
     # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
     # device then has the next verify queued behind the drafts while the host commits and schedules.
@@ -323,11 +330,17 @@ class SpecController:
 
     def after_exploration(self, batch: int) -> bool:
         """Whether the next decision for ``batch`` requests must wait for the sync (isolate_explorations)."""
-        return self.isolate_explorations and self.bandit.exploration_in_flight(batch_key(batch))
+        return (self.isolate_explorations and not self.fuse_explorations
+                and self.bandit.exploration_in_flight(batch_key(batch)))
 
-    def exploit_only(self, batch: int) -> bool:
-        """Whether the next full decision for ``batch`` requests is sure not to explore."""
-        return self.cfg.policy == "adaptive" and self.bandit.cannot_explore(batch_key(batch))
+    def full_early(self, batch: int) -> bool:
+        """Whether the next full decision for ``batch`` requests may be taken before the verify's sync:
+        it is sure not to explore (fuse_exploit), or it is an exploration's second cycle (fuse_explorations)."""
+        if self.cfg.policy != "adaptive":
+            return False
+        key = batch_key(batch)
+        return ((self.fuse_exploit and self.bandit.cannot_explore(key))
+                or (self.fuse_explorations and self.bandit.second_cycle_due(key)))
 
     def full_decision_every(self) -> int:
         """``full_every``, or more decisions apart where a full one costs more than ``decide_budget``
@@ -511,6 +524,9 @@ class SpecController:
         saved = self.detach_cycle()
         ks = self.decide(requests, caps, num_running, prefill_tokens, behind)
         early = self.detach_cycle()
+        if (self.fuse_explorations and saved is not None and early is not None and saved.exploring
+                and early.exploring and saved.arm == early.arm and saved.key == early.key):
+            saved.measured = False  # an exploration's first cycle, holding its second's drafts
         self._cycle = saved
         return ks, early
 

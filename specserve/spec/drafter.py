@@ -784,7 +784,7 @@ class EagleSpeculator:
         """Each request's next k, where the next decision is known before this verify's outcome: the
         static policy's, a forced depth's (the adaptive policy's calibration) and, with ``fuse_quick``,
         the adaptive policy's quick decision and (``fuse_full``; ``fuse_exploit``: where it cannot
-        explore) its full one, taken here for draft_step to apply (_pre_arm, _pre_ks); each capped
+        explore; ``fuse_explorations``: an exploration's second cycle) its full one, taken here for draft_step to apply (_pre_arm, _pre_ks); each capped
         as the most this verify can commit leaves it (_capped). [] where the decision is not known."""
         ctl = self.controller
         if self.cfg.policy == "static":
@@ -804,7 +804,7 @@ class EagleSpeculator:
             self._pre_arm = (len(found), arm)  # quick_arm counted the decision: draft_step applies it
             return [self._capped(r, k, drafts(arm)) for r, k in found]
         caps = [self._capped(r, k, self.max_k) for r, k in found]
-        if not all(caps) or not (ctl.fuse_full or (ctl.fuse_exploit and ctl.exploit_only(len(found)))):
+        if not all(caps) or not (ctl.fuse_full or ctl.full_early(len(found))):
             return []
         reqs = [r for r, _ in found]
         # (what this verify commits is not known yet: up to k + 1 tokens each to catch up)
