@@ -1,8 +1,9 @@
 #!/bin/bash
 # Staging the SmolLM2 GGUF on the device machine, one git-ignored part per call (a call carries
-# at most 64 MiB, the working tree included, ~47 MB of it tracked in session 28): split -n 6 -d -a 1
-# <gguf> into .stageg1/gguf.part0 .. .stageg6/gguf.part5, the gguf wheel into .whl/, then per call:
-# bash benchmarks/gpu_stage.sh .stageg<N> 6
+# at most 64 MiB, the working tree included, ~50 MB of it tracked in session 31, when six parts of
+# 16.4 MB no longer fitted beside it): split -n 8 -d -a 1 <gguf> into .stageg1/gguf.part0 ..
+# .stageg8/gguf.part7, the gguf wheel into .whl/, then per call:
+# bash benchmarks/gpu_stage.sh .stageg<N> 8
 # (carry .stageg<N>; .whl with the last); the last part leaves /tmp/m.gguf.
 # $1 = the part directory, $2 = how many parts there are (default 5).
 set -e
