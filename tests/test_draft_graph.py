@@ -125,6 +125,35 @@ def assert_same_drafts(log: list, ref_log: list) -> int:
     return compared
 
 
+def test_a_request_near_its_end_rides_a_fused_launch_with_no_drafts(tiny):
+    """Where one request of a step has no draft left after the most its verify can commit, the step's
+    catch-up and chains are still launched before the sync (its row drafts nothing), the verify after
+    it is not launched early, and outputs stay plain decoding's."""
+    model, head = tiny
+    sp = [SamplingParams(temperature=0, max_tokens=20 + 7 * i, ignore_eos=True) for i in range(4)]  # ends apart
+    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:4], sp)]
+    llm = LLM(model=model, device="cpu", max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="static", speculative_num_steps=3)
+    dr = llm.engine.drafter
+    dr.enable_static_draft(attention="torch")
+    dr.controller.early_verify = True
+    launched, early = [], []
+    launch_fused, launch_early = dr._launch_fused, dr._launch_early_verify
+    dr._launch_fused = lambda targets, *a: (launched.append([kk for _, _, kk in targets]), launch_fused(targets, *a))[1]
+    dr._launch_early_verify = lambda targets, *a: (early.append(dr._early), launch_early(targets, *a),
+                                                   early.append(dr._early))[1]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], sp)]
+    assert out == ref
+    with_zero = [i for i, nk in enumerate(launched) if 0 in nk and any(nk)]
+    # unfused for a binding cap: only steps whose every request is at its end (the last one, alone)
+    assert len(with_zero) >= 4 and dr.path_counts.get("unfused:k", 0) <= 3
+    # (an early verify launched sets dr._early; none where a request drafts nothing next)
+    launched_early = [b is not None for b in early[1::2]]
+    assert sum(launched_early) > 5 and len(launched_early) == len(launched)
+    assert not any(launched_early[i] for i in with_zero)
+
+
 def mixed_k_params(n: int, max_tokens: int = 24) -> list[SamplingParams]:
     """Per-request draft caps 1..3 (and different lengths): one batch mixes every k."""
     return [SamplingParams(temperature=0, max_tokens=max_tokens - 3 * (i % 2), ignore_eos=True,
@@ -538,8 +567,10 @@ def test_gpu_graph_drafts_equal_eager_static_loop(tiny, n):
     assert out_g == out_e
     assert log_g == log_e
     pg, pe = llm_g.engine.drafter.path_counts, llm_e.engine.drafter.path_counts
-    assert pg["chain:graph"] == len(log_g) and "chain:eager" not in pg
-    assert pe["chain:eager"] == len(log_e) and "chain:graph" not in pe
+    # (a request near its end may take a second chain in a step: in a fused launch with no drafts, then
+    # its own once the commit leaves it room)
+    assert len(log_g) <= pg["chain:graph"] <= len(log_g) + 2 * n and "chain:eager" not in pg
+    assert pe["chain:eager"] == pg["chain:graph"] and "chain:graph" not in pe
     if n == 2:
         assert pg["fused_launch:graph"] > len(log_g) / 2 and pe["fused_launch:eager"] == pg["fused_launch:graph"]
     assert pg["catch_up:graph"] > 0

@@ -61,7 +61,10 @@ def test_triton_static_draft_path_same_drafts(tmp_path):
     out, log, paths = run(model, head, "triton", PROMPTS[:3], params, **eng)
     assert out == ref_out
     assert assert_same_drafts(log, ref_log) > 5
-    assert paths["catch_up:eager"] == len(log) and paths["chain:eager"] == len(log)
+    # every catch-up and chain through the static runners (a request near its end may take a second
+    # pair in a step: fused with no drafts, then its own once the commit leaves it room)
+    assert len(log) <= paths["catch_up:eager"] <= len(log) + 3 and paths["chain:eager"] == paths["catch_up:eager"]
+    assert "catch_up:torch" not in paths
     # catch-ups larger than the static runner's token budget: in groups of whole requests, same drafts
     out, log, paths = run(model, head, "triton", PROMPTS[:3], params, catch_up_tokens=12, **eng)
     assert out == ref_out and assert_same_drafts(log, ref_log) > 5

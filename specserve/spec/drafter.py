@@ -867,8 +867,10 @@ class EagleSpeculator:
                 snapshot = st.device_tree[0]
             found.append((r, k))
         ks = self._early_ks(found)
-        if not ks or not all(ks) or (tree and not all(k == self.max_k for k in ks)):
-            # no decision before the sync (a full one), plain decoding next, or a cap that binds
+        # chains: a request with no draft left after the most its verify can commit (near its end) rides
+        # along with none (its row of the loop is a padding row's); trees: whole trees only
+        if not ks or not any(ks) or (tree and not all(k == self.max_k for k in ks)):
+            # no decision before the sync (a full one), plain decoding next, or caps that bind
             why["unfused:decision" if not ks else "unfused:k"] += 1
             return None
         out = [(r, k, kk) for (r, k), kk in zip(found, ks)]
@@ -974,11 +976,13 @@ class EagleSpeculator:
         that follows then finds its forward queued behind those drafts (verify_step checks that its
         plan is this one). Not where the next plan will differ: prompts waiting to be admitted, a
         running request outside this step, a request stopping at an end-of-sequence token, drafts
-        over the step's token budget."""
+        over the step's token budget, a request drafting nothing next (near its max_tokens)."""
         sched = self.engine.scheduler
         if sched.waiting or len(targets) != len(sched.running):
             return
         if sum(kk + 1 for _, _, kk in targets) > self.engine.config.max_num_batched_tokens:
+            return
+        if not all(kk for _, _, kk in targets):  # a request near its end (it may end in this commit)
             return
         toks = self._fused_toks
         assert toks is not None
