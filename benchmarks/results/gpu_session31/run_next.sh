@@ -4,10 +4,14 @@
 #     fuse_exploit off, beside the default, every engine's cycles logged (which depth each settles on, what
 #     its cycles measured, fused or not: CycleLog's fused_share / tok_s_raw_fused);
 # (b) one request again (tree vs chain 5 after topk_logprobs and the fused steps near a request's end).
-# Each sweep ~4 min: one per call.
+# Each sweep ~4-5 min: one per call (bash run_next.sh 1, then bash run_next.sh 2).
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p $OUT/r
 rep=${1:-1}
+if [ "$rep" = 1 ]; then  # the GPU tests first: session 31 changed fused launches without running them
+  timeout 150 python3 -m pytest -q -x -m gpu tests/test_gpu_graphs.py tests/test_draft_graph.py > $OUT/r/gpu_tests.log 2>&1
+  tail -2 $OUT/r/gpu_tests.log
+fi
 timeout 450 python3 benchmarks/adaptive.py --model /tmp/m.gguf --concurrency 1,4,16 --static-steps 5 --adaptive-steps 5 \
     --output-len 128 --max-input-len 300 --num-kv-blocks 16384 --point-s 10 --threshold-n 0 --off-s 0 --ramp "" \
     --max-wait 2 --retry-noisy 0 --slice-s 0.5 --variant fexp:fuse_explorations=True --variant iso:isolate_explorations=True \
