@@ -625,9 +625,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # every adaptive engine's cycles (the variants' too: an A/B is read from both sides)
             logs = {n: CycleLog.start(llms[n]) for n in names if n.startswith("adaptive")} if args.log_cycles else {}
             p = run_point(clients, C, src, args.point_s, args.slice_s)
-            for n, log in logs.items():
-                if log is None:
-                    continue
+            for n, log in logs.items():  # (every adaptive_* engine has the adaptive policy: a log each)
                 log.detach()
                 p["configs"][n]["cycle_summary"] = log.summary()
                 tag = "" if n == "adaptive" else "_" + n.removeprefix("adaptive_")

@@ -485,12 +485,10 @@ class Eagle3DraftModel(nn.Module):
         """Attach the target's logits function (EAGLE-1 heads have no lm_head of their own)."""
         self._target_logits = compute_logits
 
-    def compute_logits(self, hidden_out: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        """fp32 logits [T, draft_vocab] (EAGLE-1: the target's full vocab); ``fp32=False``: in the
-        lm_head's dtype, for a kernel that reads them in fp32 itself (layers.topk_logprobs)."""
+    def compute_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, draft_vocab] (EAGLE-1: the target's full vocab)."""
         if self.is_eagle3:
-            out = self.lm_head(self.norm(hidden_out))
-            return out.float() if fp32 else out
+            return self.lm_head(self.norm(hidden_out)).float()
         if self._target_logits is None:
             raise RuntimeError("an EAGLE-1 head needs the target's lm_head: call bind_target(target.compute_logits)")
         return self._target_logits(hidden_out).float()
@@ -508,6 +506,13 @@ class Eagle3DraftModel(nn.Module):
         if self.is_eagle3:
             return self.draft_to_target(self.lm_head(self.norm(hidden_out)).argmax(-1))
         return self.compute_logits(hidden_out).argmax(-1)
+
+    def top_drafts(self, hidden_out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's ``k`` most likely draft tokens: (fp32 log-probabilities, target-vocab ids) [T, k],
+        best first (layers.topk_logprobs: one kernel on the GPU, reading the logits in their own dtype)."""
+        logits = self.lm_head(self.norm(hidden_out)) if self.is_eagle3 else self.compute_logits(hidden_out)
+        score, ids = layers.topk_logprobs(logits, k)
+        return score, self.draft_to_target(ids)
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         cfg = self.config

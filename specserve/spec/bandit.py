@@ -310,7 +310,7 @@ class GoodputBandit:
         # first exploration of a bucket was free: at 32 requests on a CPU, after a stretch of plain
         # decoding it caught up ~6,000 tokens, 2.5 % of a 40-s window where plain decoding was right)
         expected = max(self._last_loss.get(key, 0.0), switch_s if best == min(est) else 0.0)
-        within_budget = self.spent.get(key, 0.0) + expected <= self.explore_budget * self.elapsed.get(key, 0.0)
+        within_budget = self._within_budget(key, expected)
         if self.warm_global and not within_budget and visit < self.warm_visits and best == min(est):
             within_budget = (sum(self.spent.values()) + expected
                              <= self.explore_budget * sum(self.elapsed.values()))
@@ -393,8 +393,11 @@ class GoodputBandit:
             return True
         if visit < self.warm_visits:
             return False
-        spent = self.spent.get(key, 0.0) + self._last_loss.get(key, 0.0)
-        return spent > self.explore_budget * self.elapsed.get(key, 0.0)
+        return not self._within_budget(key, self._last_loss.get(key, 0.0))
+
+    def _within_budget(self, key: int, expected: float) -> bool:
+        """Whether an exploration expected to lose ``expected`` seconds fits bucket ``key``'s budget."""
+        return self.spent.get(key, 0.0) + expected <= self.explore_budget * self.elapsed.get(key, 0.0)
 
     def explores_at(self, key: int, visit: int) -> bool:
         """Whether decision number ``visit`` of bucket ``key`` may explore (so needs a full decision)."""

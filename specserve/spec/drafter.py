@@ -47,7 +47,6 @@ from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
 from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.models.layers import topk_logprobs
 from specserve.spec.bandit import batch_key
 from specserve.spec.controller import SpecController
 from specserve.spec.cost_model import CostModel
@@ -784,8 +783,9 @@ class EagleSpeculator:
         """Each request's next k, where the next decision is known before this verify's outcome: the
         static policy's, a forced depth's (the adaptive policy's calibration) and, with ``fuse_quick``,
         the adaptive policy's quick decision and (``fuse_full``; ``fuse_exploit``: where it cannot
-        explore; ``fuse_explorations``: an exploration's second cycle) its full one, taken here for draft_step to apply (_pre_arm, _pre_ks); each capped
-        as the most this verify can commit leaves it (_capped). [] where the decision is not known."""
+        explore; ``fuse_explorations``: an exploration's second cycle) its full one, taken here for
+        draft_step to apply (_pre_arm, _pre_ks); each capped as the most this verify can commit leaves
+        it (_capped). [] where the decision is not known."""
         ctl = self.controller
         if self.cfg.policy == "static":
             return [self._capped(r, k, self.max_k) for r, k in found]
@@ -833,7 +833,7 @@ class EagleSpeculator:
         drafts a little less than draft_step would allow after a short commit, but its step still
         fuses (with a binding cap taken as 0, ~3 cycles of each request near its end did not: 47 of
         127 steps of 4 requests of 64 tokens on the CPU)."""
-        return max(min(arm, self._spec_limit(r), self._cap(r, k + 1)), 0)
+        return max(min(arm, self._cap(r, k + 1)), 0)
 
     def _fused_targets(self, plan: StepPlan) -> list[tuple[Request, int, int]] | None:
         """(request, drafts verified, next k) for every request of a step that only verifies greedy
@@ -1596,8 +1596,7 @@ class EagleSpeculator:
         """EAGLE-2: expand the topk best frontier nodes per step; keep the best k candidates."""
         reqs = [r for r, _ in todo]
         B, K, dev = len(reqs), self.topk, self.device
-        score, tok = topk_logprobs(self.head.compute_logits(h, fp32=False), K)  # [B, K]
-        tok = self.head.draft_to_target(tok)
+        score, tok = self.head.top_drafts(h, K)  # [B, K]
         cands: list[list[Candidate]] = [[] for _ in range(B)]
         sc_l, tok_l = score.tolist(), tok.tolist()
         for b in range(B):
@@ -1616,9 +1615,9 @@ class EagleSpeculator:
             self.tree_attn.set_ancestors(anc)
             with forward_context(self.tree_attn):
                 h_out = self.head(self.target.embed_tokens(front_tok.reshape(-1)), front_h, pos)
-            c_score, c_tok = topk_logprobs(self.head.compute_logits(h_out, fp32=False), K)  # [B*K, K]
+            c_score, c_tok = self.head.top_drafts(h_out, K)  # [B*K, K]
             c_score = (front_score.reshape(-1, 1) + c_score).reshape(B, K * K)
-            c_tok = self.head.draft_to_target(c_tok).reshape(B, K * K)
+            c_tok = c_tok.reshape(B, K * K)
             best_score, best = c_score.topk(K, dim=-1)  # next frontier [B, K]
             cs_l, ct_l, best_l = c_score.tolist(), c_tok.tolist(), best.tolist()
             new_front = []

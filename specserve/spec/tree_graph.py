@@ -38,7 +38,6 @@ from specserve.attention.base import AttentionBackend, forward_context
 from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.models.layers import topk_logprobs
 from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
 from specserve.spec.tree import accept_trees, select_trees, tree_fields, tree_width
 
@@ -57,8 +56,8 @@ class TreeDraftRunner:
     """The tree expansion over static buffers; ``capture()`` records it per padded batch."""
 
     def __init__(self, head: Eagle3DraftModel, embed: Callable[[torch.Tensor], torch.Tensor],
-                 attn: AttentionBackend, block_tables: torch.Tensor, block_size: int, first_lane_block: int, h0: torch.Tensor, max_batch: int, topk: int, depth: int,
-                 device: torch.device, graph_max_batch: int = 32, num_nodes: int | None = None) -> None:
+                 attn: AttentionBackend, block_tables: torch.Tensor, block_size: int, first_lane_block: int,
+                 h0: torch.Tensor, max_batch: int, topk: int, depth: int, device: torch.device, graph_max_batch: int = 32, num_nodes: int | None = None) -> None:
         self.head = head
         self.embed = embed
         self.attn = attn  # a decode attention over the draft KV reading its own block tables:
@@ -97,8 +96,7 @@ class TreeDraftRunner:
         request the expansion is bound by its kernel count)."""
         head, K = self.head, self.topk
         h = self.h0[:B]
-        score, tok = topk_logprobs(head.compute_logits(h, fp32=False), K)  # [B, K]
-        tok = head.draft_to_target(tok)
+        score, tok = head.top_drafts(h, K)  # [B, K]
         toks, scores, parents = [tok], [score], [self._first_parent.expand(B, -1)]
         self._expand_depths(B, h, tok, score, toks, scores, parents)
         return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1)
@@ -135,9 +133,9 @@ class TreeDraftRunner:
             self.attn.set_step(slots[i], seqs[i])
             with forward_context(self.attn):
                 h_out = head(self.embed(front_tok.reshape(-1)), front_h, pos[i])
-            c_score, c_tok = topk_logprobs(head.compute_logits(h_out, fp32=False), K)  # [R, K]
+            c_score, c_tok = head.top_drafts(h_out, K)  # [R, K]
             c_score = (front_score.reshape(-1, 1) + c_score).reshape(B, K * K)
-            c_tok = head.draft_to_target(c_tok).reshape(B, K * K)
+            c_tok = c_tok.reshape(B, K * K)
             toks.append(c_tok)
             scores.append(c_score)
             parents.append(front_idx.repeat_interleave(K, dim=1))
