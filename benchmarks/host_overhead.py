@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="output lengths uniform in max-tokens x [1 - s, 1 + s] (0: all the same: waves)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per engine, interleaved")
     ap.add_argument("--top", type=int, default=25, help="functions listed per engine from cProfile")
+    ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="cProfile's order")
+    ap.add_argument("--filter", default="", help="a regular expression the listed functions' file:line(name) match "
+                    "(e.g. 'specserve/': the engine's own, by cumulative time)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the engines in reach of full garbage collections (the server freezes them)")
     ap.add_argument("--output-file", required=True)
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prof.disable()
         buf = io.StringIO()
         st = pstats.Stats(prof, stream=buf)
-        st.sort_stats("tottime").print_stats(args.top)
+        st.sort_stats(args.sort).print_stats(*([args.filter] if args.filter else []), args.top)
         ms = min(timing[n])
         result["configs"][n] = {"ms_per_step": round(ms, 3), "ms_per_step_rounds": [round(x, 3) for x in timing[n]],
                                 "over_first": round(ms / base, 3), "engine_steps": steps_of[n],

@@ -627,6 +627,7 @@ def test_full_decisions_before_the_sync_where_sure_or_a_second_cycle():
     b.visits[0] = 40
     b._explore_again[0] = 2  # an exploration's second cycle is due: it may explore (cannot_explore: no)
     assert not b.cannot_explore(0) and b.second_cycle_due(0)
+    ctl.fuse_explorations = False
     assert not ctl.full_early(1)
     ctl.fuse_explorations = True
     assert ctl.full_early(1)
@@ -634,3 +635,35 @@ def test_full_decisions_before_the_sync_where_sure_or_a_second_cycle():
     assert ctl.full_early(1) == b.cannot_explore(0)  # visit 40: not an exploration turn, sure
     b.visits[0] = 47  # an exploration turn with its budget unspent: may explore
     assert not ctl.full_early(1)
+
+
+def test_a_decision_whose_caps_bind_below_the_pick_keeps_the_pick():
+    """Where every request's cap is below the bucket's pick (near max_tokens) a full decision drafts the
+    pick cut to the caps, without weighing the arms left: a shallow arm picked there would stay the
+    bucket's pick for the next request. Above the caps, or with an exploration's second cycle due, the
+    bandit decides as usual."""
+    from specserve.spec.bandit import batch_key
+
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=5), cost=step_cost(CPU_LIKE))
+    b = ctl.bandit
+    key = batch_key(1)
+    weighed = []
+    real = b.choose
+
+    def choose(key, priors, batch=1, switch_s=0.0):
+        weighed.append(sorted(priors))
+        return real(key, priors, batch, switch_s)
+
+    b.choose = choose
+    b.chosen[key] = 5
+    b.visits[key] = 100
+    assert ctl.decide([R("a")], [2], 1, 0) == [2]
+    assert not weighed and b.chosen[key] == 5 and b.visits[key] == 101
+    assert ctl._cycle.arm == 2 and not ctl._cycle.exploring
+    b.chosen[key] = 1  # a pick under the caps: weighed
+    ctl.decide([R("a")], [2], 1, 0)
+    assert weighed == [[0, 1, 2]]
+    b.chosen[key] = 5
+    b._explore_again[key] = 1  # an exploration's second cycle: the bandit's
+    ctl.decide([R("a")], [2], 1, 0)
+    assert len(weighed) == 2 and key not in b._explore_again

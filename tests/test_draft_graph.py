@@ -392,7 +392,7 @@ def test_isolated_explorations_leave_the_next_decision_after_the_sync(tiny):
         llm, ref, _ = adaptive_static_loop(*tiny)
         dr = llm.engine.drafter
         ctl = dr.controller
-        ctl.fuse_full = False
+        ctl.fuse_full = ctl.fuse_explorations = False
         ctl.isolate_explorations = isolate
         ctl.quick_arm = lambda batch, running=None: 2
         ctl.bandit.exploration_in_flight = lambda key: True

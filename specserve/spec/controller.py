@@ -221,18 +221,19 @@ class SpecController:
     fuse_exploit: bool = True
     # the decision after an exploration's measured (second) cycle taken after the sync, where the
     # drafter would take it before: a cycle's measure runs from its decision to the next, so with the
-    # next cycle's drafts launched before the sync that cycle holds them, not its own (which ran in the
-    # cycle before, unfused after a full decision's sync): an explored depth is timed with the next
-    # pick's drafts on top of its own. Off: to be A/B'd on the H200 (session 31 found the adaptive
-    # engine settling on depths 3-4 where 5 ran fastest, at 1, 4 and 16 requests, in some runs)
+    # next cycle's drafts launched before the sync that cycle holds them, not its own. Off: on the H200
+    # (session 32, one sliced sweep beside the default) 0.949 / 0.883 / 0.944 of chain 5 at 1, 4 and 16
+    # requests against 0.930 / 0.947 / 0.957
     isolate_explorations: bool = False
     # explorations launched like the exploited cycles they are compared with: an exploration's second
     # cycle, whose depth is known once its first is decided, taken before the sync (its drafts fused);
     # its first cycle (decided after a sync, its drafts not fused, and holding the second's) charged to
-    # exploration, not measured. Off: for an A/B on the H200 (session 31: explored depths measured
-    # ~30-40 % slow at one request against the exploited one, so whatever depth is picked stays picked).
-    # With it, isolate_explorations does nothing (the measured cycle's drafts are fused)
-    fuse_explorations: bool = False
+    # exploration, not measured. Without it explored depths were measured ~30-40 % slow at one request
+    # against the exploited one (session 31), so whatever depth was picked stayed picked; with it (session
+    # 32, H200, one sliced sweep) 0.955 / 0.939 / 0.958 of chain 5 at 1, 4 and 16 requests against 0.930 /
+    # 0.947 / 0.957, and the one-request engine settled on depth 5, the fastest, where the other sat on
+    # 3. With it, isolate_explorations does nothing (the measured cycle's drafts are fused)
+    fuse_explorations: bool = True
     # where the next cycle's drafts were launched before the sync, the verify after them is launched
     # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
     # device then has the next verify queued behind the drafts while the host commits and schedules.
@@ -596,7 +597,18 @@ class SpecController:
         priors, drafting = arm_priors(arms, depths, cumacc, n_base, ref, tree, prefill)
         key = batch_key(len(requests))
         self.switch_seconds[key] = switch_s
-        arm, exploring = self.bandit.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
+        b = self.bandit
+        pick = b.chosen.get(key)
+        if pick is not None and pick > arms[-1] and not b.second_cycle_due(key):
+            # every request's cap binds below the bucket's pick (requests near their max_tokens): the
+            # pick cut to the caps, i.e. the deepest arm left, without weighing the few arms left. Weighed,
+            # the shallow ones (served near every request's end) won over deeper ones known by their
+            # priors alone, and became the bucket's pick: at one request on the H200 the next request then
+            # drafted one token a cycle until the next full decision (~5 % of cycles, session 32)
+            arm, exploring = int(arms[-1]), False
+            b.visits[key] = b.visits.get(key, 0) + 1
+        else:
+            arm, exploring = b.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
         self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests),
