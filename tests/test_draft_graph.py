@@ -154,6 +154,32 @@ def test_a_request_near_its_end_rides_a_fused_launch_with_no_drafts(tiny):
     assert not any(launched_early[i] for i in with_zero)
 
 
+@pytest.mark.parametrize("early", [False, True])
+def test_trees_near_their_end_stay_whole_and_fused(tiny, early):
+    """A tree drafts all its nodes while its request has a token left to draft (it commits at most its
+    depth plus one, and the commit cuts at max_tokens what it accepts past it), so steps near a request's
+    end keep the fused launch; no early verify is launched for a request that ends in its commit or has
+    no draft left after it. Outputs stay plain decoding's."""
+    model, head = tiny
+    sp = [SamplingParams(temperature=0, max_tokens=20 + 5 * i, ignore_eos=True) for i in range(4)]  # ends apart
+    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:4], sp)]
+    llm = LLM(model=model, device="cpu", max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="static", **TREE)
+    dr = llm.engine.drafter
+    dr.enable_static_draft(fused_launch=True)
+    dr.controller.early_verify = early
+    log = record_trees(llm)
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], sp)]
+    assert out == ref
+    assert {len(toks) - 1 for step in log for _, toks, _ in step} == {dr.max_k}
+    if early:
+        assert dr.path_counts["early_verify"] > 5 and dr.path_counts.get("early_verify:discarded", 0) == 0
+    # (cut to fewer nodes within ~2 x nodes tokens of the end, 20 of these steps left the fused launch)
+    assert dr.path_counts["fused"] > 10
+    assert dr.path_counts.get("unfused:k", 0) + dr.path_counts.get("unfused:tree", 0) <= 3
+
+
 def mixed_k_params(n: int, max_tokens: int = 24) -> list[SamplingParams]:
     """Per-request draft caps 1..3 (and different lengths): one batch mixes every k."""
     return [SamplingParams(temperature=0, max_tokens=max_tokens - 3 * (i % 2), ignore_eos=True,
@@ -382,6 +408,42 @@ def test_an_explorations_second_cycle_launches_before_the_sync(tiny):
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP24)]
     assert out == ref
     assert len(early) == sum(due) > 2 and len(due) > 2 * sum(due)
+
+
+def test_an_early_full_decision_is_the_one_applied(tiny):
+    """A full decision taken before the sync (an exploration's second cycle, fuse_explorations) is the one
+    draft_step applies, with the real quick decisions around it: its depth drafted, launched early, and
+    its cycle measured. (A quick decision taken again in draft_step replaced it with the bucket's pick
+    until session 32: the bandit had counted the early decision's visit, so the next one was a quick
+    turn.) Outputs stay plain decoding's."""
+    llm, ref, _ = adaptive_static_loop(*tiny)
+    dr = llm.engine.drafter
+    ctl = dr.controller
+    ctl.fuse_full, ctl.fuse_exploit, ctl.fuse_explorations = False, False, True
+    b = ctl.bandit
+
+    def choose(key, priors, batch=1, switch_s=0.0):  # every 4th visit explores depth 1 for two cycles
+        v = b.visits.get(key, 0)
+        b.visits[key] = v + 1
+        again = b._explore_again.pop(key, None)
+        if again is not None:
+            return again, True
+        if v % 4 == 3:
+            b._explore_again[key] = 1
+            return 1, True
+        b.chosen[key] = max(priors)
+        return max(priors), False
+
+    b.choose = choose
+    b.explores_at = lambda key, visit: visit % 4 == 3
+    ctl.full_decision_every = lambda: 4
+    cycles = []
+    finish = ctl._finish_cycle
+    ctl._finish_cycle = lambda c, secs: (cycles.append(c), finish(c, secs))[1]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP24)]
+    assert out == ref
+    second = [c for c in cycles if c.exploring and c.arm == 1 and c.launched_early]
+    assert len(second) > 2 and all(c.measured for c in second)
 
 
 def test_isolated_explorations_leave_the_next_decision_after_the_sync(tiny):

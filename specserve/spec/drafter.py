@@ -815,11 +815,16 @@ class EagleSpeculator:
 
     def _cap(self, r: Request, committed: int = 0) -> int:
         """The most tokens ``r`` may draft once ``committed`` more tokens are committed (max_k, its
-        max_spec_tokens, what is left of max_tokens and of the model length); may be negative."""
+        max_spec_tokens, what is left of max_tokens and of the model length); may be negative. A tree
+        drafts all its nodes while max_tokens leaves it any token to draft: it commits at most its depth
+        plus one, and the commit cuts at max_tokens what it accepts past it (cut to fewer nodes, a tree
+        in its last ~2 x nodes tokens left the fused launch: ~1 step in 5 at 128 tokens on the H200,
+        session 32)."""
         p = r.params
         cap = self._spec_limit(r)
         if p.max_tokens is not None:
-            cap = min(cap, p.max_tokens - (r.num_output_tokens + committed) - 1)
+            left = p.max_tokens - (r.num_output_tokens + committed) - 1
+            cap = min(cap, left) if self.topk == 1 or left <= 0 else cap
         return min(cap, self.engine.max_model_len - (r.num_tokens + committed) - 1)
 
     def _spec_limit(self, r: Request) -> int:
@@ -832,8 +837,15 @@ class EagleSpeculator:
         the most it can commit, k + 1 tokens (0: none left). A request near its max_tokens then
         drafts a little less than draft_step would allow after a short commit, but its step still
         fuses (with a binding cap taken as 0, ~3 cycles of each request near its end did not: 47 of
-        127 steps of 4 requests of 64 tokens on the CPU)."""
-        return max(min(arm, self._cap(r, k + 1)), 0)
+        127 steps of 4 requests of 64 tokens on the CPU). A tree, all its nodes or none, drafts while
+        the least this verify commits (its bonus token) leaves it a token to draft and its nodes fit in
+        the model's length after the most (its depth and the bonus): the commit cuts at max_tokens what
+        it accepts past it, and a request left with no draft after a long commit does not adopt it."""
+        if self.topk == 1:
+            return max(min(arm, self._cap(r, k + 1)), 0)
+        most = min(k, self.cfg.num_steps) + 1
+        fits = self.engine.max_model_len - (r.num_tokens + most) - 1 >= arm
+        return max(min(arm, self._cap(r, 1)), 0) if fits else 0
 
     def _fused_targets(self, plan: StepPlan) -> list[tuple[Request, int, int]] | None:
         """(request, drafts verified, next k) for every request of a step that only verifies greedy
@@ -997,6 +1009,8 @@ class EagleSpeculator:
             p = r.params
             if not p.ignore_eos and any(t in sched.eos_token_ids or t in p.stop_token_ids for t in res.tokens):
                 return
+            if p.max_tokens is not None and r.num_output_tokens + len(res.tokens) + 1 >= p.max_tokens:
+                return  # it ends in this commit, or has no draft left after it (a tree drafted past its cap)
             start = r.num_computed_tokens + 1 + res.num_accepted  # the bonus token's position
             bt = r.kv.block_table
             # (the drafts: filled on the device below)
@@ -1281,9 +1295,14 @@ class EagleSpeculator:
         arm = self.controller.forced_arm
         pre, self._pre_arm = self._pre_arm, None
         pre_ks, self._pre_ks = self._pre_ks, None
+        if pre_ks is not None and pre_ks[0] != [r.request_id for r in candidates]:
+            pre_ks = None  # (the batch changed since)
         if arm is None and pre is not None and pre[0] == len(candidates):
             arm = pre[1]  # the quick decision taken before the verify's sync (_early_ks)
-        elif arm is None:
+        elif arm is None and pre_ks is None:
+            # (with a full decision taken before the sync, a quick one here would replace it: the bandit
+            # has counted that decision's visit, so the next one would be a quick turn. Until session 32
+            # it did: an exploration's second cycle, decided early, ran the pick instead)
             arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
             self.controller.count_off(len(candidates))
@@ -1299,7 +1318,7 @@ class EagleSpeculator:
         decide_s = 0.0
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
-        elif pre_ks is not None and pre_ks[0] == [r.request_id for r in candidates]:
+        elif pre_ks is not None:
             ks = pre_ks[1]  # the full decision taken before the verify's sync (_early_ks)
             self.controller.install_cycle(pre_ks[2])
         else:
