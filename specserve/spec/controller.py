@@ -229,10 +229,10 @@ class SpecController:
     # cycle, whose depth is known once its first is decided, taken before the sync (its drafts fused);
     # its first cycle (decided after a sync, its drafts not fused, and holding the second's) charged to
     # exploration, not measured. Without it explored depths were measured ~30-40 % slow at one request
-    # against the exploited one (session 31), so whatever depth was picked stayed picked; with it (session
-    # 32, H200, one sliced sweep) 0.955 / 0.939 / 0.958 of chain 5 at 1, 4 and 16 requests against 0.930 /
-    # 0.947 / 0.957, and the one-request engine settled on depth 5, the fastest, where the other sat on
-    # 3. With it, isolate_explorations does nothing (the measured cycle's drafts are fused)
+    # against the exploited one (session 31), so whatever depth was picked stayed picked. On the H200
+    # (session 32, sliced sweep, once draft_step applied early full decisions) 0.972 / 0.960 / 0.944 of
+    # chain 5 at 1, 4 and 16 requests against 0.936 / 0.955 / 0.945 without it. With it,
+    # isolate_explorations does nothing (the measured cycle's drafts are fused)
     fuse_explorations: bool = True
     # where the next cycle's drafts were launched before the sync, the verify after them is launched
     # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
