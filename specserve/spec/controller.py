@@ -208,10 +208,11 @@ class SpecController:
     # launches the next catch-up and chain before it waits (EagleSpeculator._early_ks). False: for A/Bs
     fuse_quick: bool = True
     # ... and full decisions too (decide_early), so that an explored depth is timed on cycles that
-    # draft before the sync like the quick picks. Off: on the H200 it lost at 1, 4 and 16 requests
-    # (sliced sweep 907 vs 934, 3004 vs 3179, 8427 vs 8695 tok/s; one request alone 1023 vs 1133: it
-    # settled on depth 3 where 5 ran faster), though a later run without it settled on depth 3 too:
-    # that lock-in, not this, may be the cause (BENCHMARKS.md, GPU section, session 27)
+    # draft before the sync like the quick picks. Off. Sessions 27 and 31 measured it losing, but then
+    # draft_step replaced most early full decisions with a quick one (the bucket's pick: explorations
+    # did not run). Once that was fixed, one sliced sweep on the H200 (session 32) put it at 0.953 /
+    # 0.947 / 1.012 of chain 5 at 1, 4 and 16 requests against 0.941 / 0.959 / 0.970 without: to be
+    # run again before it is turned on
     fuse_full: bool = False
     # ... only those full decisions that cannot explore (GoodputBandit.cannot_explore: the turns whose
     # exploration budget is spent, and the re-weighing turns between exploration turns): explorations
