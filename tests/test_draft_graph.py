@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.drafter import DEFAULT_HEAD, PENDING
+from specserve.spec.drafter import DEFAULT_HEAD, PENDING, EagleSpeculator
 from specserve.spec.tree import tree_fields
 from tiny_model import make_random_head, make_tiny_model
 
@@ -444,6 +444,62 @@ def test_an_early_full_decision_is_the_one_applied(tiny):
     assert out == ref
     second = [c for c in cycles if c.exploring and c.arm == 1 and c.launched_early]
     assert len(second) > 2 and all(c.measured for c in second)
+
+
+def test_an_early_decision_applies_to_the_requests_left():
+    """An early full decision for a batch of which some requests finished in the commit applies to the
+    ones left (its cycle then counts them alone) while their batch stays in its bucket; another batch, or
+    another bucket, takes a decision of its own."""
+    from types import SimpleNamespace
+
+    from specserve.spec.bandit import batch_key
+    from specserve.spec.controller import Cycle
+
+    def reqs(*ids):
+        return [SimpleNamespace(request_id=i) for i in ids]
+
+    ids = [str(i) for i in range(16)]
+    ks = list(range(16))
+    early = EagleSpeculator._early_decision
+    cyc = Cycle(batch_key(16), 3, 0.0, set(ids), requests=16)
+    assert early(reqs(*ids), ids, ks, cyc) == (ks, cyc)
+    left = [i for i in ids if i not in ("3", "9")]
+    got = early(reqs(*left), ids, ks, cyc)
+    assert got == ([int(i) for i in left], cyc) and cyc.requests == 14 and cyc.request_ids == set(left)
+    assert early(reqs(*left, "new"), ids, ks, Cycle(batch_key(16), 3, 0.0, set(ids))) is None  # another batch
+    few = Cycle(batch_key(4), 3, 0.0, {"0", "1", "2", "3"}, requests=4)
+    assert early(reqs("0", "1", "2"), ["0", "1", "2", "3"], [1, 2, 3, 4], few) is None  # another bucket
+    assert early(reqs("1", "0"), ["0", "1"], [1, 2], None) == ([2, 1], None)  # each request's own k
+
+
+def test_early_full_decisions_apply_to_the_requests_left_in_the_engine(tiny):
+    """Every decision full and taken before the sync (fuse_full): where a request stops at a stop token in
+    the commit the decision still applies to the others (six requests: 6 -> 5 stays in its bucket);
+    outputs stay plain decoding's."""
+    model, head = tiny
+    prompts = PROMPTS + [[3, 3, 4]]
+    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    free = [o.outputs[0].token_ids for o in
+            plain.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
+    stop_tok = next(t for t in free[2][8:] if t not in free[2][:8] and all(t not in f for j, f in enumerate(free) if j != 2))
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok])
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    assert 8 < len(ref[2]) < 40
+    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="adaptive", speculative_num_steps=3)
+    dr = llm.engine.drafter
+    dr.enable_static_draft(attention="torch")
+    ctl = dr.controller
+    ctl.fuse_full = True
+    ctl.quick_arm = lambda batch, running=None: None  # every decision a full one
+    ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: (max(priors), False)
+    applied = []
+    early = dr._early_decision
+    dr._early_decision = lambda cands, ids, *a: (
+        applied.append(len(cands) < len(ids) and early(cands, ids, *a) is not None), early(cands, ids, *a))[1]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert out == ref
+    assert sum(applied) == 1 and len(applied) > 10
 
 
 def test_isolated_explorations_leave_the_next_decision_after_the_sync(tiny):

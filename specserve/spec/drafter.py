@@ -1295,11 +1295,10 @@ class EagleSpeculator:
         arm = self.controller.forced_arm
         pre, self._pre_arm = self._pre_arm, None
         pre_ks, self._pre_ks = self._pre_ks, None
-        if pre_ks is not None and pre_ks[0] != [r.request_id for r in candidates]:
-            pre_ks = None  # (the batch changed since)
+        early = None if pre_ks is None else self._early_decision(candidates, *pre_ks)
         if arm is None and pre is not None and pre[0] == len(candidates):
             arm = pre[1]  # the quick decision taken before the verify's sync (_early_ks)
-        elif arm is None and pre_ks is None:
+        elif arm is None and early is None:
             # (with a full decision taken before the sync, a quick one here would replace it: the bandit
             # has counted that decision's visit, so the next one would be a quick turn. Until session 32
             # it did: an exploration's second cycle, decided early, ran the pick instead)
@@ -1318,9 +1317,9 @@ class EagleSpeculator:
         decide_s = 0.0
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
-        elif pre_ks is not None:
-            ks = pre_ks[1]  # the full decision taken before the verify's sync (_early_ks)
-            self.controller.install_cycle(pre_ks[2])
+        elif early is not None:
+            ks = early[0]  # the full decision taken before the verify's sync (_early_ks)
+            self.controller.install_cycle(early[1])
         else:
             t_decide = clock()
             behind = 0
@@ -1390,6 +1389,24 @@ class EagleSpeculator:
         # cycle it decides, it charged explored depths alone ~0.3 ms at one request on the H200 (~12 %
         # of a cycle) and ~0.8 ms at 256
         self._open_head(now, shift + decide_s)
+
+    @staticmethod
+    def _early_decision(candidates: list[Request], ids: list[str], ks: list[int],
+                        cycle: Any) -> tuple[list[int], Any] | None:
+        """The full decision taken before the verify's sync (_early_ks, for requests ``ids``) as it applies
+        to ``candidates``: as taken, or for the requests left where some finished in the commit (in the
+        same batch bucket: the cycle then counts only those); None where the batch is another. (At 16
+        requests one finishes every few cycles: an exploration's second cycle decided early was lost there.)"""
+        now = [r.request_id for r in candidates]
+        if now == ids:
+            return ks, cycle
+        by_id = dict(zip(ids, ks))
+        if not now or any(i not in by_id for i in now) or (cycle is not None and batch_key(len(now)) != cycle.key):
+            return None
+        if cycle is not None and cycle.request_ids is not None:
+            cycle.request_ids &= set(now)
+            cycle.requests = len(now)
+        return [by_id[i] for i in now], cycle
 
     def _open_head(self, now: float, left_out: float = 0.0) -> None:
         """The new decision's cycle so far: from ``now`` to here, less ``left_out`` seconds; the rest
