@@ -30,6 +30,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chain3": {"speculative_num_steps": 3, "speculative_eagle_topk": 1},
     "chain5": {"speculative_num_steps": 5, "speculative_eagle_topk": 1},
     "tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16},
+    # larger trees: at one request on a GPU a verify of 24-32 tokens costs about what one of 16 does
+    "tree24": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
+    "tree32": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 32},
+    "tree6x24": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
 }
 
 

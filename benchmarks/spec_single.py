@@ -49,6 +49,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chain5": {"speculative_num_steps": 5, "speculative_eagle_topk": 1},
     "chain7": {"speculative_num_steps": 7, "speculative_eagle_topk": 1},
     "tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16},
+    # larger trees: at one request on a GPU a verify of 24-32 tokens costs about what one of 16 does
+    "tree24": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
+    "tree32": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 32},
+    "tree6x24": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
     "tree8": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
     "tree12": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
     "tree6x10": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 10},
