@@ -22,19 +22,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from spec_single import CONFIGS as SPEC_CONFIGS  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "chain1": {"speculative_num_steps": 1, "speculative_eagle_topk": 1},
-    "chain3": {"speculative_num_steps": 3, "speculative_eagle_topk": 1},
-    "chain5": {"speculative_num_steps": 5, "speculative_eagle_topk": 1},
-    "tree": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16},
-    # larger trees: at one request on a GPU a verify of 24-32 tokens costs about what one of 16 does
-    "tree24": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
-    "tree32": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 32},
-    "tree6x24": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
-}
+# spec_single's configurations (gpu_spec_c1 takes the same), and chain 1
+CONFIGS: dict[str, dict[str, Any]] = {"chain1": {"speculative_num_steps": 1, "speculative_eagle_topk": 1},
+                                      **{n: c for n, c in SPEC_CONFIGS.items() if c}}
+DEFAULT_CONFIGS = "chain1,chain3,chain5,tree"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -42,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--draft", default=os.path.join(REPO, "models", "smollm2-135m-eagle3"))
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--configs", default=",".join(CONFIGS),
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
                     help="comma-separated; NAME@DTYPE runs NAME with the head in DTYPE (speculative_draft_dtype)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")

@@ -824,7 +824,8 @@ class EagleSpeculator:
         cap = self._spec_limit(r)
         if p.max_tokens is not None:
             left = p.max_tokens - (r.num_output_tokens + committed) - 1
-            cap = min(cap, left) if self.topk == 1 or left <= 0 else cap
+            if self.topk == 1 or left <= 0:
+                cap = min(cap, left)
         return min(cap, self.engine.max_model_len - (r.num_tokens + committed) - 1)
 
     def _spec_limit(self, r: Request) -> int:
@@ -1394,9 +1395,9 @@ class EagleSpeculator:
     def _early_decision(candidates: list[Request], ids: list[str], ks: list[int],
                         cycle: Any) -> tuple[list[int], Any] | None:
         """The full decision taken before the verify's sync (_early_ks, for requests ``ids``) as it applies
-        to ``candidates``: as taken, or for the requests left where some finished in the commit (in the
-        same batch bucket: the cycle then counts only those); None where the batch is another. (At 16
-        requests one finishes every few cycles: an exploration's second cycle decided early was lost there.)"""
+        to ``candidates``: as taken, or for the requests left where some stopped in the commit (a stop token
+        or EOS; near max_tokens no decision is taken early), in the same batch bucket: the cycle then counts
+        only those; None where the batch is another (an exploration's second cycle decided early was lost)."""
         now = [r.request_id for r in candidates]
         if now == ids:
             return ks, cycle
