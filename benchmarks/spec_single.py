@@ -7,6 +7,8 @@ One engine per configuration, all in this process, all on the same target weight
     tree             steps 5, topk 4, 16 draft tokens (EAGLE-2 dynamic tree)
     tree8, tree12    the same tree with 8 or 12 draft tokens (a cheaper verify)
     tree6x10, tree4x8  6 steps x top-4 x 10 tokens, 4 steps x top-4 x 8 tokens
+    tree24, tree32   5 steps x top-4 with 24 or 32 draft tokens
+    tree6x24, tree6x32, tree7x32, tree7x48, tree8x64  deeper trees (steps x top-4 x draft tokens)
 
 Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration in turn, the
 order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens (or up to it and
@@ -53,6 +55,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tree24": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
     "tree32": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 32},
     "tree6x24": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 24},
+    # deeper trees: at one request the H200 cycle is host-bound, so tokens per verify are what pays
+    "tree6x32": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 32},
+    "tree7x32": {"speculative_num_steps": 7, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 32},
+    "tree7x48": {"speculative_num_steps": 7, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 48},
+    "tree8x64": {"speculative_num_steps": 8, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 64},
     "tree8": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
     "tree12": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
     "tree6x10": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 10},
