@@ -836,3 +836,35 @@ def test_adaptive_trees_take_the_fused_launch(tiny):
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SP24)]
     assert out == ref
     assert dr.path_counts["fused"] > 5 and dr.path_counts["fused"] == dr.path_counts["fused_launch:eager"]
+
+
+def test_fused_trees_near_the_model_length_stay_within_its_blocks(tiny):
+    """A fused tree launch reserves the slots of the next tree after the most its verify commits (the
+    tree's depth + 1, not its node count + 1): with a request ending one token short of the model's
+    length, no block table grows past the model's length (the H200's attention refuses such a step:
+    'block table (1, 17) does not fit 1 requests x 16 blocks'), and the output is plain decoding's."""
+    model, head = tiny
+    bs = 4
+    plain = LLM(model=model, device="cpu", max_num_seqs=1, block_size=bs)
+    max_len = plain.engine.max_model_len
+    prompt = [(7 * i) % 60 + 2 for i in range(max_len - 40)]
+    sp = SamplingParams(temperature=0, max_tokens=max_len - len(prompt) - 1, ignore_eos=True)
+    ref = plain.generate([prompt], sp)[0].outputs[0].token_ids
+    llm = LLM(model=model, device="cpu", max_num_seqs=1, block_size=bs, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_policy="static",
+              speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=12)
+    llm.engine.drafter.enable_static_draft(fused_launch=True)
+    most_blocks = -(-max_len // bs)
+    widest = []
+    runner = llm.engine.runner
+    forward = runner.forward
+
+    def checked(inputs):
+        widest.append(inputs.meta.block_tables.shape[1])
+        return forward(inputs)
+
+    runner.forward = checked
+    out = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    assert llm.engine.drafter.path_counts["fused"] > 0
+    assert max(widest) <= most_blocks
+    assert out == ref

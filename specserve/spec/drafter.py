@@ -888,8 +888,11 @@ class EagleSpeculator:
             return None
         out = [(r, k, kk) for (r, k), kk in zip(found, ks)]
         sched = self.engine.scheduler
-        # every slot the catch-up, the chain and the next verify can write (draft_step reserves as much)
-        if not all(sched._reserve(r, r.num_tokens + 1 + k + kk) for r, k, kk in out):
+        # every slot the catch-up, the drafts and the next verify can write (draft_step reserves as much):
+        # after the most this verify commits (k + 1 for a chain, a tree's depth + 1: reserving k + 1
+        # for a tree ran past the model's length and its block table near a request's end) and kk more
+        if not all(sched._reserve(r, r.num_tokens + min(k, self.cfg.num_steps if tree else k) + 1 + kk)
+                   for r, k, kk in out):
             why["unfused:reserve"] += 1
             return None
         return out
