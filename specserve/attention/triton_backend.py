@@ -263,6 +263,7 @@ class TritonBackend(AttentionBackend):
         self._tree_bits = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self._block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._slots = torch.full((max_num_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
+        self._slots_used = 0  # rows of _slots the last plan wrote (the rest hold the scratch slot)
         bm = self.block_m_for(1)
         self._part_o = torch.zeros(self.max_parts, self.num_kv_heads, bm, self.head_dim, dtype=torch.float32,
                                    device=dev)
@@ -475,7 +476,9 @@ class TritonBackend(AttentionBackend):
 
         self._block_table[:B, : bt.shape[1]].copy_(bt, non_blocking=True)
         self._slots[:T].copy_(slot_mapping, non_blocking=True)
-        self._slots[T:].fill_(self.scratch_slot)
+        if T < self._slots_used:  # padding rows write to the scratch slot (past T: scratch already)
+            self._slots[T : self._slots_used].fill_(self.scratch_slot)
+        self._slots_used = T
         self._num_items = ni
         self._num_merges = nm
         self._block_m = block_m

@@ -748,6 +748,14 @@ class EagleSpeculator:
         tree's attention rows (ancestor bits). Returns the drafts' input rows and the trees' parents and depths of nodes 1..n-1
         (a gather to read back with the picks)."""
         N = self.max_k + 1
+        if len(src) == 1:  # one tree (one request: a host-bound cycle on a GPU): slices, no index lists
+            trees, row, a, n, b, nc = src[0]
+            t = trees[row]
+            inputs.input_ids[a + 1 : a + n].copy_(t[1:n])
+            torch.add(t[2 * N : 2 * N + n], nc, out=inputs.positions[a : a + n])
+            inputs.meta.tree_masks[b] = t[3 * N : 3 * N + n]
+            rows = torch.arange(a + 1, a + n, device=inputs.input_ids.device)
+            return rows, torch.cat([t[N + 1 : N + n], t[2 * N + 1 : 2 * N + n]])
         W = src[0][0].shape[1]
         dst_ids: list[int] = []
         src_ids: list[int] = []
