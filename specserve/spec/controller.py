@@ -211,8 +211,9 @@ class SpecController:
     # draft before the sync like the quick picks. Off. Sessions 27 and 31 measured it losing, but then
     # draft_step replaced most early full decisions with a quick one (the bucket's pick: explorations
     # did not run). Once that was fixed, one sliced sweep on the H200 (session 32) put it at 0.953 /
-    # 0.947 / 1.012 of chain 5 at 1, 4 and 16 requests against 0.941 / 0.959 / 0.970 without: to be
-    # run again before it is turned on
+    # 0.947 / 1.012 of chain 5 at 1, 4 and 16 requests against 0.941 / 0.959 / 0.970 without; two more
+    # (session 33) 0.988 / 0.949 / 1.016 and 0.954 / 0.976 / 0.930 against 0.986 / 0.931 / 1.043 and
+    # 0.950 / 0.974 / 0.912: within the runs' own spread, so it stays off
     fuse_full: bool = False
     # ... only those full decisions that cannot explore (GoodputBandit.cannot_explore: the turns whose
     # exploration budget is spent, and the re-weighing turns between exploration turns): explorations
