@@ -841,6 +841,10 @@ class EagleSpeculator:
         p = r.params
         return self.max_k if p.max_spec_tokens is None else min(self.max_k, p.max_spec_tokens)
 
+    def _most_committed(self, k: int) -> int:
+        """The most tokens a verify of ``k`` drafts commits: k + 1 for a chain, a tree's depth + 1."""
+        return (k if self.topk == 1 else min(k, self.cfg.num_steps)) + 1
+
     def _capped(self, r: Request, k: int, arm: int) -> int:
         """min(arm, r's own cap) however much this verify (of ``k`` drafts) commits: the cap after
         the most it can commit, k + 1 tokens (0: none left). A request near its max_tokens then
@@ -850,9 +854,9 @@ class EagleSpeculator:
         the least this verify commits (its bonus token) leaves it a token to draft and its nodes fit in
         the model's length after the most (its depth and the bonus): the commit cuts at max_tokens what
         it accepts past it, and a request left with no draft after a long commit does not adopt it."""
+        most = self._most_committed(k)
         if self.topk == 1:
-            return max(min(arm, self._cap(r, k + 1)), 0)
-        most = min(k, self.cfg.num_steps) + 1
+            return max(min(arm, self._cap(r, most)), 0)
         fits = self.engine.max_model_len - (r.num_tokens + most) - 1 >= arm
         return max(min(arm, self._cap(r, 1)), 0) if fits else 0
 
@@ -897,10 +901,9 @@ class EagleSpeculator:
         out = [(r, k, kk) for (r, k), kk in zip(found, ks)]
         sched = self.engine.scheduler
         # every slot the catch-up, the drafts and the next verify can write (draft_step reserves as much):
-        # after the most this verify commits (k + 1 for a chain, a tree's depth + 1: reserving k + 1
-        # for a tree ran past the model's length and its block table near a request's end) and kk more
-        if not all(sched._reserve(r, r.num_tokens + min(k, self.cfg.num_steps if tree else k) + 1 + kk)
-                   for r, k, kk in out):
+        # kk more after the most this verify commits (for a tree its depth + 1: its node count + 1 ran
+        # past the model's length and its block table near a request's end)
+        if not all(sched._reserve(r, r.num_tokens + self._most_committed(k) + kk) for r, k, kk in out):
             why["unfused:reserve"] += 1
             return None
         return out
