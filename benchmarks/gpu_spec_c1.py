@@ -45,8 +45,9 @@ PARITY_CONFIG = "chain3"
 def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, dict[str, Any], float]:
     """``name``: a CONFIGS entry, or one with "+noearly" (no verify launched before the commit)."""
     base, _, opt = name.partition("+")
-    if opt not in ("", "noearly", "nograph", "norope", "nofused"):
+    if opt not in ("", "noearly", "nopresync", "nograph", "norope", "nofused"):
         raise SystemExit(f"unknown option +{opt} in {name!r} (noearly: no verify launched before the commit, "
+                         "nopresync: a tree's next verify launched after the sync, not before it, "
                          "nograph: the fused launch step by step, not as one graph, norope: the head's "
                          "rotary by torch ops, not one kernel with the KV write, nofused: no fused launch "
                          "at all: the next drafts after the verify's sync)")
@@ -65,6 +66,8 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
         os.environ.pop("SPECSERVE_DRAFT_ROPE_KERNEL", None)
     if opt == "noearly":
         llm.engine.drafter.controller.early_verify = False
+    elif opt == "nopresync":
+        llm.engine.drafter.controller.presync_verify = False
     elif opt == "nograph":
         llm.engine.drafter.controller.fused_launch_graph = False
     elif opt == "nofused":

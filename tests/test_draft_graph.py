@@ -555,10 +555,10 @@ def test_early_verify_runs_the_next_verify_launched_before_the_commit(tiny, budg
         dr.controller.early_verify = early
         verify_all = dr._verify_all
 
-        def two_right_then_wrong(sampling, *a):
+        def two_right_then_wrong(sampling, *a, **kw):
             """Drafts the fused launch left on the device, rewritten once this verify's outcome is known
             (before either run reads them): two right then one wrong, so accepted counts vary."""
-            results = verify_all(sampling, *a)
+            results = verify_all(sampling, *a, **kw)
             for s, res in zip(sampling, results):
                 row, kk = (dr._fused or {}).get(s.req.request_id, (0, 0))
                 nxt = ref[int(s.req.request_id.rsplit("-", 1)[-1])][s.req.num_output_tokens + len(res.tokens):] + [0] * 3
@@ -764,7 +764,7 @@ def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
     model, head = tiny
     sp, ref = stop_mid_cycle(model)
     runs = []
-    for fused, early in ((False, False), (True, False), (True, True)):
+    for fused, early, presync in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", max_num_seqs=8, **TREE,
                   **({} if budget is None else {"max_num_batched_tokens": budget}))
@@ -772,6 +772,7 @@ def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
         dr.enable_static_draft(attention="torch", fused_launch=fused)
         assert (dr.tree_launch is not None) == fused
         dr.controller.early_verify = early
+        dr.controller.presync_verify = presync
         eng, outs, n = llm.engine, {}, 0
         for i, p in enumerate(PROMPTS[:3]):
             eng.add_request(str(i), p, sp)
@@ -787,13 +788,18 @@ def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
         runs.append(([outs[str(i)] for i in range(len(PROMPTS))], st.spec_draft_tokens, st.spec_accepted_tokens,
                      dict(dr.path_counts)))
         assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
-    (o0, d0, a0, p0), (o1, d1, a1, p1), (o2, d2, a2, p2) = runs
-    assert o0 == o1 == o2 == ref
-    assert (d0, a0) == (d1, a1) == (d2, a2) and a0 > 0
+    (o0, d0, a0, p0), (o1, d1, a1, p1), (o2, d2, a2, p2), (o3, d3, a3, p3) = runs
+    assert o0 == o1 == o2 == o3 == ref
+    assert (d0, a0) == (d1, a1) == (d2, a2) == (d3, a3) and a0 > 0
     assert "fused" not in p0 and p1["fused_launch:eager"] > 5 and p1["fused"] == p1["fused_launch:eager"]
     assert "early_verify" not in p1 and p2["early_verify"] > p2["fused"] / 3
+    assert "presync_verify" not in p2
+    # launched before the sync, from the device's picks; most of them are the step that follows
+    assert p3["presync_verify"] > p3["fused"] / 3 and p3["early_verify"] > p3["presync_verify"] / 2
     if budget is None:  # (under the budget no step of three requests fuses: the arrivals find none in flight)
         assert p2.get("early_verify:discarded", 0) > 0
+        # a request stopping at a token it commits (stop_mid_cycle), or an arrival, discards one
+        assert p3.get("presync_verify:discarded", 0) + p3.get("early_verify:discarded", 0) > 0
 
 
 @pytest.mark.parametrize("static", [None, "torch"])

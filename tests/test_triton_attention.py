@@ -30,14 +30,17 @@ NO_SPLIT = {"split_kv": False}
 
 
 def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, dtype=torch.float32,
-          trees=None, num_blocks=64, seed=0, block_n=16, backend=NO_SPLIT, packed=False):
-    """Run both backends on the same random step; return (out_ref, out_triton, caches equal)."""
+          trees=None, num_blocks=64, seed=0, block_n=16, backend=NO_SPLIT, packed=False, over=None):
+    """Run both backends on the same random step; return (out_ref, out_triton, caches equal).
+    ``over``: per request, how much longer than its real length the Triton backend's plan takes it
+    (its block table covers that much), the difference given back on the device (seq_shift)."""
     g = torch.Generator().manual_seed(seed)
     seq = [c + q for c, q in zip(ctx_lens, q_lens)]
+    over = over or [0] * len(seq)
     perm = torch.randperm(num_blocks - 1, generator=g).tolist()  # scattered blocks; the last is scratch
     tables, off = [], 0
-    for s in seq:
-        nb = -(-s // block_size)
+    for s, o in zip(seq, over):
+        nb = -(-(s + o) // block_size)
         tables.append(perm[off : off + nb])
         off += nb
     width = max(len(t) for t in tables)
@@ -65,6 +68,9 @@ def _case(q_lens, ctx_lens, *, heads=4, kv_heads=2, head_dim=32, block_size=4, d
             b: (m.long() << torch.arange(m.shape[1], device=m.device)).sum(-1) for b, m in meta.tree_masks.items()})
     tri = TritonBackend(caches_tri, block_size, head_dim**-0.5, num_heads=heads, max_num_tokens=128,
                         max_num_seqs=8, max_blocks_per_seq=32, block_n=block_n, **backend)
+    if any(over):
+        meta = dataclasses.replace(meta, seq_lens=[s + o for s, o in zip(seq, over)],
+                                   seq_shift=torch.tensor([-o for o in over], device=DEVICE))
     tri.plan(meta)
     if backend is SPLIT and max(seq) > 2 * block_n:
         assert tri._num_merges > 0, "the case was meant to split keys"
@@ -118,6 +124,18 @@ def test_tree_masks_and_causal_in_one_batch(backend):
     # the same trees handed over as packed bits
     ref_p, out_p, same_p = _case([5, 1, 5, 3], [9, 3, 0, 14], trees={0: TREE, 2: TREE}, backend=backend, packed=True)
     assert same_p and torch.equal(out_p, out)
+
+
+@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT], ids=["whole", "split_kv"])
+def test_lengths_moved_back_on_the_device(backend):
+    """A step planned longer than it is (seq_lens past the real ones) reads no key past the real
+    length once the device's seq_shift moves every token's limits back: the output of the step
+    planned at its real lengths (trees and causal tokens, one request or several). The longer keys
+    hold random values: read, they would change the output."""
+    for q_lens, ctx, trees, over in (([5], [21], {0: TREE}, [6]), ([5, 1, 5, 3], [9, 3, 0, 14], {0: TREE, 2: TREE}, [3, 0, 6, 5])):
+        ref, out, same_cache = _case(q_lens, ctx, trees=trees, backend=backend, over=over, packed=True)
+        assert same_cache
+        _assert_close(ref, out, torch.float32)
 
 
 def test_large_step_tiles(monkeypatch):

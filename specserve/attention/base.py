@@ -27,6 +27,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64 block ids per request
     # b -> bool [q_b, q_b] (row attends column), or int64 [q_b]: each row packed as bits (bit j: column j)
     tree_masks: dict[int, torch.Tensor] | None = None
+    # [B] int on the device, <= 0: what each request's seq_len really is minus ``seq_lens[b]``, for a
+    # step launched before the host knows its lengths (the drafter's verify launched before a sync:
+    # planned at the longest, its positions and slots written on the device). Every token's key limits
+    # move by it; no key at or past the real length is read
+    seq_shift: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

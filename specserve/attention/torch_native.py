@@ -9,6 +9,7 @@ than ``short_q`` queries get a padded group of their own (one more attention cal
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,9 @@ class TorchNativeBackend(AttentionBackend):
     short_q = 32  # requests with at most this many queries share one padded group
 
     def plan(self, meta: AttentionMetadata) -> None:
+        if meta.seq_shift is not None:  # (the reference backend reads it back: on a GPU, a sync)
+            shift = meta.seq_shift.tolist()
+            meta = dataclasses.replace(meta, seq_lens=[s + d for s, d in zip(meta.seq_lens, shift)], seq_shift=None)
         device = meta.slot_mapping.device
         q_lens = meta.query_lens
         starts, acc = [], 0

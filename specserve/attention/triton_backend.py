@@ -325,6 +325,12 @@ class TritonBackend(AttentionBackend):
         if ni > self.max_items or nm > self.split_tiles or n_parts > self.max_parts:
             raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
         self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
+        if meta.seq_shift is not None:  # lengths known on the device only: every token's limits move
+            shift = meta.seq_shift.to(torch.int32)
+            if B > 1:
+                shift = shift.repeat_interleave(host_to_device(q_list, self._meta.device), output_size=T)
+            self._kv_limit[:T] += shift
+            self._tree_start[:T] += shift
 
     def _work_small(self, q_lens: list[int], seq_lens: list[int], T: int, block_m: int,
                     trees: dict | None = None) -> tuple[list[list[int]], int]:

@@ -165,8 +165,8 @@ class ModelRunner:
                 from specserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 
                 self.graphs = CUDAGraphRunner(model, self.attn, capture_sizes(config.graph_token_limit), device)
-        else:
-            self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks, bs, mc.num_key_value_heads,
+        else:  # (the same spare block: the drafter's device-side moves send their no-ops there)
+            self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, bs, mc.num_key_value_heads,
                                                mc.head_dim, dtype, device)
             self.attn = TorchNativeBackend(self.kv_caches, bs, scale)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)

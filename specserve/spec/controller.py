@@ -241,6 +241,13 @@ class SpecController:
     # device then has the next verify queued behind the drafts while the host commits and schedules.
     # The drafter turns it on on a GPU (on the CPU a forward returns when done: nothing to overlap)
     early_verify: bool = False
+    # ... and for trees launched before the sync itself, right after the fused launch: its inputs come
+    # from the device (FusedTreeLaunch.next_ids ...: the accepted count is not known on the host yet),
+    # its attention planned at the longest the verify can leave the request (AttentionMetadata.seq_shift).
+    # After the sync the host only checks that what it launched is the step that follows (a stop
+    # token, a request's end: discarded). Post-sync, the device waited for the host's commit of the
+    # picks (~0.2 ms of a ~1.65-ms cycle at one request on the H200). False: for A/Bs
+    presync_verify: bool = True
     # ... and the fused launch of steps of up to FUSED_MAX_BATCH requests replays one graph where the
     # drafter has them (EagleSpeculator.fused_launch, built with the draft loop's graphs). False: for A/Bs
     fused_launch_graph: bool = True

@@ -135,6 +135,21 @@ class EarlyVerify:
     tree_extra: torch.Tensor | None = None  # trees: their parents and depths, read back with the picks
 
 
+@dataclass
+class PresyncVerify:
+    """A tree verify launched before the sync of the step before it (_launch_presync_verify)."""
+
+    targets: list[tuple[Request, int, int]]  # per request: it, drafts verified now, drafts next
+    tables: list[list[int]]  # their block tables as it was launched
+    inputs: Any
+    out: Any
+    logits: torch.Tensor
+    argmax: torch.Tensor
+    rows: torch.Tensor
+    toks: torch.Tensor
+    extra: torch.Tensor
+
+
 # finished requests' catch-up (Drafter._catch_up_finished): memory per step of the tokens it weighs,
 # and the tokens at which a prefill's and a catch-up's costs per token are compared
 FINISH_DECAY = 0.99
@@ -228,6 +243,7 @@ class EagleSpeculator:
         self._pre_arm: tuple[int, int] | None = None  # (batch, depth) of a quick decision taken early
         self._pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
         self._early: EarlyVerify | None = None  # the next step's verify, launched already
+        self._presync: PresyncVerify | None = None  # ... launched before this step's sync (trees)
         self.controller.early_verify = self.device.type == "cuda"
         self._readback: torch.Tensor | None = None  # pinned: the verify's picks, read after the fused launch
         self._readback_done: torch.cuda.Event | None = None
@@ -501,7 +517,8 @@ class EagleSpeculator:
         assert tr is not None
         Bm = min(FUSED_MAX_BATCH, tr.batch_sizes[-1])
         attn = self._decode_attention(Bm * (min(tr.depth, tr.num_nodes - 1) + 1), triton)
-        return FusedTreeLaunch(tr, attn, self.scratch_slot, self.head.config.feature_size, self.engine.dtype, Bm)
+        return FusedTreeLaunch(tr, attn, self.scratch_slot, self.head.config.feature_size, self.engine.dtype, Bm,
+                               target_kv=kv_slab(self.runner.kv_caches))
 
     def _decode_attention(self, rows: int, triton: bool) -> Any:
         """A decode attention over the draft KV (one query per row), reading its own block tables
@@ -648,15 +665,24 @@ class EagleSpeculator:
                                  + ([] if tree_extra is None else [tree_extra]))
             fused = self._fused_targets(plan) if sb_all is None else None
             if fused:  # the next cycle's catch-up and drafts go to the device before the host waits
-                vals = self._read_back_around(back, lambda: self._launch_fused(fused, inputs, argmax, feats))
+                def launch() -> None:
+                    self._launch_fused(fused, inputs, argmax, feats)
+                    if self._presync_ok(fused):  # (trees) and the verify of those drafts
+                        self._presync = self._launch_presync_verify(fused)
+
+                vals = self._read_back_around(back, launch)
             else:
                 vals = back.tolist()
             greedy_argmax = vals[: argmax.shape[0]]
             if pending:
                 self._resolve_drafts(pending, vals[argmax.shape[0]:])
 
-        results = self._verify_all(sampling, logits, greedy_argmax, sb_all)
-        if fused and self.controller.early_verify:
+        # (a fused tree launch moved the accepted nodes' KV on the device: FusedTreeLaunch._compact)
+        results = self._verify_all(sampling, logits, greedy_argmax, sb_all, compacted=bool(fused) and self.topk > 1)
+        presync, self._presync = self._presync, None
+        if presync is not None:
+            self._adopt_presync_verify(presync, results)
+        elif fused and self.controller.early_verify:
             self._launch_early_verify(fused, results)
         token_ids = [r.tokens for r in results]
         accepted = [r.num_accepted for r in results]
@@ -1052,6 +1078,72 @@ class EagleSpeculator:
             r.kv_hold_tokens = start + kk + 1  # commit would free the blocks past what it commits
         self._early = EarlyVerify(plan, blocks, reqs, inputs, out, logits, logits.argmax(-1), rows, toks, extra)
 
+    def _presync_ok(self, targets: list[tuple[Request, int, int]]) -> bool:
+        """Whether the verify after a fused tree launch may go to the device before the sync: what
+        _launch_early_verify asks that does not need the picks, and no request that can end in this
+        commit whatever it accepts (max_tokens; a stop token is seen after the sync: discarded)."""
+        ctl, sched = self.controller, self.engine.scheduler
+        if not (ctl.early_verify and ctl.presync_verify and self.topk > 1 and self.tree_launch is not None):
+            return False
+        if sched.waiting or len(targets) != len(sched.running) or not all(kk == self.max_k for _, _, kk in targets):
+            return False
+        if sum(kk + 1 for _, _, kk in targets) > self.engine.config.max_num_batched_tokens:
+            return False
+        for r, k, kk in targets:
+            p = r.params
+            if p.max_tokens is not None and r.num_output_tokens + self._most_committed(k) + 1 >= p.max_tokens:
+                return False
+        return True
+
+    def _launch_presync_verify(self, targets: list[tuple[Request, int, int]]) -> "PresyncVerify":
+        """The verify of the trees the fused launch just selected, launched behind it before the sync:
+        ids, positions and slots from FusedTreeLaunch's device buffers, the attention planned for the
+        most this verify can commit (the root at nc + L) and moved back by the device's shift."""
+        tl = self.tree_launch
+        toks = self._fused_toks
+        assert tl is not None and toks is not None
+        N, B = tl.N, len(targets)
+        lists = StepLists(self.engine.config.block_size)
+        for r, _, _ in targets:  # (ids, positions and slots: placeholders the device overwrites)
+            lists.add([0] * N, r.num_computed_tokens + tl.L, r.kv.block_table, sample_rows=N)
+        inputs = self.runner.upload(lists)
+        inputs.input_ids.copy_(tl.next_ids[:B].view(-1))
+        inputs.positions.copy_(tl.next_pos[:B].view(-1))
+        inputs.meta.slot_mapping.copy_(tl.next_slots[:B].view(-1))
+        inputs.meta.seq_shift = tl.next_shift[:B]
+        inputs.meta.tree_masks = {b: toks[b, 3 * N : 4 * N] for b in range(B)}
+        if B == 1:
+            rows = torch.arange(1, N, device=self.device)
+        else:
+            rows = host_to_device([b * N + i for b in range(B) for i in range(1, N)], self.device)
+        extra = torch.cat([toks[:B, N + 1 : 2 * N], toks[:B, 2 * N + 1 : 3 * N]], 1).reshape(-1)
+        out = self.runner.forward(inputs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        logits = self.target.compute_logits(hidden)
+        self.path_counts["presync_verify"] += 1
+        return PresyncVerify(targets, [list(r.kv.block_table) for r, _, _ in targets], inputs, out, logits,
+                             logits.argmax(-1), rows, toks, extra)
+
+    def _adopt_presync_verify(self, pre: "PresyncVerify", results: list[TreeVerifyResult]) -> None:
+        """After the sync: the verify launched before it is the next step's (as _launch_early_verify's),
+        unless a request stops at a token it commits now (its KV writes sit past what is committed)."""
+        sched = self.engine.scheduler
+        bs = self.engine.config.block_size
+        plan, blocks = [], []
+        for (r, _, kk), res, table in zip(pre.targets, results, pre.tables):
+            p = r.params
+            if not p.ignore_eos and any(t in sched.eos_token_ids or t in p.stop_token_ids for t in res.tokens):
+                self.path_counts["presync_verify:discarded"] += 1
+                return
+            start = r.num_computed_tokens + 1 + res.num_accepted
+            plan.append((r.request_id, start, res.tokens[-1], kk))
+            blocks.append(table[start // bs : (start + kk) // bs + 1])
+        reqs = [r for r, _, _ in pre.targets]
+        for r, (_, start, _, kk) in zip(reqs, plan):
+            r.kv_hold_tokens = start + kk + 1  # commit would free the blocks past what it commits
+        self._early = EarlyVerify(plan, blocks, reqs, pre.inputs, pre.out, pre.logits, pre.argmax, pre.rows,
+                                  pre.toks, pre.extra)
+
     def _early_matches(self, early: EarlyVerify, plan: StepPlan) -> bool:
         """Whether ``plan`` verifies what ``early`` launched: the same requests in the same order, each
         from the same position and token, over the same blocks, with the drafts it read."""
@@ -1156,8 +1248,10 @@ class EagleSpeculator:
                                                   [0] + depths)
             self.states[s.req.request_id].device_tree = None
 
-    def _verify_all(self, sampling, logits, greedy_argmax: list[int], sb_all) -> list[TreeVerifyResult]:
-        """Per sampling request: accepted node path, tokens to commit. Sampled chains go in one batch."""
+    def _verify_all(self, sampling, logits, greedy_argmax: list[int], sb_all,
+                    compacted: bool = False) -> list[TreeVerifyResult]:
+        """Per sampling request: accepted node path, tokens to commit. Sampled chains go in one batch.
+        ``compacted``: the trees' accepted KV was moved on the device already."""
         results: list[TreeVerifyResult | None] = [None] * len(sampling)
         chains: list[int] = []
         offs, off = [], 0
@@ -1173,7 +1267,8 @@ class EagleSpeculator:
                 else:
                     probs = sampler.processed_probs(logits[span], sb_all.select([i] * (k + 1)))
                     res = verify_tree_sampled(tree, probs, s.req.generator or self.runner.generator)
-                self._compact(s, res.path)
+                if not compacted:
+                    self._compact(s, res.path)
                 results[i] = res
             elif s.req.params.greedy:
                 r = verify_greedy(greedy_argmax[span], s.draft_token_ids)

@@ -205,9 +205,17 @@ class FusedTreeLaunch:
     catch-up rewrites before anything reads them (the expansion reads keys below nc + 1 + accepted).
     It attends row by row (a decode attention, its metadata computed on the device). What the host
     writes (``write``, one copy): each row's position and KV slot, each request's nc and block
-    table; padding rows write the scratch slot, padding requests accept nothing that matters."""
+    table; padding rows write the scratch slot, padding requests accept nothing that matters.
 
-    def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, scratch_slot: int, feature_size: int, dtype: torch.dtype, max_batch: int) -> None:
+    It also moves the target KV of each request's accepted nodes to the positions right after its
+    root (``target_kv``: the host's compaction, done here so that nothing waits for the sync), and
+    writes the inputs of the verify of the trees it selects (``next_ids``,
+    ``next_pos``, ``next_slots``: root = the bonus token at nc + 1 + accepted, then the nodes in
+    order; ``next_shift``: accepted minus the most a verify accepts, what that verify's lengths
+    differ from those its host plan assumes), so that the verify can be launched before the sync."""
+
+    def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, scratch_slot: int, feature_size: int,
+                 dtype: torch.dtype, max_batch: int, target_kv: torch.Tensor | None = None) -> None:
         self.tree = tree
         self.device = tree.device
         self.N, self.D = tree.num_nodes, tree.depth
@@ -225,14 +233,20 @@ class FusedTreeLaunch:
         self.meta = torch.zeros(self.layouts[Bm][-1], dtype=torch.long, device=dev)
         self.row_attn = row_attn  # a decode attention over the draft KV reading its own block tables:
         self.row_tables = row_attn.block_tables  # [Bm * L, width], each catch-up row's (its request's)
+        self.target_kv = target_kv  # kv_slab of the target's caches
+        self.next_ids = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
+        self.next_pos = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
+        self.next_slots = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
+        self.next_shift = torch.zeros(Bm, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
     def layout(self, Bp: int) -> list[int]:
-        """Offsets in ``meta`` of pos, slot [Bp x L each], nc [Bp], block tables [Bp x width], and the
-        verified trees' rows in their packed tensor [Bp] (read by ``run``, outside the graph)."""
+        """Offsets in ``meta`` of pos, slot [Bp x L each], nc [Bp], block tables [Bp x width], live
+        (1: a request, 0: padding) [Bp], and the verified trees' rows in their packed tensor [Bp]
+        (read by ``run``, outside the graph)."""
         n = Bp * self.L
-        return np.cumsum([0, n, n, Bp, Bp * self.width, Bp]).tolist()
+        return np.cumsum([0, n, n, Bp, Bp * self.width, Bp, Bp]).tolist()
 
     def key(self, B: int) -> tuple[int] | None:
         """(padded batch,) of a step of B requests, or None where not covered."""
@@ -244,15 +258,18 @@ class FusedTreeLaunch:
         N, L, tree = self.N, self.L, self.tree
         head = tree.head
         o = self.layouts[Bp]
-        pos, slot, nc, tab = (self.meta[o[i] : o[i + 1]] for i in range(4))  # (and the rows: run)
+        pos, slot, nc, tab, live = (self.meta[o[i] : o[i + 1]] for i in range(5))  # (and the rows: run)
+        tab = tab.view(Bp, self.width)
         tok, par, dep, _ = tree_fields(self.trees_in[:Bp], N)
         accepted, path, bonus = accept_trees(tok, par, dep, self.picks[: Bp * N].view(Bp, N), self.D)
+        if self.target_kv is not None:
+            self._compact(nc, tab, live, accepted, path)
         j = torch.arange(L, device=self.device)[None, :]
         acc = accepted[:, None]
         node = torch.where(j <= acc, path[:, :L], path.gather(1, acc))  # [Bp, L]
         ids = torch.where(j < acc, tok.gather(1, path[:, 1 : L + 1]), bonus[:, None])
         rows = (torch.arange(Bp, device=self.device)[:, None] * N + node).reshape(-1)
-        tree.block_tables[:Bp].copy_(tab.view(Bp, self.width))
+        tree.block_tables[:Bp].copy_(tab)
         self.row_tables[: Bp * L].copy_(tree.block_tables[:Bp].repeat_interleave(L, dim=0))
         self.row_attn.set_step(slot, (pos + 1).to(torch.int32))
         with forward_context(self.row_attn):
@@ -261,6 +278,33 @@ class FusedTreeLaunch:
         tree.base_pos[:Bp].copy_(nc + 1 + accepted)
         tree.sizes[:Bp].fill_(N - 1)
         tree._body(Bp)
+        ntok, _, ndep, _ = tree_fields(tree.trees[:Bp], N)
+        start = tree.base_pos[:Bp, None]  # the bonus token's position: the next tree's root
+        self.next_ids[:Bp, :1].copy_(bonus[:, None])
+        self.next_ids[:Bp, 1:].copy_(ntok[:, 1:])
+        torch.add(ndep, start, out=self.next_pos[:Bp])
+        self.next_slots[:Bp].copy_(self._slot(tab, start + torch.arange(N, device=self.device)[None, :]))
+        torch.sub(accepted, L - 1, out=self.next_shift[:Bp])
+
+    def _slot(self, tab: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """KV slots of positions ``p`` [Bp, n] through block tables ``tab`` [Bp, width]."""
+        bs = self.block_size
+        return tab.gather(1, (p // bs).clamp(max=self.width - 1)) * bs + p % bs
+
+    def _compact(self, nc: torch.Tensor, tab: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor,
+                 path: torch.Tensor) -> None:
+        """The target KV of the accepted node at depth m (position nc + node) to position nc + m, in
+        every layer (the host's EagleSpeculator._compact); moves that are none write the scratch slot."""
+        D = self.L - 1
+        m = torch.arange(1, D + 1, device=self.device)[None, :]
+        node = path[:, 1 : D + 1]
+        move = (m <= accepted[:, None]) & (node != m) & (live[:, None] > 0)
+        scratch = torch.full_like(node, self.scratch_slot)
+        src = torch.where(move, self._slot(tab, nc[:, None] + node), scratch).reshape(-1)
+        dst = torch.where(move, self._slot(tab, nc[:, None] + m), scratch).reshape(-1)
+        kv = self.target_kv
+        assert kv is not None
+        kv.index_copy_(1, dst, kv.index_select(1, src))
 
     def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]],
               rows: Sequence[int] = ()) -> None:
@@ -284,7 +328,8 @@ class FusedTreeLaunch:
         for b, table in enumerate(tables):
             start = o[3] + b * self.width
             h[start : start + len(table)] = table
-        h[o[4] : o[4] + len(rows)] = rows
+        h[o[4] : o[4] + B] = 1
+        h[o[5] : o[5] + len(rows)] = rows
         self.meta[: o[-1]].copy_(t, non_blocking=True)
 
     def run(self, key: tuple[int], picks: torch.Tensor, feats: torch.Tensor, trees: torch.Tensor) -> str:
@@ -297,7 +342,7 @@ class FusedTreeLaunch:
         self.picks[:T].copy_(picks)
         self.feats[:T].copy_(feats)
         # (padding requests take row 0's tree: they accept nothing that is read)
-        self.trees_in[:Bp].copy_(trees.index_select(0, self.meta[o[4] : o[5]]))
+        self.trees_in[:Bp].copy_(trees.index_select(0, self.meta[o[5] : o[6]]))
         return replay_or_eager(self.graphs, key, self._body)
 
     @torch.inference_mode()
