@@ -19,6 +19,7 @@ import torch
 
 from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.attention.triton_backend import TritonBackend
+from specserve.engine.gc_pauses import no_collection
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,15 @@ def capture_per_size(attn: TritonBackend, sizes: list[int], body: Callable[[int]
     free_before = torch.cuda.mem_get_info(device)[0]
     t0 = time.perf_counter()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    with no_collection():
+        _capture_sizes(attn, sizes, body, device, graphs, outputs, pool)
+    attn.graph_min_tokens = 1
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0])
+
+
+def _capture_sizes(attn: TritonBackend, sizes: list[int], body: Callable[[int], Any], device: torch.device,
+                   graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, Any], pool: Any) -> None:
     for i in reversed(range(len(sizes))):
         n = sizes[i]
         # steps of (previous size, n] tokens replay this graph: the backend sizes its launches by that
@@ -101,9 +111,6 @@ def capture_per_size(attn: TritonBackend, sizes: list[int], body: Callable[[int]
             out = body(n)
         graphs[n] = graph
         outputs[n] = out
-    attn.graph_min_tokens = 1
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0])
 
 
 class CUDAGraphRunner:

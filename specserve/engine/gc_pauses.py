@@ -10,8 +10,10 @@ allocates."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from typing import Iterator
 
 _total = 0.0  # seconds in full collections since install()
 _started: float | None = None
@@ -44,3 +46,19 @@ def pause_seconds() -> float:
     """Seconds spent in full collections since install(): differences of two readings time the
     pauses between them."""
     return _total
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Collect garbage first, then none while graphs are captured: torch no longer collects before a
+    capture, and a collection inside one could free another engine's objects (pinned buffers record
+    events on the capturing stream), which invalidates it (on the H200: the capture of a plain engine
+    built after speculative ones, in one test process)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

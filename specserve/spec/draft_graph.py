@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, write_kv
+from specserve.engine.gc_pauses import no_collection
 from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.models.eagle3 import Eagle3DraftModel
 
@@ -109,15 +110,16 @@ def capture_each(keys: list[tuple[int, ...]], body: Callable[..., None], device:
     t0 = time.perf_counter()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
-    for key in keys:
-        if prepare is not None:
-            prepare(*key)
-        body(*key)
-        torch.cuda.synchronize(device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
+    with no_collection():
+        for key in keys:
+            if prepare is not None:
+                prepare(*key)
             body(*key)
-        graphs[key] = g
+            torch.cuda.synchronize(device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                body(*key)
+            graphs[key] = g
     torch.cuda.synchronize(device)
     stats = GraphStats(len(graphs), time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0]))
     return graphs, stats
