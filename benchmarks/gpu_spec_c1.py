@@ -182,7 +182,8 @@ def breakdown(llm: LLM, prompt: list[int], output_len: int) -> dict[str, Any]:
 def parity(args: argparse.Namespace, prompts: list[list[int]], dtype: str,
            engines: dict[str, LLM] | None = None) -> dict[str, Any]:
     got = {}
-    for name in ("nospec", PARITY_CONFIG):
+    cfg = args.parity_config
+    for name in ("nospec", cfg):
         llm = engines[name] if engines else make_engine(args, name, dtype)[0]
         before = path_counts(llm)
         got[name] = [run_one(llm, p, args.parity_len)["token_ids"] for p in prompts]
@@ -191,17 +192,17 @@ def parity(args: argparse.Namespace, prompts: list[list[int]], dtype: str,
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-    ref, out = got["nospec"], got[PARITY_CONFIG]
+    ref, out = got["nospec"], got[cfg]
     diverged = []
     for i, (a, b) in enumerate(zip(ref, out)):
         if a != b:
             pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             diverged.append({"prompt": i, "first_divergence": pos, "nospec": a[pos : pos + 4],
                              "spec": b[pos : pos + 4]})
-    return {"dtype": dtype, "config": PARITY_CONFIG, "prompts": len(prompts), "tokens_each": args.parity_len,
+    return {"dtype": dtype, "config": cfg, "prompts": len(prompts), "tokens_each": args.parity_len,
             "equal": len(prompts) - len(diverged), "agreement": (len(prompts) - len(diverged)) / len(prompts),
             "diverged": diverged,
-            "fallbacks": fallbacks(f"parity {dtype} {PARITY_CONFIG}", got[PARITY_CONFIG + "_paths"], len(prompts))
+            "fallbacks": fallbacks(f"parity {dtype} {cfg}", got[cfg + "_paths"], len(prompts))
             + fallbacks(f"parity {dtype} nospec", got["nospec_paths"], len(prompts))}
 
 
@@ -221,13 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=1024)
     ap.add_argument("--configs", default="nospec,chain3,chain5,tree")
     ap.add_argument("--skip-fp32-parity", action="store_true")
+    ap.add_argument("--parity-config", default=PARITY_CONFIG,
+                    help="the speculative configuration whose greedy outputs are compared with no-spec's "
+                         "(one of --configs)")
     ap.add_argument("--allow-cpu", action="store_true", help="dry run of this script on the CPU (no graphs: fails)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit("gpu_spec_c1 needs a CUDA device")
     names = args.configs.split(",")
-    if names[0] != "nospec" or PARITY_CONFIG not in names:
-        raise SystemExit(f"--configs must start with nospec and include {PARITY_CONFIG}")
+    if names[0] != "nospec" or args.parity_config not in names:
+        raise SystemExit(f"--configs must start with nospec and include {args.parity_config} (--parity-config)")
     t_start = time.perf_counter()
     result: dict[str, Any] = run_metadata()
     result["command"] = "python " + " ".join(["benchmarks/gpu_spec_c1.py"] + (argv if argv is not None else sys.argv[1:]))
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     result["draft_head"] = {"path": args.head, **head_provenance(args.head)}
     result["settings"] = {k: getattr(args, k) for k in ("num_prompts", "output_len", "parity_prompts", "parity_len",
                                                          "max_prompt_chars", "seed", "num_kv_blocks",
-                                                         "natural_stops")}
+                                                         "natural_stops", "parity_config")}
     result["settings"].update(greedy=True, concurrency=1, dtype="bfloat16", policy="static", configs=names)
 
     engines: dict[str, LLM] = {}
