@@ -245,8 +245,10 @@ class SpecController:
     # from the device (FusedTreeLaunch.next_ids ...: the accepted count is not known on the host yet),
     # its attention planned at the longest the verify can leave the request (AttentionMetadata.seq_shift).
     # After the sync the host only checks that what it launched is the step that follows (a stop
-    # token, a request's end: discarded). Post-sync, the device waited for the host's commit of the
-    # picks (~0.2 ms of a ~1.65-ms cycle at one request on the H200). False: for A/Bs
+    # token, a request's end: discarded). Level with the post-sync launch at one request on the H200
+    # (session 34: 1.70 ms a tree-32 cycle either way over 50 prompts; that cycle is device-bound), kept
+    # on as the step towards a cycle captured whole: every input of the next verify is on the device.
+    # False: for A/Bs
     presync_verify: bool = True
     # ... and the fused launch of steps of up to FUSED_MAX_BATCH requests replays one graph where the
     # drafter has them (EagleSpeculator.fused_launch, built with the draft loop's graphs). False: for A/Bs

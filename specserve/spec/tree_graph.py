@@ -215,7 +215,7 @@ class FusedTreeLaunch:
     differ from those its host plan assumes), so that the verify can be launched before the sync."""
 
     def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, scratch_slot: int, feature_size: int,
-                 dtype: torch.dtype, max_batch: int, target_kv: torch.Tensor | None = None) -> None:
+                 dtype: torch.dtype, max_batch: int, target_kv: torch.Tensor) -> None:
         self.tree = tree
         self.device = tree.device
         self.N, self.D = tree.num_nodes, tree.depth
@@ -262,8 +262,7 @@ class FusedTreeLaunch:
         tab = tab.view(Bp, self.width)
         tok, par, dep, _ = tree_fields(self.trees_in[:Bp], N)
         accepted, path, bonus = accept_trees(tok, par, dep, self.picks[: Bp * N].view(Bp, N), self.D)
-        if self.target_kv is not None:
-            self._compact(nc, tab, live, accepted, path)
+        self._compact(nc, tab, live, accepted, path)
         j = torch.arange(L, device=self.device)[None, :]
         acc = accepted[:, None]
         node = torch.where(j <= acc, path[:, :L], path.gather(1, acc))  # [Bp, L]
@@ -303,7 +302,6 @@ class FusedTreeLaunch:
         src = torch.where(move, self._slot(tab, nc[:, None] + node), scratch).reshape(-1)
         dst = torch.where(move, self._slot(tab, nc[:, None] + m), scratch).reshape(-1)
         kv = self.target_kv
-        assert kv is not None
         kv.index_copy_(1, dst, kv.index_select(1, src))
 
     def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]],
