@@ -9,6 +9,7 @@ One engine per configuration, all in this process, all on the same target weight
     tree6x10, tree4x8  6 steps x top-4 x 10 tokens, 4 steps x top-4 x 8 tokens
     tree24, tree32   5 steps x top-4 with 24 or 32 draft tokens
     tree6x24, tree6x32, tree7x32, tree7x48, tree8x64  deeper trees (steps x top-4 x draft tokens)
+    tree48, tree64, tree5x6x32, tree5x6x48, tree5x8x64  more nodes, wider frontiers (steps x top-k x tokens)
 
 Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration in turn, the
 order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens (or up to it and
@@ -60,6 +61,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tree7x32": {"speculative_num_steps": 7, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 32},
     "tree7x48": {"speculative_num_steps": 7, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 48},
     "tree8x64": {"speculative_num_steps": 8, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 64},
+    # more nodes at depth 5 (the H200's tree cycle is device-bound and its verify costs the same up to 64
+    # tokens), and wider frontiers (top-6, top-8: the expansion runs one query per frontier node)
+    "tree48": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 48},
+    "tree64": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 64},
+    "tree5x6x32": {"speculative_num_steps": 5, "speculative_eagle_topk": 6, "speculative_num_draft_tokens": 32},
+    "tree5x6x48": {"speculative_num_steps": 5, "speculative_eagle_topk": 6, "speculative_num_draft_tokens": 48},
+    "tree5x8x64": {"speculative_num_steps": 5, "speculative_eagle_topk": 8, "speculative_num_draft_tokens": 64},
     "tree8": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
     "tree12": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
     "tree6x10": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 10},
