@@ -48,6 +48,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # a drafting depth, fixed (static) against the adaptive engine held at it: the adaptive policy's own cost
     "static_chain3": {"speculative_policy": "static", "speculative_num_steps": 3},
     "adaptive_forced3": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 3},
+    "adaptive_forced1": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 1},
     # one request's cycle on a GPU is host-bound: a chain and the default tree, fixed
     "static_chain5": {"speculative_policy": "static", "speculative_num_steps": 5},
     "static_tree": {"speculative_policy": "static", "speculative_num_steps": 5, "speculative_eagle_topk": 4,
