@@ -71,7 +71,7 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
     elif opt == "nograph":
         llm.engine.drafter.controller.fused_launch_graph = False
     elif opt == "nofused":
-        llm.engine.drafter.fused_launch = llm.engine.drafter.tree_launch = None
+        llm.engine.drafter.fused_launch = llm.engine.drafter.tree_launch = llm.engine.drafter.tree_verify = None
     return llm, kw, time.perf_counter() - t0
 
 

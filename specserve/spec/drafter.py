@@ -56,7 +56,7 @@ from specserve.spec.tree import (Candidate, DraftTree, TreeVerifyResult, select_
                                  verify_tree_greedy,
                                  verify_tree_sampled)
 from specserve.spec.tree_attention import TreeDraftBackend
-from specserve.spec.tree_graph import FusedTreeLaunch, TreeDraftRunner, lane_blocks
+from specserve.spec.tree_graph import FusedTreeLaunch, TreeDraftRunner, TreeVerifyGraph, lane_blocks
 from specserve.spec.verify import verify_chains_sampled, verify_greedy
 
 if TYPE_CHECKING:
@@ -432,6 +432,7 @@ class EagleSpeculator:
         self.catch_up_runner: CatchUpRunner | None = None
         self.fused_launch: FusedLaunchRunner | None = None
         self.tree_launch: FusedTreeLaunch | None = None
+        self.tree_verify: TreeVerifyGraph | None = None
         # draft-side calls per path ("catch_up:graph", "chain:eager", ...): benchmarks check for fallbacks
         self.path_counts: Counter[str] = Counter()
         e = self.engine
@@ -449,7 +450,7 @@ class EagleSpeculator:
         e = self.engine
         self.catch_up_runner = None  # (re)built below over the new loop's h0
         self.fused_launch = None
-        self.tree_launch = None
+        self.tree_launch = self.tree_verify = None
         bs, hc, dev = e.config.block_size, self.head.config, self.device
         max_batch = e.config.max_num_seqs
         max_blocks = -(-e.max_model_len // bs)
@@ -478,6 +479,9 @@ class EagleSpeculator:
             fused_launch = graphs
         if fused_launch and self.tree_runner is not None:
             self.tree_launch = self._tree_launch(triton)
+            # the verify launched before the sync reads the launch's trees and leaves it the picks
+            self.tree_verify = TreeVerifyGraph(self.tree_launch, self.target, self.runner.attn,
+                                               self.target.config.vocab_size)
         if triton:
             cu_attn = TritonBackend(caches, bs, scale, num_heads=hc.num_attention_heads,
                                     max_num_tokens=e.config.max_num_batched_tokens, max_num_seqs=max_batch,
@@ -510,6 +514,10 @@ class EagleSpeculator:
                 c = fl.capture(pool)
                 log.info("fused launch CUDA graphs: %d (batch <= %d) in %.2fs using %.1f MiB of GPU memory",
                          c.graphs, fl.batch_sizes[-1], c.seconds, c.bytes / 2**20)
+            if self.tree_verify is not None:
+                v = self.tree_verify.capture(pool)
+                log.info("tree verify CUDA graphs: %d in %.2fs using %.1f MiB of GPU memory",
+                         v.graphs, v.seconds, v.bytes / 2**20)
 
     def _tree_launch(self, triton: bool) -> FusedTreeLaunch:
         """The tree's fused launch over the expansion's buffers, its catch-up attending row by row."""
@@ -518,7 +526,7 @@ class EagleSpeculator:
         Bm = min(FUSED_MAX_BATCH, tr.batch_sizes[-1])
         attn = self._decode_attention(Bm * (min(tr.depth, tr.num_nodes - 1) + 1), triton)
         return FusedTreeLaunch(tr, attn, self.scratch_slot, self.head.config.feature_size, self.engine.dtype, Bm,
-                               target_kv=kv_slab(self.runner.kv_caches))
+                               target_kv=kv_slab(self.runner.kv_caches), features=self.features)
 
     def _decode_attention(self, rows: int, triton: bool) -> Any:
         """A decode attention over the draft KV (one query per row), reading its own block tables
@@ -539,6 +547,7 @@ class EagleSpeculator:
         n += self.tree_runner.stats.bytes if self.tree_runner else 0
         n += self.fused_launch.stats.bytes if self.fused_launch else 0
         n += self.tree_launch.stats.bytes if self.tree_launch else 0
+        n += self.tree_verify.stats.bytes if self.tree_verify else 0
         return n + (self.chain_runner.stats.bytes if self.chain_runner else 0)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -698,7 +707,19 @@ class EagleSpeculator:
                 off += n
         # keep target features of the tokens that will be committed, at the slots of the positions
         # they are committed at (a kept row j of a request's query goes to its j-th slot: accepted
-        # tree nodes move up like their KV, _compact): one gather and one scatter for the whole step
+        # tree nodes move up like their KV, _compact): one gather and one scatter for the whole step.
+        # A fused tree launch kept them on the device already (FusedTreeLaunch: its steps only verify)
+        if not (fused and self.topk > 1):
+            self._keep_verified_features(plan, inputs, feats, kept_rows)
+        # on a GPU a verify of drafts left on the device queued behind their draft loop (and a fused
+        # one's host wait behind the next drafts' launch): its time is not the target's alone
+        own_time = early is None and (not pending or self.device.type != "cuda")
+        self._record(plan, sampling, accepted, clock() - t0, own_time)
+        return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
+
+    def _keep_verified_features(self, plan: StepPlan, inputs, feats: torch.Tensor,
+                                kept_rows: list[list[int]]) -> None:
+        """A verify step's target features of the rows it commits, at the KV slots of their positions."""
         j = 0
         start = 0
         keep: list[int] = []  # query rows kept
@@ -718,11 +739,6 @@ class EagleSpeculator:
         idx = host_to_device(keep + dst, self.device)
         self.features.index_copy_(0, inputs.meta.slot_mapping.index_select(0, idx[len(keep):]),
                                   feats.index_select(0, idx[: len(keep)]))
-        # on a GPU a verify of drafts left on the device queued behind their draft loop (and a fused
-        # one's host wait behind the next drafts' launch): its time is not the target's alone
-        own_time = early is None and (not pending or self.device.type != "cuda")
-        self._record(plan, sampling, accepted, clock() - t0, own_time)
-        return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
 
     def _fill_drafts(self, plan: StepPlan, inputs) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
         """Write drafts still on the device (PENDING on the host) into the step's input ids, device to
@@ -1083,7 +1099,7 @@ class EagleSpeculator:
         _launch_early_verify asks that does not need the picks, and no request that can end in this
         commit whatever it accepts (max_tokens; a stop token is seen after the sync: discarded)."""
         ctl, sched = self.controller, self.engine.scheduler
-        if not (ctl.early_verify and ctl.presync_verify and self.topk > 1 and self.tree_launch is not None):
+        if not (ctl.early_verify and ctl.presync_verify and self.topk > 1 and self.tree_verify is not None):
             return False
         if sched.waiting or len(targets) != len(sched.running) or not all(kk == self.max_k for _, _, kk in targets):
             return False
@@ -1106,23 +1122,26 @@ class EagleSpeculator:
         lists = StepLists(self.engine.config.block_size)
         for r, _, _ in targets:  # (ids, positions and slots: placeholders the device overwrites)
             lists.add([0] * N, r.num_computed_tokens + tl.L, r.kv.block_table, sample_rows=N)
-        inputs = self.runner.upload(lists)
-        inputs.input_ids.copy_(tl.next_ids[:B].view(-1))
-        inputs.positions.copy_(tl.next_pos[:B].view(-1))
-        inputs.meta.slot_mapping.copy_(tl.next_slots[:B].view(-1))
-        inputs.meta.seq_shift = tl.next_shift[:B]
-        inputs.meta.tree_masks = {b: toks[b, 3 * N : 4 * N] for b in range(B)}
+        inputs = self.runner.upload(lists)  # (of which the block tables are read)
+        T = B * N
+        inputs.input_ids, inputs.positions = tl.next_ids[:B].view(-1), tl.next_pos[:B].view(-1)
+        meta = inputs.meta
+        meta.slot_mapping, meta.seq_shift = tl.next_slots[:B].view(-1), tl.next_shift[:B]
+        meta.tree_masks = {b: toks[b, 3 * N : 4 * N] for b in range(B)}
         if B == 1:
             rows = torch.arange(1, N, device=self.device)
         else:
             rows = host_to_device([b * N + i for b in range(B) for i in range(1, N)], self.device)
         extra = torch.cat([toks[:B, N + 1 : 2 * N], toks[:B, 2 * N + 1 : 3 * N]], 1).reshape(-1)
-        out = self.runner.forward(inputs)
-        hidden = out[0] if isinstance(out, tuple) else out
-        logits = self.target.compute_logits(hidden)
+        vg = self.tree_verify
+        assert vg is not None
+        self.runner.attn.plan(meta)
+        path = vg.run(B)  # picks and features into the launch's buffers, which its next run reads
+        self.path_counts[f"presync_verify:{path}"] += 1
         self.path_counts["presync_verify"] += 1
-        return PresyncVerify(targets, [list(r.kv.block_table) for r, _, _ in targets], inputs, out, logits,
-                             logits.argmax(-1), rows, toks, extra)
+        feats = tl.feats[:T]
+        return PresyncVerify(targets, [list(r.kv.block_table) for r, _, _ in targets], inputs, (feats, feats),
+                             vg.logits[:T], tl.picks[:T], rows, toks, extra)
 
     def _adopt_presync_verify(self, pre: "PresyncVerify", results: list[TreeVerifyResult]) -> None:
         """After the sync: the verify launched before it is the next step's (as _launch_early_verify's),

@@ -208,14 +208,16 @@ class FusedTreeLaunch:
     table; padding rows write the scratch slot, padding requests accept nothing that matters.
 
     It also moves the target KV of each request's accepted nodes to the positions right after its
-    root (``target_kv``: the host's compaction, done here so that nothing waits for the sync), and
+    root (``target_kv``: the host's compaction, done here so that nothing waits for the sync), keeps
+    the target features of the root and the accepted nodes at those positions' slots (``features``:
+    what the drafter's verify_step keeps for other steps after the sync), and
     writes the inputs of the verify of the trees it selects (``next_ids``,
     ``next_pos``, ``next_slots``: root = the bonus token at nc + 1 + accepted, then the nodes in
     order; ``next_shift``: accepted minus the most a verify accepts, what that verify's lengths
     differ from those its host plan assumes), so that the verify can be launched before the sync."""
 
     def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, scratch_slot: int, feature_size: int,
-                 dtype: torch.dtype, max_batch: int, target_kv: torch.Tensor) -> None:
+                 dtype: torch.dtype, max_batch: int, target_kv: torch.Tensor, features: torch.Tensor) -> None:
         self.tree = tree
         self.device = tree.device
         self.N, self.D = tree.num_nodes, tree.depth
@@ -234,6 +236,7 @@ class FusedTreeLaunch:
         self.row_attn = row_attn  # a decode attention over the draft KV reading its own block tables:
         self.row_tables = row_attn.block_tables  # [Bm * L, width], each catch-up row's (its request's)
         self.target_kv = target_kv  # kv_slab of the target's caches
+        self.features = features  # the drafter's target features by KV slot: the accepted rows' are kept
         self.next_ids = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
         self.next_pos = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
         self.next_slots = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
@@ -270,9 +273,14 @@ class FusedTreeLaunch:
         rows = (torch.arange(Bp, device=self.device)[:, None] * N + node).reshape(-1)
         tree.block_tables[:Bp].copy_(tab)
         self.row_tables[: Bp * L].copy_(tree.block_tables[:Bp].repeat_interleave(L, dim=0))
+        f = self.feats.index_select(0, rows)
+        # row j's feature at position nc + j where j <= accepted (the rest: the scratch slot; padding
+        # rows' slots are scratch already)
+        kept = torch.where(j <= acc, slot.view(Bp, L), torch.full_like(slot.view(Bp, L), self.scratch_slot))
+        self.features.index_copy_(0, kept.reshape(-1), f)
         self.row_attn.set_step(slot, (pos + 1).to(torch.int32))
         with forward_context(self.row_attn):
-            h = head(tree.embed(ids.reshape(-1)), head.combine(self.feats.index_select(0, rows)), pos)
+            h = head(tree.embed(ids.reshape(-1)), head.combine(f), pos)
         tree.h0[:Bp].copy_(h.view(Bp, L, -1).gather(1, acc[:, :, None].expand(-1, -1, h.shape[-1]))[:, 0])
         tree.base_pos[:Bp].copy_(nc + 1 + accepted)
         tree.sizes[:Bp].fill_(N - 1)
@@ -351,4 +359,62 @@ class FusedTreeLaunch:
         keys = [(Bp,) for Bp in reversed(self.batch_sizes)]
         self.graphs, self.stats = capture_each(keys, self._body, self.device, pool,  # type: ignore[assignment]
                                                prepare=lambda *key: self.write(key, [], []))  # type: ignore[arg-type]
+        return self.stats
+
+
+class TreeVerifyGraph:
+    """The target's verify of the trees a FusedTreeLaunch selected, read from its ``next_ids`` and
+    ``next_pos``, with the logits and their argmax: one CUDA graph per padded batch. The picks and the
+    target features land in the launch's ``picks`` and ``feats``, where its next run reads them (the
+    two graphs exchange nothing through copies; nothing is cloned). The caller plans the target's
+    attention first (its slots, shifted lengths and tree bits: the launch's buffers, on the device)."""
+
+    def __init__(self, launch: FusedTreeLaunch, model: Any, attn: AttentionBackend, vocab_size: int) -> None:
+        self.launch = launch
+        self.model = model  # the target (its forward returns (hidden, aux features) for EAGLE-3)
+        self.attn = attn  # the target's attention backend
+        rows = launch.batch_sizes[-1] * launch.N
+        self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=launch.device)
+        self.graphs: dict[tuple[int], torch.cuda.CUDAGraph] = {}
+        self.stats = GraphStats()
+
+    def _body(self, Bp: int) -> None:
+        tl = self.launch
+        T = Bp * tl.N
+        with forward_context(self.attn):
+            out = self.model(tl.next_ids[:Bp].view(-1), tl.next_pos[:Bp].view(-1))
+        hidden, feats = out if isinstance(out, tuple) else (out, out)
+        logits = self.model.compute_logits(hidden)
+        self.logits[:T].copy_(logits)
+        torch.argmax(logits, dim=-1, out=tl.picks[:T])
+        tl.feats[:T].copy_(feats)
+
+    def run(self, B: int) -> str:
+        """The verify of the first B requests' trees (the attention planned for them); the path taken."""
+        key = self.launch.key(B)
+        assert key is not None
+        graph = self.graphs.get(key)
+        if graph is None:  # (eagerly over its own tokens: the attention was planned for those)
+            self._body(B)
+            return "eager"
+        graph.replay()
+        return "graph"
+
+    @torch.inference_mode()
+    def capture(self, pool: Any = None) -> GraphStats:
+        """A graph per padded batch of the launch, its attention launches sized for any step of one
+        request's tree up to the batch's (graph_min_tokens), planned over the scratch block."""
+        from specserve.engine.cuda_graph import dummy_meta
+
+        tl, attn = self.launch, self.attn
+
+        def prepare(Bp: int) -> None:
+            attn.graph_min_tokens = tl.N
+            attn.plan(dummy_meta(attn, Bp * tl.N, tl.device))
+
+        keys = [(Bp,) for Bp in reversed(tl.batch_sizes)]
+        try:
+            self.graphs, self.stats = capture_each(keys, self._body, tl.device, pool, prepare=prepare)  # type: ignore[assignment]
+        finally:
+            attn.graph_min_tokens = 1
         return self.stats
