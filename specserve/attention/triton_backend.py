@@ -30,6 +30,7 @@ nothing. Tokens past the step's real count (padding up to a captured size) write
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -221,7 +222,7 @@ class TritonBackend(AttentionBackend):
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
                  num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
-                 min_split_keys: int = 128) -> None:
+                 min_split_keys: int | None = None) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -247,7 +248,9 @@ class TritonBackend(AttentionBackend):
         self.split_kv = split_kv
         target = target_programs if target_programs is not None else _default_target_programs(dev)
         self.split_tiles = max(1, -(-target // self.num_kv_heads))  # split below this many tiles
-        self.min_split_keys = min_split_keys
+        # SPECSERVE_ATTN_MIN_SPLIT_KEYS: for A/Bs of the split-K threshold (a large value: no splits)
+        self.min_split_keys = min_split_keys if min_split_keys is not None else int(
+            os.environ.get("SPECSERVE_ATTN_MIN_SPLIT_KEYS", "128"))
 
         # capacities: items <= tokens without splits, < 2 * split_tiles with them
         self.max_items = max_num_tokens + 2 * self.split_tiles
