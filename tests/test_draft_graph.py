@@ -628,6 +628,7 @@ def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", gr
         dr.catch_up_runner.graphs.clear()
         if dr.tree_launch is not None:
             dr.tree_launch.graphs.clear()
+            dr.tree_verify.graphs.clear()
     log = record_trees(llm)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return out, log, dict(dr.path_counts)
@@ -749,6 +750,9 @@ def test_gpu_tree_graphs_equal_eager_expansion(tiny, n):
     assert "fused_launch:eager" not in pg
     if n == 2:  # steps of up to four requests: acceptance, catch-up, expansion and trees as one graph
         assert pg["fused_launch:graph"] > len(log_g) and pe["fused_launch:eager"] == pg["fused_launch:graph"]
+        # ... and the verify of the trees it selects, launched before the sync, as a graph of its own
+        assert pg["presync_verify:graph"] > len(log_g) / 2 and "presync_verify:eager" not in pg
+        assert pe["presync_verify:eager"] == pg["presync_verify:graph"]
     plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256)
     assert out_g == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
 
