@@ -135,21 +135,6 @@ class EarlyVerify:
     tree_extra: torch.Tensor | None = None  # trees: their parents and depths, read back with the picks
 
 
-@dataclass
-class PresyncVerify:
-    """A tree verify launched before the sync of the step before it (_launch_presync_verify)."""
-
-    targets: list[tuple[Request, int, int]]  # per request: it, drafts verified now, drafts next
-    tables: list[list[int]]  # their block tables as it was launched
-    inputs: Any
-    out: Any
-    logits: torch.Tensor
-    argmax: torch.Tensor
-    rows: torch.Tensor
-    toks: torch.Tensor
-    extra: torch.Tensor
-
-
 # finished requests' catch-up (Drafter._catch_up_finished): memory per step of the tokens it weighs,
 # and the tokens at which a prefill's and a catch-up's costs per token are compared
 FINISH_DECAY = 0.99
@@ -243,7 +228,9 @@ class EagleSpeculator:
         self._pre_arm: tuple[int, int] | None = None  # (batch, depth) of a quick decision taken early
         self._pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
         self._early: EarlyVerify | None = None  # the next step's verify, launched already
-        self._presync: PresyncVerify | None = None  # ... launched before this step's sync (trees)
+        # ... launched before this step's sync (trees): its requests (with drafts verified now and next),
+        # their block tables at the launch, and the verify (its plan and blocks filled after the sync)
+        self._presync: tuple[list[tuple[Request, int, int]], list[list[int]], EarlyVerify] | None = None
         self.controller.early_verify = self.device.type == "cuda"
         self._readback: torch.Tensor | None = None  # pinned: the verify's picks, read after the fused launch
         self._readback_done: torch.cuda.Event | None = None
@@ -686,8 +673,9 @@ class EagleSpeculator:
             if pending:
                 self._resolve_drafts(pending, vals[argmax.shape[0]:])
 
-        # (a fused tree launch moved the accepted nodes' KV on the device: FusedTreeLaunch._compact)
-        results = self._verify_all(sampling, logits, greedy_argmax, sb_all, compacted=bool(fused) and self.topk > 1)
+        # a fused tree launch moved the accepted nodes' KV and kept their features on the device
+        on_device = bool(fused) and self.topk > 1
+        results = self._verify_all(sampling, logits, greedy_argmax, sb_all, compacted=on_device)
         presync, self._presync = self._presync, None
         if presync is not None:
             self._adopt_presync_verify(presync, results)
@@ -709,7 +697,7 @@ class EagleSpeculator:
         # they are committed at (a kept row j of a request's query goes to its j-th slot: accepted
         # tree nodes move up like their KV, _compact): one gather and one scatter for the whole step.
         # A fused tree launch kept them on the device already (FusedTreeLaunch: its steps only verify)
-        if not (fused and self.topk > 1):
+        if not on_device:
             self._keep_verified_features(plan, inputs, feats, kept_rows)
         # on a GPU a verify of drafts left on the device queued behind their draft loop (and a fused
         # one's host wait behind the next drafts' launch): its time is not the target's alone
@@ -1064,7 +1052,7 @@ class EagleSpeculator:
         plan, blocks = [], []
         for i, ((r, _, kk), res) in enumerate(zip(targets, results)):
             p = r.params
-            if not p.ignore_eos and any(t in sched.eos_token_ids or t in p.stop_token_ids for t in res.tokens):
+            if self._stops_at(r, res.tokens):
                 return
             if p.max_tokens is not None and r.num_output_tokens + len(res.tokens) + 1 >= p.max_tokens:
                 return  # it ends in this commit, or has no draft left after it (a tree drafted past its cap)
@@ -1089,10 +1077,21 @@ class EagleSpeculator:
         out = self.runner.forward(inputs)
         hidden = out[0] if isinstance(out, tuple) else out
         logits = self.target.compute_logits(hidden)
-        reqs = [r for r, _, _ in targets]
-        for r, (_, start, _, kk) in zip(reqs, plan):
-            r.kv_hold_tokens = start + kk + 1  # commit would free the blocks past what it commits
-        self._early = EarlyVerify(plan, blocks, reqs, inputs, out, logits, logits.argmax(-1), rows, toks, extra)
+        self._keep_early(EarlyVerify(plan, blocks, [r for r, _, _ in targets], inputs, out, logits,
+                                     logits.argmax(-1), rows, toks, extra))
+
+    def _stops_at(self, r: Request, tokens: list[int]) -> bool:
+        """Whether ``r`` stops at one of ``tokens`` (an end-of-sequence or stop token it commits)."""
+        p = r.params
+        eos = self.engine.scheduler.eos_token_ids
+        return not p.ignore_eos and any(t in eos or t in p.stop_token_ids for t in tokens)
+
+    def _keep_early(self, early: EarlyVerify) -> None:
+        """``early`` as the next step's verify; commit keeps the blocks its KV went to (it would free
+        the blocks past what it commits)."""
+        for r, (_, start, _, kk) in zip(early.reqs, early.plan):
+            r.kv_hold_tokens = start + kk + 1
+        self._early = early
 
     def _presync_ok(self, targets: list[tuple[Request, int, int]]) -> bool:
         """Whether the verify after a fused tree launch may go to the device before the sync: what
@@ -1111,7 +1110,8 @@ class EagleSpeculator:
                 return False
         return True
 
-    def _launch_presync_verify(self, targets: list[tuple[Request, int, int]]) -> "PresyncVerify":
+    def _launch_presync_verify(self, targets: list[tuple[Request, int, int]]
+                               ) -> tuple[list[tuple[Request, int, int]], list[list[int]], EarlyVerify]:
         """The verify of the trees the fused launch just selected, launched behind it before the sync:
         ids, positions and slots from FusedTreeLaunch's device buffers, the attention planned for the
         most this verify can commit (the root at nc + L) and moved back by the device's shift."""
@@ -1140,28 +1140,24 @@ class EagleSpeculator:
         self.path_counts[f"presync_verify:{path}"] += 1
         self.path_counts["presync_verify"] += 1
         feats = tl.feats[:T]
-        return PresyncVerify(targets, [list(r.kv.block_table) for r, _, _ in targets], inputs, (feats, feats),
-                             vg.logits[:T], tl.picks[:T], rows, toks, extra)
+        early = EarlyVerify([], [], [r for r, _, _ in targets], inputs, (feats, feats), vg.logits[:T], tl.picks[:T],
+                            rows, toks, extra)
+        return targets, [list(r.kv.block_table) for r, _, _ in targets], early
 
-    def _adopt_presync_verify(self, pre: "PresyncVerify", results: list[TreeVerifyResult]) -> None:
+    def _adopt_presync_verify(self, presync: tuple[list[tuple[Request, int, int]], list[list[int]], EarlyVerify],
+                              results: list[TreeVerifyResult]) -> None:
         """After the sync: the verify launched before it is the next step's (as _launch_early_verify's),
         unless a request stops at a token it commits now (its KV writes sit past what is committed)."""
-        sched = self.engine.scheduler
+        targets, tables, early = presync
         bs = self.engine.config.block_size
-        plan, blocks = [], []
-        for (r, _, kk), res, table in zip(pre.targets, results, pre.tables):
-            p = r.params
-            if not p.ignore_eos and any(t in sched.eos_token_ids or t in p.stop_token_ids for t in res.tokens):
+        for (r, _, kk), res, table in zip(targets, results, tables):
+            if self._stops_at(r, res.tokens):
                 self.path_counts["presync_verify:discarded"] += 1
                 return
             start = r.num_computed_tokens + 1 + res.num_accepted
-            plan.append((r.request_id, start, res.tokens[-1], kk))
-            blocks.append(table[start // bs : (start + kk) // bs + 1])
-        reqs = [r for r, _, _ in pre.targets]
-        for r, (_, start, _, kk) in zip(reqs, plan):
-            r.kv_hold_tokens = start + kk + 1  # commit would free the blocks past what it commits
-        self._early = EarlyVerify(plan, blocks, reqs, pre.inputs, pre.out, pre.logits, pre.argmax, pre.rows,
-                                  pre.toks, pre.extra)
+            early.plan.append((r.request_id, start, res.tokens[-1], kk))
+            early.blocks.append(table[start // bs : (start + kk) // bs + 1])
+        self._keep_early(early)
 
     def _early_matches(self, early: EarlyVerify, plan: StepPlan) -> bool:
         """Whether ``plan`` verifies what ``early`` launched: the same requests in the same order, each

@@ -240,7 +240,7 @@ class FusedTreeLaunch:
         self.next_ids = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
         self.next_pos = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
         self.next_slots = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
-        self.next_shift = torch.zeros(Bm, dtype=torch.long, device=dev)
+        self.next_shift = torch.zeros(Bm, dtype=torch.int32, device=dev)  # (the attention's limits are int32)
         self.graphs: dict[tuple[int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
