@@ -277,3 +277,61 @@ def test_small_step_plan_in_python_equals_the_numpy_plan(opts):
         ref, parts_ref = be._work(np.array(q), np.array(s), trees, T, bm)
         assert parts_small == parts_ref
         assert [list(map(int, c)) for c in small] == [list(map(int, c)) for c in ref], (q, s)
+
+
+FEW_PROGRAMS = {"target_programs": 26, "min_split_keys": 16}  # a captured grid smaller than the exact items
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not CUDA, reason="Triton 3.6's interpreter multiplies bf16 dot operands as raw bits"))], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("over", [0, 6], ids=["planned", "shifted"])
+@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT, FEW_PROGRAMS], ids=["whole", "split_kv", "few_programs"])
+def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, over, dtype):
+    """Exact trees: every tree token's output is bit for bit what a one-token decode step computes
+    once its path is committed (prefix, then its ancestors at consecutive positions): what makes
+    greedy tree speculation lossless in bf16 on the GPU. ``shifted``: the step planned longer and
+    moved back on the device, as the verify launched before the sync is. With shared tiles (the
+    ancestors' keys between other nodes' masked ones) the sums round differently. The launch as a
+    CUDA graph captures it (``few_programs``: fewer programs than items, each loops) gives the same."""
+    g = torch.Generator().manual_seed(5)
+    bs, kvh, heads, hd, nb, L, n = 4, 2, 4, 32, 48, 37, 12  # the tree's keys cross a 16-key block
+    base = [(a.to(dtype), b.to(dtype)) for a, b in _random_caches(g, nb, bs, kvh, hd)]
+    table = torch.randperm(nb - 1, generator=g)[: -(-(L + n + over) // bs)].tolist()
+    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+    bt = torch.tensor([table], device=DEVICE)
+    mask = _random_tree_mask(n, 7)
+    q = torch.randn(n, heads, hd, generator=g).to(DEVICE, dtype)
+    k = torch.randn(n, kvh, hd, generator=g).to(DEVICE, dtype)
+    v = torch.randn(n, kvh, hd, generator=g).to(DEVICE, dtype)
+    opts = dict(num_heads=heads, max_num_tokens=64, max_num_seqs=2, max_blocks_per_seq=32, block_n=16, **backend)
+
+    caches = [(a.clone(), b.clone()) for a, b in base]
+    tri = TritonBackend(caches, bs, hd**-0.5, **opts)
+    tri.plan(AttentionMetadata(query_lens=[n], seq_lens=[L + n + over], block_tables=bt,
+                               slot_mapping=torch.tensor([slot(L + i) for i in range(n)], device=DEVICE),
+                               tree_masks={0: mask.to(DEVICE)},
+                               seq_shift=torch.tensor([-over], device=DEVICE) if over else None))
+    out_tree = tri.forward(0, q, k, v)
+    assert tri.exact_fallbacks == 0
+    if backend is FEW_PROGRAMS:
+        assert tri._num_items > n + 2 * tri.split_tiles, "the case was meant to loop over items"
+    monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+    assert torch.equal(tri.forward(0, q, k, v), out_tree)
+    monkeypatch.undo()
+
+    deep = 0
+    for i in range(n):
+        path = mask[i].nonzero()[:, 0].tolist()  # root first, the node itself last
+        d = len(path) - 1
+        deep += path != list(range(d + 1))  # an ancestor is not the node just before
+        caches = [(a.clone(), b.clone()) for a, b in base]
+        kf, vf = (c.view(-1, kvh, hd) for c in caches[0])
+        for r, a in enumerate(path[:-1]):
+            kf[slot(L + r)] = k[a]
+            vf[slot(L + r)] = v[a]
+        dec = TritonBackend(caches, bs, hd**-0.5, **opts)
+        dec.plan(AttentionMetadata(query_lens=[1], seq_lens=[L + d + 1], block_tables=bt,
+                                   slot_mapping=torch.tensor([slot(L + d)], device=DEVICE)))
+        out = dec.forward(0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
+        assert torch.equal(out[0], out_tree[i]), f"tree node {i} (path {path}) differs from its decode step"
+    assert deep >= 3, "the tree was meant to have paths that skip nodes"

@@ -19,11 +19,20 @@ A causal token has tree_start = kv_limit, so its bits are never consulted. A req
 mask has kv_limit = seq_len and tree_start = seq_len - q_len for all its tokens (trees of at most
 64 tokens: the bits are one int64).
 
+Exact trees (``exact_trees``, on by default): a tree token's result must be bit for bit what plain
+decoding computes for that token once its path is committed, or greedy speculation is not lossless
+in bf16 (the sums of the online softmax and of P @ V round differently when the ancestors' keys sit
+between other tree nodes' masked keys). So each tree token is a tile of its own that reads its
+keys as plain decoding will hold them: the prefix, then its ancestors in order at consecutive
+positions (key ``tree_start + r`` is the tree node of the r-th set bit of its row), split into the
+same key ranges a one-token decode step takes (128-key chunks up to ``128 * split_tiles`` keys).
+The target's matmuls are row-invariant in token count on the H200 (benchmarks/results/gpu_session35).
+
 CUDA graphs: ``plan`` writes every per-step number into preallocated device buffers (one packed
 host->device copy plus device->device copies; no host sync), and ``forward`` only reads them, so
-a graph captured once replays with any step's metadata. A captured launch has a program for every
-work item a step of its token count can have; unused programs find ``item_len == 0`` and store
-nothing. Tokens past the step's real count (padding up to a captured size) write their K/V into
+a graph captured once replays with any step's metadata. A captured launch has the programs of the work items a step of its
+token count usually has, and each program loops over items (stride: the grid) up to the count the
+plan wrote, so a step with more (exact trees) still runs them all; unused programs store nothing. Tokens past the step's real count (padding up to a captured size) write their K/V into
 ``scratch_slot``.
 """
 
@@ -51,6 +60,10 @@ _LOG2E = 1.4426950408889634
 # packed int32 metadata sections: per work item, per split tile (merge), per token
 _ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part")
 _MERGE_FIELDS = ("tok", "len", "first", "count")
+# room for exact trees' one-token tiles beyond a step's usual items: 32 tree tokens x 16 key ranges
+# (2048 keys); a step needing more runs its trees as shared tiles (``exact_fallbacks`` counts them)
+EXACT_EXTRA_ITEMS = 512
+EXACT_EXTRA_MERGES = 128
 
 
 @triton.jit
@@ -58,6 +71,7 @@ def _paged_attention_kernel(
     Q, K_cache, V_cache, O, PartO, PartLse,
     item_req, item_tok, item_len, item_lo, item_hi, item_part,  # [items] int32
     kv_limit, tree_start, tree_bits,  # [tokens] int32, int32, int64
+    counts,  # [2] int32: the step's work items, merges
     block_table,  # [max_seqs, max_blocks] int32
     bt_stride, qk_scale,  # qk_scale = softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -68,8 +82,48 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    item = tl.program_id(0)
     kvh = tl.program_id(1)
+    n_items = tl.load(counts)
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
+                     item_req, item_tok, item_len, item_lo, item_hi, item_part,
+                     kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+                     stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION)
+
+
+@triton.jit
+def _path_positions(j, base, bits):
+    """Cache positions of virtual keys ``j``: below ``base`` themselves; ``base + r`` is the tree
+    node of the r-th set bit of ``bits`` (a tree token's ancestors, root first, then itself)."""
+    r = j - base
+    sel = tl.zeros_like(j)
+    seen = tl.zeros_like(base)
+    for b in tl.static_range(64):
+        bit = ((bits >> b) & 1).to(tl.int32)
+        sel = tl.where((r == seen) & (bit != 0), b, sel)
+        seen += bit
+    return tl.where(r >= 0, base + sel, j)
+
+
+@triton.jit
+def _popcount64(bits):
+    n = tl.zeros_like(bits.to(tl.int32))
+    for b in tl.static_range(64):
+        n += ((bits >> b) & 1).to(tl.int32)
+    return n
+
+
+@triton.jit
+def _attend_item(
+    item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
+    item_req, item_tok, item_len, item_lo, item_hi, item_part,
+    kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+    stride_pi, stride_ph,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
     n_q = tl.load(item_len + item)
     req = tl.load(item_req + item).to(tl.int64)
     t0 = tl.load(item_tok + item)
@@ -90,6 +144,15 @@ def _paged_attention_kernel(
     limit = tl.load(kv_limit + tok, mask=row_ok, other=0)
     tstart = tl.load(tree_start + tok, mask=row_ok, other=0)
     bits = tl.load(tree_bits + tok, mask=row_ok, other=0)
+    # one tree token alone in its tile: its keys are the prefix then its path, at consecutive
+    # (virtual) positions, as plain decoding will hold them (module docstring: exact trees)
+    base = tl.load(tree_start + t0)
+    path_bits = tl.load(tree_bits + t0)
+    virtual = (n_q == 1) & (base < tl.load(kv_limit + t0))
+    if virtual:
+        plen = base + _popcount64(path_bits)
+        limit = tl.zeros_like(limit) + plen
+        tstart = limit
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -97,8 +160,11 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < hi
-        blk = tl.load(block_table + req * bt_stride + j // PAGE, mask=j_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_kb + (j % PAGE) * stride_ks + kvh * stride_kh
+        pos = j
+        if virtual:
+            pos = _path_positions(j, base, path_bits)
+        blk = tl.load(block_table + req * bt_stride + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -133,11 +199,23 @@ def _paged_attention_kernel(
 def _merge_kernel(
     PartO, PartLse, O,
     merge_tok, merge_len, merge_first, merge_count,  # [split tiles] int32
+    counts,  # [2] int32: the step's work items, merges
     stride_ot, stride_oh, stride_pi, stride_ph,
     G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
     kvh = tl.program_id(1)
+    n_merges = tl.load(counts + 1)
+    for t in range(tl.program_id(0), n_merges, tl.num_programs(0)):
+        _merge_tile(t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
+                    stride_ot, stride_oh, stride_pi, stride_ph, G, BLOCK_M, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _merge_tile(
+    t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
+    stride_ot, stride_oh, stride_pi, stride_ph,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
     n_q = tl.load(merge_len + t)
     t0 = tl.load(merge_tok + t)
     first = tl.load(merge_first + t)
@@ -215,14 +293,16 @@ class TritonBackend(AttentionBackend):
     per step, ``max_blocks_per_seq`` block-table entries per request. ``scratch_slot`` is a
     cache slot no request owns (the runner reserves one block for it); padded tokens write there.
     Steps of fewer tokens than ``split_tiles = target_programs / kv_heads`` split each tile's keys
-    into ranges of at least ``min_split_keys`` (``split_kv=False`` turns that off).
+    into ranges of at least ``min_split_keys`` (``split_kv=False`` turns that off). ``exact_trees``
+    (default on; ``SPECSERVE_EXACT_TREES=0`` turns it off for A/Bs) runs tree tokens as plain decoding
+    of their paths would (module docstring).
     """
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float, *,
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
                  num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
-                 min_split_keys: int | None = None) -> None:
+                 min_split_keys: int | None = None, exact_trees: bool | None = None) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -252,17 +332,23 @@ class TritonBackend(AttentionBackend):
         self.min_split_keys = min_split_keys if min_split_keys is not None else int(
             os.environ.get("SPECSERVE_ATTN_MIN_SPLIT_KEYS", "128"))
 
-        # capacities: items <= tokens without splits, < 2 * split_tiles with them
-        self.max_items = max_num_tokens + 2 * self.split_tiles
-        self.max_parts = 2 * self.split_tiles
-        self._sections = [self.max_items] * len(_ITEM_FIELDS) + [self.split_tiles] * len(_MERGE_FIELDS) \
-            + [max_num_tokens] * 2
+        self.exact_trees = exact_trees if exact_trees is not None else \
+            os.environ.get("SPECSERVE_EXACT_TREES", "1") != "0"
+        self.exact_fallbacks = 0  # steps whose trees ran as shared tiles for want of room
+
+        # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more
+        extra_items = EXACT_EXTRA_ITEMS if self.exact_trees else 0
+        self.max_items = max_num_tokens + 2 * self.split_tiles + extra_items
+        self.max_parts = 2 * self.split_tiles + extra_items
+        self.max_merges = self.split_tiles + (EXACT_EXTRA_MERGES if self.exact_trees else 0)
+        self._sections = [self.max_items] * len(_ITEM_FIELDS) + [self.max_merges] * len(_MERGE_FIELDS) \
+            + [max_num_tokens] * 2 + [2]
         self._meta = torch.zeros(sum(self._sections), dtype=torch.int32, device=dev)
         self._offsets = np.cumsum([0] + self._sections).tolist()
         views = self._meta.split(self._sections)
         self._item = dict(zip(_ITEM_FIELDS, views[: len(_ITEM_FIELDS)]))
         self._merge = dict(zip(_MERGE_FIELDS, views[len(_ITEM_FIELDS) : len(_ITEM_FIELDS) + len(_MERGE_FIELDS)]))
-        self._kv_limit, self._tree_start = views[-2:]
+        self._kv_limit, self._tree_start, self._counts = views[-3:]
         self._tree_bits = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self._block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._slots = torch.full((max_num_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
@@ -319,14 +405,21 @@ class TritonBackend(AttentionBackend):
         # size, plain Python ~0.02 ms plus ~1.5 us per work item (a request's keys split up to five
         # ways at low batch): 0.02 ms at 1 request, 0.49 ms at 64 (gpu_step_breakdown --profile)
         _check_trees(trees, q_list)
-        if T <= SMALL_PLAN_TOKENS:
-            cols, n_parts = self._work_small(q_list, s_list, T, block_m, trees)
-        else:
-            cols, n_parts = self._work(np.asarray(q_list, dtype=np.int64), np.asarray(s_list, dtype=np.int64),
-                                       trees, T, block_m)
-        ni, nm = len(cols[0]), len(cols[6])
-        if ni > self.max_items or nm > self.split_tiles or n_parts > self.max_parts:
-            raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
+        exact = self.exact_trees and bool(trees)
+        while True:
+            if T <= SMALL_PLAN_TOKENS:
+                cols, n_parts = self._work_small(q_list, s_list, T, block_m, trees, exact)
+            else:
+                cols, n_parts = self._work(np.asarray(q_list, dtype=np.int64), np.asarray(s_list, dtype=np.int64),
+                                           trees, T, block_m, exact)
+            ni, nm = len(cols[0]), len(cols[6])
+            if ni <= self.max_items and nm <= self.max_merges and n_parts <= self.max_parts:
+                break
+            if not exact:
+                raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
+            exact = False  # long keys x many tree tokens: shared tiles (close, not bit for bit)
+            self.exact_fallbacks += 1
+        cols.append([ni, nm])
         self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
         if meta.seq_shift is not None:  # lengths known on the device only: every token's limits move
             shift = meta.seq_shift.to(torch.int32)
@@ -336,24 +429,27 @@ class TritonBackend(AttentionBackend):
             self._tree_start[:T] += shift
 
     def _work_small(self, q_lens: list[int], seq_lens: list[int], T: int, block_m: int,
-                    trees: dict | None = None) -> tuple[list[list[int]], int]:
+                    trees: dict | None = None, exact: bool = False) -> tuple[list[list[int]], int]:
         """``_work`` for a small step, in plain Python."""
         bq = block_m // self.group
+        trees = trees or {}
         kv_limit: list[int] = []
         tree_start: list[int] = []
-        tiles = []  # (request, first token, tokens, keys of its last token)
+        tiles = []  # (request, first token, tokens, keys of its last token, a tree token alone)
         start = 0
         for b, (q, sl) in enumerate(zip(q_lens, seq_lens)):
-            if trees and b in trees:  # every tree token may see all keys, its bits decide
+            alone = exact and b in trees
+            if b in trees:  # every tree token may see all keys, its bits decide
                 lim = [sl] * q
                 tree_start.extend([sl - q] * q)
             else:
                 lim = list(range(sl - q + 1, sl + 1))
                 tree_start.extend(lim)
             kv_limit.extend(lim)
-            for i in range(0, q, bq):
-                n = min(bq, q - i)
-                tiles.append((b, start + i, n, lim[i + n - 1]))
+            step = 1 if alone else bq
+            for i in range(0, q, step):
+                n = min(step, q - i)
+                tiles.append((b, start + i, n, lim[i + n - 1], alone))
             start += q
         nt = len(tiles)
         split = self.can_split(T)
@@ -362,8 +458,9 @@ class TritonBackend(AttentionBackend):
         cols: list[list[int]] = [[] for _ in range(12)]
         req, tok, ln, lo, hi, part, m_tok, m_len, m_first, m_count = cols[:10]
         n_parts = 0
-        for b, t0, n, end in tiles:
-            ns = max(min(per_tile, -(-end // msk)), 1) if split else 1
+        for b, t0, n, end, alone in tiles:
+            # a tree token alone splits its keys as a one-token decode step does (exact trees)
+            ns = max(min(self.split_tiles if alone else per_tile, -(-end // msk)), 1) if split else 1
             chunk = -(-(-(-end // ns)) // bn) * bn
             ns = -(-end // chunk)
             if ns > 1:
@@ -384,7 +481,7 @@ class TritonBackend(AttentionBackend):
         return cols, n_parts
 
     def _work(self, q_lens: np.ndarray, seq_lens: np.ndarray, trees: dict, T: int,
-              block_m: int) -> tuple[list[np.ndarray], int]:
+              block_m: int, exact: bool = False) -> tuple[list[np.ndarray], int]:
         """The step's work items (tiles of query tokens x key ranges), merges of split tiles, and
         per-token key limits, as the twelve columns of the metadata buffer; and the split parts."""
         B = len(q_lens)
@@ -400,19 +497,25 @@ class TritonBackend(AttentionBackend):
             kv_limit[s : s + ql] = sl
             tree_start[s : s + ql] = sl - ql
 
-        # tiles: bq consecutive tokens of one request
-        n_tiles = (q_lens + bq - 1) // bq
+        # tiles: bq consecutive tokens of one request (exact trees: one tree token each)
+        alone = np.zeros(B, dtype=bool)
+        if exact:
+            alone[list(trees)] = True
+        bq_req = np.where(alone, 1, bq)
+        n_tiles = (q_lens + bq_req - 1) // bq_req
         tile_req = np.repeat(np.arange(B), n_tiles)
         tile_idx = np.arange(int(n_tiles.sum())) - (np.cumsum(n_tiles) - n_tiles)[tile_req]
-        tile_tok = starts[tile_req] + tile_idx * bq
-        tile_len = np.minimum(bq, q_lens[tile_req] - tile_idx * bq)
+        tile_bq = bq_req[tile_req]
+        tile_tok = starts[tile_req] + tile_idx * tile_bq
+        tile_len = np.minimum(tile_bq, q_lens[tile_req] - tile_idx * tile_bq)
         tile_kv_end = kv_limit[tile_tok + tile_len - 1]  # the tile's last token sees the most keys
         nt = len(tile_req)
 
         # work items: split the keys of every tile when there are too few tiles to fill the GPU
+        # (a tree token alone: as a one-token decode step splits them, exact trees)
         n_split = np.ones(nt, dtype=np.int64)
         if self.can_split(T):
-            per_tile = -(-self.split_tiles // nt)
+            per_tile = np.where(alone[tile_req], self.split_tiles, -(-self.split_tiles // nt))
             n_split = np.clip(np.minimum(per_tile, _cdiv(tile_kv_end, self.min_split_keys)), 1, None)
         chunk = _cdiv(_cdiv(tile_kv_end, n_split), self.block_n) * self.block_n  # keys per item
         n_split = _cdiv(tile_kv_end, chunk)
@@ -530,7 +633,7 @@ class TritonBackend(AttentionBackend):
         if _capturing(q):
             may_split = self.can_split(self.graph_min_tokens)
             n_items = min(self.max_items, n + 2 * self.split_tiles) if may_split else n
-            n_merges = self.split_tiles if may_split else 0
+            n_merges = self.split_tiles if may_split else 0  # each program loops past these if needed
         else:
             n_items, n_merges = self._num_items, self._num_merges
         it, po, pl = self._item, self._part_o, self._part_lse
@@ -539,7 +642,7 @@ class TritonBackend(AttentionBackend):
         _paged_attention_kernel[(n_items, self.num_kv_heads)](
             q, k_cache, v_cache, out, po, pl,
             it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"],
-            self._kv_limit, self._tree_start, self._tree_bits,
+            self._kv_limit, self._tree_start, self._tree_bits, self._counts,
             self._block_table, self._block_table.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -552,7 +655,7 @@ class TritonBackend(AttentionBackend):
         if n_merges:
             mg = self._merge
             _merge_kernel[(n_merges, self.num_kv_heads)](
-                po, pl, out, mg["tok"], mg["len"], mg["first"], mg["count"],
+                po, pl, out, mg["tok"], mg["len"], mg["first"], mg["count"], self._counts,
                 out.stride(0), out.stride(1), po.stride(0), po.stride(1),
                 G=self.group, BLOCK_M=self._block_m, HEAD_DIM=self.head_dim, BLOCK_D=block_d, num_warps=4,
             )
@@ -593,6 +696,9 @@ class TritonDecodeAttention(AttentionBackend):
         self._no_part = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._no_bits = torch.zeros(n, dtype=torch.int64, device=dev)
         self._dummy = torch.zeros(1, dtype=torch.float32, device=dev)  # partial outputs: never written
+        # row b: (b items, no merges), the kernel's counts for a step of b requests
+        self._counts = torch.stack([torch.arange(n + 1), torch.zeros(n + 1, dtype=torch.long)], 1).to(
+            device=dev, dtype=torch.int32)
         self._slots: torch.Tensor | None = None
         self._seq32: torch.Tensor | None = None
 
@@ -637,7 +743,7 @@ class TritonDecodeAttention(AttentionBackend):
         _paged_attention_kernel[(n, self.num_kv_heads)](
             q, k_cache, v_cache, out, self._dummy, self._dummy,
             self._arange, self._arange, self._ones, self._zeros, seq, self._no_part,
-            seq, seq, self._no_bits,
+            seq, seq, self._no_bits, self._counts[n],
             bt, bt.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -1,0 +1,26 @@
+#!/bin/bash
+# Session 35, after staging (the previous commit's specserve in /tmp/old35): exact trees, where each
+# tree token attends as the one-token decode of its path will. GPU tests of the attention; greedy parity
+# of tree 5x4x32 against no-spec (50 prompts x 128 tokens, bf16 and fp32); C = 1 speed with exact trees
+# and with shared tiles (SPECSERVE_EXACT_TREES=0), two processes; the 8B decode/verify with this
+# kernel and with the previous commit's (the item loop and the path branch must cost nothing there).
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p $OUT/r
+timeout 240 python3 -m pytest -q -x tests/test_triton_attention.py > $OUT/r/triton_tests.log 2>&1; tail -2 $OUT/r/triton_tests.log
+timeout 300 python3 benchmarks/gpu_spec_c1.py --model /tmp/m.gguf --num-prompts 4 --configs nospec,tree32 \
+    --parity-config tree32 --parity-prompts 50 --output-file $OUT/r/tree_parity.json > $OUT/r/tree_parity.log 2>&1
+grep -E "parity|Error|error" $OUT/r/tree_parity.log | cut -c1-200
+for v in exact shared; do
+  if [ $v = shared ]; then export SPECSERVE_EXACT_TREES=0; fi
+  timeout 200 python3 benchmarks/gpu_spec_c1.py --model /tmp/m.gguf --num-prompts 50 --natural-stops \
+      --configs nospec,chain3,tree32 --parity-prompts 10 --skip-fp32-parity \
+      --output-file $OUT/r/c1_$v.json > $OUT/r/c1_$v.log 2>&1
+  echo "== $v"; grep -E "^(nospec|chain3|tree[0-9a-z+]*):.*tok/s|parity|Error|error" $OUT/r/c1_$v.log | cut -c1-110
+done
+unset SPECSERVE_EXACT_TREES
+for run in new_a old_a new_b old_b; do
+  pp=$PWD; [ ${run%_*} = old ] && pp=/tmp/old35
+  PYTHONPATH=/tmp/site:$pp timeout 150 python3 benchmarks/gpu_decode.py --iters 15 --no-unfused --verify-tokens 1,4,16,32,64 \
+      --out $OUT/r/decode8b_$run.json > $OUT/r/decode8b_$run.log 2>&1
+  echo "== 8B $run"; grep -vE "^\{" $OUT/r/decode8b_$run.log | grep -iE "^ *[0-9]|error" | head -6 | cut -c1-120
+done
