@@ -115,6 +115,33 @@ def _popcount64(bits):
 
 
 @triton.jit
+def _key_block(j, pos, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, V_cache,
+               block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
+               PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One block of keys ``j`` (read at cache positions ``pos``) into the online softmax."""
+    j_ok = j < hi
+    blk = tl.load(block_table + req * bt_stride + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
+    kv_mask = j_ok[:, None] & d_ok[None, :]
+    k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+
+    jj = j[None, :]
+    shift = tl.minimum(tl.maximum(jj - tstart[:, None], 0), 63).to(tl.int64)
+    in_tree = ((bits[:, None] >> shift) & 1) != 0
+    allowed = (jj < limit[:, None]) & ((jj < tstart[:, None]) | in_tree)
+    s = tl.where(allowed, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_item(
     item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
     item_req, item_tok, item_len, item_lo, item_hi, item_part,
@@ -145,43 +172,30 @@ def _attend_item(
     tstart = tl.load(tree_start + tok, mask=row_ok, other=0)
     bits = tl.load(tree_bits + tok, mask=row_ok, other=0)
     # one tree token alone in its tile: its keys are the prefix then its path, at consecutive
-    # (virtual) positions, as plain decoding will hold them (module docstring: exact trees)
+    # (virtual) positions, as plain decoding will hold them (module docstring: exact trees). Blocks
+    # wholly below the tree read the cache as they are; the rest map positions through the path.
+    # Two loops without a branch inside, so both stay software-pipelined
     base = tl.load(tree_start + t0)
     path_bits = tl.load(tree_bits + t0)
-    virtual = (n_q == 1) & (base < tl.load(kv_limit + t0))
-    if virtual:
-        plen = base + _popcount64(path_bits)
-        limit = tl.zeros_like(limit) + plen
+    mid = hi
+    if (n_q == 1) & (base < tl.load(kv_limit + t0)):
+        limit = tl.zeros_like(limit) + base + _popcount64(path_bits)
         tstart = limit
+        mid = tl.minimum(tl.maximum(lo + (base - lo) // BLOCK_N * BLOCK_N, lo), hi)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, mid, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < hi
-        pos = j
-        if virtual:
-            pos = _path_positions(j, base, path_bits)
-        blk = tl.load(block_table + req * bt_stride + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-
-        jj = j[None, :]
-        shift = tl.minimum(tl.maximum(jj - tstart[:, None], 0), 63).to(tl.int64)
-        in_tree = ((bits[:, None] >> shift) & 1) != 0
-        allowed = (jj < limit[:, None]) & ((jj < tstart[:, None]) | in_tree)
-        s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, V_cache,
+                                   block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
+                                   PAGE, DOT_PRECISION)
+    for start in range(mid, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _key_block(j, _path_positions(j, base, path_bits), hi, q, m_i, l_i, acc, limit, tstart,
+                                   bits, req, kvh, K_cache, V_cache, block_table, bt_stride, qk_scale,
+                                   stride_kb, stride_ks, stride_kh, d, d_ok, PAGE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
