@@ -315,7 +315,9 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, o
     assert tri.exact_fallbacks == 0
     if backend is FEW_PROGRAMS:
         assert tri._num_items > n + 2 * tri.split_tiles, "the case was meant to loop over items"
+    assert tri.step_exact
     monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+    tri.capture_exact = True  # as graphs that replay tree steps are captured
     assert torch.equal(tri.forward(0, q, k, v), out_tree)
     monkeypatch.undo()
 

@@ -30,10 +30,13 @@ The target's matmuls are row-invariant in token count on the H200 (benchmarks/re
 
 CUDA graphs: ``plan`` writes every per-step number into preallocated device buffers (one packed
 host->device copy plus device->device copies; no host sync), and ``forward`` only reads them, so
-a graph captured once replays with any step's metadata. A captured launch has the programs of the work items a step of its
-token count usually has, and each program loops over items (stride: the grid) up to the count the
-plan wrote, so a step with more (exact trees) still runs them all; unused programs store nothing. Tokens past the step's real count (padding up to a captured size) write their K/V into
-``scratch_slot``.
+a graph captured once replays with any step's metadata. A captured launch has a program for every
+work item a step of its token count can have; unused programs find ``item_len == 0`` and store
+nothing. Steps with exact trees have more items (a tree token's keys split alone) and run the
+kernel's EXACT variant, whose programs loop over items up to the count the plan wrote: graphs that
+replay such steps are captured with ``capture_exact`` (CUDAGraphRunner's tree graphs, the drafter's
+verify graph); the plain variant stays as it was for every other step. Tokens past the step's real
+count (padding up to a captured size) write their K/V into ``scratch_slot``.
 """
 
 from __future__ import annotations
@@ -81,15 +84,23 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EXACT: tl.constexpr,  # steps with exact trees: path tiles, and items looped up to the planned count
 ):
     kvh = tl.program_id(1)
-    n_items = tl.load(counts)
-    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
+    if EXACT:
+        n_items = tl.load(counts)
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
+                         item_req, item_tok, item_len, item_lo, item_hi, item_part,
+                         kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+                         stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True)
+    else:  # (one item a program: the plain kernel, as fast as before exact trees)
+        _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
                      item_req, item_tok, item_len, item_lo, item_hi, item_part,
                      kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-                     stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION)
+                     stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False)
 
 
 @triton.jit
@@ -150,6 +161,7 @@ def _attend_item(
     stride_pi, stride_ph,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     n_q = tl.load(item_len + item)
     req = tl.load(item_req + item).to(tl.int64)
@@ -171,31 +183,37 @@ def _attend_item(
     limit = tl.load(kv_limit + tok, mask=row_ok, other=0)
     tstart = tl.load(tree_start + tok, mask=row_ok, other=0)
     bits = tl.load(tree_bits + tok, mask=row_ok, other=0)
-    # one tree token alone in its tile: its keys are the prefix then its path, at consecutive
-    # (virtual) positions, as plain decoding will hold them (module docstring: exact trees). Blocks
-    # wholly below the tree read the cache as they are; the rest map positions through the path.
-    # Two loops without a branch inside, so both stay software-pipelined
-    base = tl.load(tree_start + t0)
-    path_bits = tl.load(tree_bits + t0)
-    mid = hi
-    if (n_q == 1) & (base < tl.load(kv_limit + t0)):
-        limit = tl.zeros_like(limit) + base + _popcount64(path_bits)
-        tstart = limit
-        mid = tl.minimum(tl.maximum(lo + (base - lo) // BLOCK_N * BLOCK_N, lo), hi)
-
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, mid, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, V_cache,
-                                   block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
-                                   PAGE, DOT_PRECISION)
-    for start in range(mid, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _key_block(j, _path_positions(j, base, path_bits), hi, q, m_i, l_i, acc, limit, tstart,
-                                   bits, req, kvh, K_cache, V_cache, block_table, bt_stride, qk_scale,
-                                   stride_kb, stride_ks, stride_kh, d, d_ok, PAGE, DOT_PRECISION)
+    if EXACT:
+        # one tree token alone in its tile: its keys are the prefix then its path, at consecutive
+        # (virtual) positions, as plain decoding will hold them (module docstring: exact trees).
+        # Blocks wholly below the tree read the cache as they are; the rest map positions through
+        # the path. Two loops without a branch inside, so both stay software-pipelined
+        base = tl.load(tree_start + t0)
+        path_bits = tl.load(tree_bits + t0)
+        mid = hi
+        if (n_q == 1) & (base < tl.load(kv_limit + t0)):
+            limit = tl.zeros_like(limit) + base + _popcount64(path_bits)
+            tstart = limit
+            mid = tl.minimum(tl.maximum(lo + (base - lo) // BLOCK_N * BLOCK_N, lo), hi)
+        for start in range(lo, mid, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
+                                       V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
+                                       d, d_ok, PAGE, DOT_PRECISION)
+        for start in range(mid, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(j, _path_positions(j, base, path_bits), hi, q, m_i, l_i, acc, limit,
+                                       tstart, bits, req, kvh, K_cache, V_cache, block_table, bt_stride, qk_scale,
+                                       stride_kb, stride_ks, stride_kh, d, d_ok, PAGE, DOT_PRECISION)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
+                                       V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
+                                       d, d_ok, PAGE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
@@ -216,11 +234,16 @@ def _merge_kernel(
     counts,  # [2] int32: the step's work items, merges
     stride_ot, stride_oh, stride_pi, stride_ph,
     G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     kvh = tl.program_id(1)
-    n_merges = tl.load(counts + 1)
-    for t in range(tl.program_id(0), n_merges, tl.num_programs(0)):
-        _merge_tile(t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
+    if EXACT:
+        n_merges = tl.load(counts + 1)
+        for t in range(tl.program_id(0), n_merges, tl.num_programs(0)):
+            _merge_tile(t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
+                        stride_ot, stride_oh, stride_pi, stride_ph, G, BLOCK_M, HEAD_DIM, BLOCK_D)
+    else:
+        _merge_tile(tl.program_id(0), kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
                     stride_ot, stride_oh, stride_pi, stride_ph, G, BLOCK_M, HEAD_DIM, BLOCK_D)
 
 
@@ -349,6 +372,8 @@ class TritonBackend(AttentionBackend):
         self.exact_trees = exact_trees if exact_trees is not None else \
             os.environ.get("SPECSERVE_EXACT_TREES", "1") != "0"
         self.exact_fallbacks = 0  # steps whose trees ran as shared tiles for want of room
+        self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
+        self.capture_exact = False  # set while graphs that replay steps with trees are captured
 
         # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more
         extra_items = EXACT_EXTRA_ITEMS if self.exact_trees else 0
@@ -383,6 +408,11 @@ class TritonBackend(AttentionBackend):
         self.graph_min_tokens = 1
 
     # -- per step ----------------------------------------------------------------------------
+    @property
+    def step_exact(self) -> bool:
+        """The planned step has exact trees: a graph captured without ``capture_exact`` cannot run it."""
+        return self._exact_step
+
     def block_m_for(self, num_tokens: int) -> int:
         """Rows per program: a pure function of the step's token count, so a graph captured for a
         padded size and the plan of any step that replays it agree."""
@@ -434,6 +464,7 @@ class TritonBackend(AttentionBackend):
             exact = False  # long keys x many tree tokens: shared tiles (close, not bit for bit)
             self.exact_fallbacks += 1
         cols.append([ni, nm])
+        self._exact_step = exact
         self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
         if meta.seq_shift is not None:  # lengths known on the device only: every token's limits move
             shift = meta.seq_shift.to(torch.int32)
@@ -644,6 +675,7 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         # captured launches cover every work item a step of n tokens can have; eager ones the planned
+        exact = self.capture_exact if _capturing(q) else self._exact_step
         if _capturing(q):
             may_split = self.can_split(self.graph_min_tokens)
             n_items = min(self.max_items, n + 2 * self.split_tiles) if may_split else n
@@ -663,7 +695,7 @@ class TritonBackend(AttentionBackend):
             po.stride(0), po.stride(1),
             G=self.group, BLOCK_M=self._block_m, BLOCK_N=self.block_n,
             HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=exact,
             num_warps=self.num_warps, **extra,
         )
         if n_merges:
@@ -671,7 +703,8 @@ class TritonBackend(AttentionBackend):
             _merge_kernel[(n_merges, self.num_kv_heads)](
                 po, pl, out, mg["tok"], mg["len"], mg["first"], mg["count"], self._counts,
                 out.stride(0), out.stride(1), po.stride(0), po.stride(1),
-                G=self.group, BLOCK_M=self._block_m, HEAD_DIM=self.head_dim, BLOCK_D=block_d, num_warps=4,
+                G=self.group, BLOCK_M=self._block_m, HEAD_DIM=self.head_dim, BLOCK_D=block_d, EXACT=exact,
+                num_warps=4,
             )
         return out
 
@@ -764,7 +797,7 @@ class TritonDecodeAttention(AttentionBackend):
             0, 0,
             G=self.group, BLOCK_M=max(GRAPH_BLOCK_M, _next_pow2(self.group)), BLOCK_N=self.block_n,
             HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=False,
             num_warps=self.num_warps, num_stages=2,
         )
         return out

@@ -133,6 +133,12 @@ class CUDAGraphRunner:
         self._captured_for: Any = "none"  # the model's aux-layer setting the graphs were captured with
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+        # steps with exact trees (TritonBackend.step_exact) of up to this many tokens replay their own
+        # graphs, captured with the kernel's EXACT variant; the drafter of a tree engine sets it
+        self.tree_tokens = 0
+        self.tree_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tree_outputs: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        self.eager_tree_steps = 0  # steps with exact trees past the tree graphs (run eagerly)
 
     @property
     def max_size(self) -> int:
@@ -166,6 +172,20 @@ class CUDAGraphRunner:
         self._captured_for = _aux_key(self.model)
         log.info("captured %d CUDA graphs (token counts %s) in %.2fs using %.1f MiB of GPU memory",
                  len(self.graphs), ",".join(map(str, self.sizes)), self.capture_seconds, self.capture_bytes / 2**20)
+        self.tree_graphs.clear()
+        self.tree_outputs.clear()
+        if self.tree_tokens and getattr(self.attn, "exact_trees", False):
+            sizes = [s for s in self.sizes if s <= self.padded_size(min(self.tree_tokens, self.max_size))]
+            self.attn.capture_exact = True
+            try:
+                secs, nbytes = capture_per_size(self.attn, sizes, body, self.device, self.tree_graphs,
+                                                self.tree_outputs)
+            finally:
+                self.attn.capture_exact = False
+            self.capture_seconds += secs
+            self.capture_bytes += nbytes
+            log.info("captured %d CUDA graphs for steps with exact trees (up to %d tokens) in %.2fs using %.1f MiB",
+                     len(sizes), sizes[-1], secs, nbytes / 2**20)
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -177,10 +197,17 @@ class CUDAGraphRunner:
         T = input_ids.shape[0]
         n = self.padded_size(T)
         self.attn.plan(meta)
+        graphs, outputs = self.graphs, self.outputs
+        if getattr(self.attn, "step_exact", False):  # only the EXACT kernel runs exact trees' work
+            graphs, outputs = self.tree_graphs, self.tree_outputs
+            if n not in graphs:
+                self.eager_tree_steps += 1
+                with forward_context(self.attn):
+                    return self.model(input_ids, positions)
         self.input_ids[:T].copy_(input_ids)
         self.positions[:T].copy_(positions)
-        self.graphs[n].replay()
-        out = self.outputs[n]
+        graphs[n].replay()
+        out = outputs[n]
         # clone: the next replay overwrites the graph's output memory (callers keep features)
         if isinstance(out, tuple):
             return tuple(o[:T].clone() for o in out)

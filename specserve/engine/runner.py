@@ -175,7 +175,7 @@ class ModelRunner:
         log.info("model runner: %s attention, CUDA graphs %s", self.backend_name,
                  f"for up to {self.graphs.max_size} tokens" if self.graphs else "off")
 
-    def ensure_graph_tokens(self, num_tokens: int) -> None:
+    def ensure_graph_tokens(self, num_tokens: int, trees: bool = False) -> None:
         """Make steps of up to ``num_tokens`` tokens (within the step budget) replay a graph: the
         drafter asks for max_num_seqs x (1 + most drafts), so no verify shape runs eagerly.
         Call before capture."""
@@ -184,12 +184,14 @@ class ModelRunner:
         if self.graphs is None:
             return
         n = min(num_tokens, self.config.max_num_batched_tokens)
-        if n <= self.graphs.max_size:
-            return
-        assert not self.graphs.graphs, "ensure_graph_tokens() must run before capture"
-        self.graphs = CUDAGraphRunner(self.model, self.attn, capture_sizes(n),
-                                      self.device)
-        log.info("CUDA graphs extended to steps of up to %d tokens", self.graphs.max_size)
+        if n > self.graphs.max_size:
+            assert not self.graphs.graphs, "ensure_graph_tokens() must run before capture"
+            tree_tokens = self.graphs.tree_tokens
+            self.graphs = CUDAGraphRunner(self.model, self.attn, capture_sizes(n), self.device)
+            self.graphs.tree_tokens = tree_tokens
+            log.info("CUDA graphs extended to steps of up to %d tokens", self.graphs.max_size)
+        if trees:  # verify steps of trees: graphs of the attention's exact-trees variant too
+            self.graphs.tree_tokens = max(self.graphs.tree_tokens, n)
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs now (otherwise the first step does). Call once the model's outputs

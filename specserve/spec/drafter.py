@@ -423,7 +423,7 @@ class EagleSpeculator:
         # draft-side calls per path ("catch_up:graph", "chain:eager", ...): benchmarks check for fallbacks
         self.path_counts: Counter[str] = Counter()
         e = self.engine
-        self.runner.ensure_graph_tokens(e.config.max_num_seqs * (self.max_k + 1))
+        self.runner.ensure_graph_tokens(e.config.max_num_seqs * (self.max_k + 1), trees=self.topk > 1)
         if self.device.type == "cuda" and self.runner.backend_name == "triton":
             self.enable_static_draft(graphs=not e.config.enforce_eager)
 

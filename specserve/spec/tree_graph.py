@@ -413,8 +413,10 @@ class TreeVerifyGraph:
             attn.plan(dummy_meta(attn, Bp * tl.N, tl.device))
 
         keys = [(Bp,) for Bp in reversed(tl.batch_sizes)]
+        attn.capture_exact = getattr(attn, "exact_trees", False)  # its steps are trees: the EXACT kernel
         try:
             self.graphs, self.stats = capture_each(keys, self._body, tl.device, pool, prepare=prepare)  # type: ignore[assignment]
         finally:
             attn.graph_min_tokens = 1
+            attn.capture_exact = False
         return self.stats
