@@ -631,7 +631,12 @@ def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", gr
             dr.tree_verify.graphs.clear()
     log = record_trees(llm)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    return out, log, dict(dr.path_counts)
+    paths = dict(dr.path_counts)
+    tg = llm.engine.runner.graphs
+    if tg is not None:  # the target's graphs for steps with exact trees, and tree steps run eagerly
+        paths["target:tree_graphs"] = len(tg.tree_graphs)
+        paths["target:eager_tree_steps"] = tg.eager_tree_steps
+    return out, log, paths
 
 
 def test_static_tree_same_trees_as_eager_tiny(tiny):
@@ -748,6 +753,8 @@ def test_gpu_tree_graphs_equal_eager_expansion(tiny, n):
     assert pg["tree:graph"] == len(log_g) and "tree:eager" not in pg
     assert pe["tree:eager"] == len(log_e) and "tree:graph" not in pe
     assert "fused_launch:eager" not in pg
+    # verifies after the sync replay the target's graphs captured with the exact-trees kernel
+    assert pg["target:tree_graphs"] > 0 and pg["target:eager_tree_steps"] == 0
     if n == 2:  # steps of up to four requests: acceptance, catch-up, expansion and trees as one graph
         assert pg["fused_launch:graph"] > len(log_g) and pe["fused_launch:eager"] == pg["fused_launch:graph"]
         # ... and the verify of the trees it selects, launched before the sync, as a graph of its own
