@@ -273,13 +273,14 @@ def test_small_step_plan_in_python_equals_the_numpy_plan(opts):
             continue
         trees = {b: torch.ones(qi, qi, dtype=torch.bool) for b, qi in enumerate(q) if qi > 1 and rng.random() < 0.5}
         bm = be.block_m_for(T)
-        small, parts_small = be._work_small(q, s, T, bm, trees)
-        ref, parts_ref = be._work(np.array(q), np.array(s), trees, T, bm)
-        assert parts_small == parts_ref
-        assert [list(map(int, c)) for c in small] == [list(map(int, c)) for c in ref], (q, s)
+        for exact in (False, True):
+            small, parts_small = be._work_small(q, s, T, bm, trees, exact)
+            ref, parts_ref = be._work(np.array(q), np.array(s), trees, T, bm, exact)
+            assert parts_small == parts_ref
+            assert [list(map(int, c)) for c in small] == [list(map(int, c)) for c in ref], (q, s, exact)
 
 
-FEW_PROGRAMS = {"target_programs": 26, "min_split_keys": 16}  # a captured grid smaller than the exact items
+FEW_PROGRAMS = {"target_programs": 26, "min_split_keys": 16}  # (and a captured grid smaller than the work)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -313,10 +314,13 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, o
                                seq_shift=torch.tensor([-over], device=DEVICE) if over else None))
     out_tree = tri.forward(0, q, k, v)
     assert tri.exact_fallbacks == 0
-    if backend is FEW_PROGRAMS:
-        assert tri._num_items > n + 2 * tri.split_tiles, "the case was meant to loop over items"
+    if backend is not NO_SPLIT:  # the key ranges below the tree are shared by tiles of several tokens
+        assert tri._item["len"][: tri._num_items].max() > 1 and tri._num_merges == n
     assert tri.step_exact
     monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+    if backend is FEW_PROGRAMS:  # each program loops over items and merges
+        monkeypatch.setattr(tri, "_graph_grid", lambda n: (3, 2))
+        assert tri._num_items > 3 and tri._num_merges > 2
     tri.capture_exact = True  # as graphs that replay tree steps are captured
     assert torch.equal(tri.forward(0, q, k, v), out_tree)
     monkeypatch.undo()

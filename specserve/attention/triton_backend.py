@@ -61,7 +61,7 @@ SMALL_PLAN_TOKENS = 32  # steps of at most this many tokens are planned in plain
 _LOG2E = 1.4426950408889634
 
 # packed int32 metadata sections: per work item, per split tile (merge), per token
-_ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part")
+_ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part", "pstride")
 _MERGE_FIELDS = ("tok", "len", "first", "count")
 # room for exact trees' one-token tiles beyond a step's usual items: 32 tree tokens x 16 key ranges
 # (2048 keys); a step needing more runs its trees as shared tiles (``exact_fallbacks`` counts them)
@@ -72,7 +72,7 @@ EXACT_EXTRA_MERGES = 128
 @triton.jit
 def _paged_attention_kernel(
     Q, K_cache, V_cache, O, PartO, PartLse,
-    item_req, item_tok, item_len, item_lo, item_hi, item_part,  # [items] int32
+    item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,  # [items] int32
     kv_limit, tree_start, tree_bits,  # [tokens] int32, int32, int64
     counts,  # [2] int32: the step's work items, merges
     block_table,  # [max_seqs, max_blocks] int32
@@ -91,13 +91,13 @@ def _paged_attention_kernel(
         n_items = tl.load(counts)
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
-                         item_req, item_tok, item_len, item_lo, item_hi, item_part,
+                         item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
                          kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                          stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True)
     else:  # (one item a program: the plain kernel, as fast as before exact trees)
         _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
-                     item_req, item_tok, item_len, item_lo, item_hi, item_part,
+                     item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
                      kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                      stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False)
@@ -155,7 +155,7 @@ def _key_block(j, pos, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_ca
 @triton.jit
 def _attend_item(
     item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
-    item_req, item_tok, item_len, item_lo, item_hi, item_part,
+    item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
     kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_pi, stride_ph,
@@ -220,11 +220,19 @@ def _attend_item(
     tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(O.dtype.element_ty), mask=io_mask & (part < 0))
     # one of several work items of its tile: partial output + log2-sum-exp for the merge kernel
-    slot = tl.maximum(part, 0).to(tl.int64)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-    tl.store(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :], out,
-             mask=io_mask & (part >= 0))
-    tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, lse, mask=row_ok & (part >= 0))
+    if EXACT:  # pstride > 0: each token's rows go to its own part slots (exact trees merge per token)
+        pstride = tl.load(item_pstride + item)
+        slot = (tl.maximum(part, 0) + q_off * pstride).to(tl.int64)
+        prow = tl.where(pstride > 0, rows - q_off * G, rows)
+        tl.store(PartO + slot[:, None] * stride_pi + kvh * stride_ph + prow[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=io_mask & (part >= 0))
+        tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + prow, lse, mask=row_ok & (part >= 0))
+    else:
+        slot = tl.maximum(part, 0).to(tl.int64)
+        tl.store(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=io_mask & (part >= 0))
+        tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, lse, mask=row_ok & (part >= 0))
 
 
 @triton.jit
@@ -302,6 +310,12 @@ def _check_trees(trees: dict, q_lens: list[int]) -> None:
             raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
         if ql > MAX_TREE_TOKENS:
             raise ValueError(f"tree of request {b} has {ql} tokens; at most {MAX_TREE_TOKENS} are supported")
+
+
+def _add(cols: list, first: int, values: tuple) -> None:
+    """Append one row (a work item at column 0, a merge at column 7) to the plan's columns."""
+    for col, v in zip(cols[first : first + len(values)], values):
+        col.append(v)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -456,7 +470,7 @@ class TritonBackend(AttentionBackend):
             else:
                 cols, n_parts = self._work(np.asarray(q_list, dtype=np.int64), np.asarray(s_list, dtype=np.int64),
                                            trees, T, block_m, exact)
-            ni, nm = len(cols[0]), len(cols[6])
+            ni, nm = len(cols[0]), len(cols[len(_ITEM_FIELDS)])
             if ni <= self.max_items and nm <= self.max_merges and n_parts <= self.max_parts:
                 break
             if not exact:
@@ -480,10 +494,10 @@ class TritonBackend(AttentionBackend):
         trees = trees or {}
         kv_limit: list[int] = []
         tree_start: list[int] = []
-        tiles = []  # (request, first token, tokens, keys of its last token, a tree token alone)
+        tiles = []  # (request, first token, tokens, keys of its last token)
+        alone = []  # exact trees: (request, first token, tokens, seq_len)
         start = 0
         for b, (q, sl) in enumerate(zip(q_lens, seq_lens)):
-            alone = exact and b in trees
             if b in trees:  # every tree token may see all keys, its bits decide
                 lim = [sl] * q
                 tree_start.extend([sl - q] * q)
@@ -491,44 +505,62 @@ class TritonBackend(AttentionBackend):
                 lim = list(range(sl - q + 1, sl + 1))
                 tree_start.extend(lim)
             kv_limit.extend(lim)
-            step = 1 if alone else bq
-            for i in range(0, q, step):
-                n = min(step, q - i)
-                tiles.append((b, start + i, n, lim[i + n - 1], alone))
+            if exact and b in trees:
+                alone.append((b, start, q, sl))
+            else:
+                for i in range(0, q, bq):
+                    n = min(bq, q - i)
+                    tiles.append((b, start + i, n, lim[i + n - 1]))
             start += q
-        nt = len(tiles)
         split = self.can_split(T)
-        per_tile = -(-self.split_tiles // nt)
+        per_tile = -(-self.split_tiles // max(len(tiles), 1))
         bn, msk = self.block_n, self.min_split_keys
-        cols: list[list[int]] = [[] for _ in range(12)]
-        req, tok, ln, lo, hi, part, m_tok, m_len, m_first, m_count = cols[:10]
+        cols: list[list[int]] = [[] for _ in range(len(_ITEM_FIELDS) + len(_MERGE_FIELDS))]
         n_parts = 0
-        for b, t0, n, end, alone in tiles:
-            # a tree token alone splits its keys as a one-token decode step does (exact trees)
-            ns = max(min(self.split_tiles if alone else per_tile, -(-end // msk)), 1) if split else 1
+        for b, t0, n, end in tiles:
+            ns = max(min(per_tile, -(-end // msk)), 1) if split else 1
             chunk = -(-(-(-end // ns)) // bn) * bn
             ns = -(-end // chunk)
             if ns > 1:
-                m_tok.append(t0)
-                m_len.append(n)
-                m_first.append(n_parts)
-                m_count.append(ns)
+                _add(cols, 7, (t0, n, n_parts, ns))
             for j in range(ns):
-                req.append(b)
-                tok.append(t0)
-                ln.append(n)
-                lo.append(j * chunk)
-                hi.append(min(j * chunk + chunk, end))
-                part.append(n_parts if ns > 1 else -1)
+                _add(cols, 0, (b, t0, n, j * chunk, min(j * chunk + chunk, end), n_parts if ns > 1 else -1, 0))
                 n_parts += ns > 1
-        cols[10] = kv_limit
-        cols[11] = tree_start
+        for b, t0, q, sl in alone:
+            n_parts = self._exact_tree(cols, b, t0, q, sl, bq, split, n_parts)
+        cols += [kv_limit, tree_start]
         return cols, n_parts
 
+    def _exact_tree(self, cols: list, b: int, t0: int, q: int, sl: int, bq: int, split: bool, n_parts: int) -> int:
+        """Work items and merges of request b's tree of q tokens (the first t0) under exact trees: its
+        keys in the ranges a one-token decode step takes (``128 * split_tiles`` keys at most: the
+        split of seq_len, not of the token's own length, is the same 128-key chunks). Ranges wholly
+        below the tree are shared by tiles of ``bq`` tokens; the rest are per token (its path). Every
+        token merges its own ``C`` partial outputs (part slots ``first + i * C + c``: a shared item
+        writes each of its tokens' rows there, ``pstride = C``). Returns the parts used."""
+        bn, msk = self.block_n, self.min_split_keys
+        ns = max(min(self.split_tiles, -(-sl // msk)), 1) if split else 1
+        chunk = -(-(-(-sl // ns)) // bn) * bn
+        C = -(-sl // chunk)
+        if C == 1:  # one range: each token alone writes its output (a one-range decode step does)
+            for i in range(q):
+                _add(cols, 0, (b, t0 + i, 1, 0, sl, -1, 0))
+            return n_parts
+        below = (sl - q) // chunk  # ranges wholly below the tree
+        for i in range(0, q, bq):
+            for c in range(below):
+                _add(cols, 0, (b, t0 + i, min(bq, q - i), c * chunk, (c + 1) * chunk, n_parts + i * C + c, C))
+        for i in range(q):
+            for c in range(below, C):
+                _add(cols, 0, (b, t0 + i, 1, c * chunk, min((c + 1) * chunk, sl), n_parts + i * C + c, C))
+            _add(cols, 7, (t0 + i, 1, n_parts + i * C, C))
+        return n_parts + q * C
+
     def _work(self, q_lens: np.ndarray, seq_lens: np.ndarray, trees: dict, T: int,
-              block_m: int, exact: bool = False) -> tuple[list[np.ndarray], int]:
+              block_m: int, exact: bool = False) -> tuple[list, int]:
         """The step's work items (tiles of query tokens x key ranges), merges of split tiles, and
-        per-token key limits, as the twelve columns of the metadata buffer; and the split parts."""
+        per-token key limits, as the fourteen columns of the metadata buffer (counts apart); and the
+        split parts. Exact trees' work comes after every other tile's (``_exact_tree``)."""
         B = len(q_lens)
         bq = block_m // self.group
         starts = np.cumsum(q_lens) - q_lens
@@ -538,29 +570,27 @@ class TritonBackend(AttentionBackend):
         tree_start = kv_limit.copy()
         for b in trees:
             ql, sl = int(q_lens[b]), int(seq_lens[b])
-            s = int(starts[b])
-            kv_limit[s : s + ql] = sl
-            tree_start[s : s + ql] = sl - ql
+            st = int(starts[b])
+            kv_limit[st : st + ql] = sl
+            tree_start[st : st + ql] = sl - ql
 
-        # tiles: bq consecutive tokens of one request (exact trees: one tree token each)
+        # tiles: bq consecutive tokens of one request (exact trees' own work apart)
         alone = np.zeros(B, dtype=bool)
         if exact:
             alone[list(trees)] = True
-        bq_req = np.where(alone, 1, bq)
-        n_tiles = (q_lens + bq_req - 1) // bq_req
+        n_tiles = np.where(alone, 0, (q_lens + bq - 1) // bq)
         tile_req = np.repeat(np.arange(B), n_tiles)
         tile_idx = np.arange(int(n_tiles.sum())) - (np.cumsum(n_tiles) - n_tiles)[tile_req]
-        tile_bq = bq_req[tile_req]
-        tile_tok = starts[tile_req] + tile_idx * tile_bq
-        tile_len = np.minimum(tile_bq, q_lens[tile_req] - tile_idx * tile_bq)
+        tile_tok = starts[tile_req] + tile_idx * bq
+        tile_len = np.minimum(bq, q_lens[tile_req] - tile_idx * bq)
         tile_kv_end = kv_limit[tile_tok + tile_len - 1]  # the tile's last token sees the most keys
         nt = len(tile_req)
 
         # work items: split the keys of every tile when there are too few tiles to fill the GPU
-        # (a tree token alone: as a one-token decode step splits them, exact trees)
+        split = self.can_split(T)
         n_split = np.ones(nt, dtype=np.int64)
-        if self.can_split(T):
-            per_tile = np.where(alone[tile_req], self.split_tiles, -(-self.split_tiles // nt))
+        if split:
+            per_tile = -(-self.split_tiles // max(nt, 1))
             n_split = np.clip(np.minimum(per_tile, _cdiv(tile_kv_end, self.min_split_keys)), 1, None)
         chunk = _cdiv(_cdiv(tile_kv_end, n_split), self.block_n) * self.block_n  # keys per item
         n_split = _cdiv(tile_kv_end, chunk)
@@ -568,15 +598,23 @@ class TritonBackend(AttentionBackend):
         item_idx = np.arange(len(item_tile)) - (np.cumsum(n_split) - n_split)[item_tile]
         item_lo = item_idx * chunk[item_tile]
         item_hi = np.minimum(item_lo + chunk[item_tile], tile_kv_end[item_tile])
-        split = n_split[item_tile] > 1
+        is_split = n_split[item_tile] > 1
         item_part = np.full(len(item_tile), -1, dtype=np.int64)
-        item_part[split] = np.arange(int(split.sum()))
+        item_part[is_split] = np.arange(int(is_split.sum()))
         merged = np.nonzero(n_split > 1)[0]
         merge_count = n_split[merged]
         merge_first = np.cumsum(merge_count) - merge_count
-        cols = [tile_req[item_tile], tile_tok[item_tile], tile_len[item_tile], item_lo, item_hi, item_part,
-                tile_tok[merged], tile_len[merged], merge_first, merge_count, kv_limit, tree_start]
-        return cols, int(split.sum())
+        cols: list = [tile_req[item_tile], tile_tok[item_tile], tile_len[item_tile], item_lo, item_hi, item_part,
+                      np.zeros(len(item_tile), dtype=np.int64),
+                      tile_tok[merged], tile_len[merged], merge_first, merge_count]
+        n_parts = int(is_split.sum())
+        if alone.any():  # (a few trees of at most 64 tokens: in Python)
+            extra: list[list[int]] = [[] for _ in cols]
+            for b in np.nonzero(alone)[0]:
+                n_parts = self._exact_tree(extra, int(b), int(starts[b]), int(q_lens[b]), int(seq_lens[b]), bq,
+                                           split, n_parts)
+            cols = [np.concatenate([c, np.asarray(e, dtype=np.int64)]) for c, e in zip(cols, extra)]
+        return cols + [kv_limit, tree_start], n_parts
 
     def _write(self, cols: list, trees: dict, q_lens: list[int], bt: torch.Tensor, slot_mapping: torch.Tensor,
                T: int, ni: int, nm: int, block_m: int) -> None:
@@ -641,6 +679,13 @@ class TritonBackend(AttentionBackend):
         self._block_m = block_m
 
     # -- per layer ---------------------------------------------------------------------------
+    def _graph_grid(self, n: int) -> tuple[int, int]:
+        """Programs (work items, merges) of a launch captured for n tokens: every item and merge a
+        step of that size has without exact trees (with them, the EXACT programs loop for more)."""
+        may_split = self.can_split(self.graph_min_tokens)
+        n_items = min(self.max_items, n + 2 * self.split_tiles) if may_split else n
+        return n_items, (self.split_tiles if may_split else 0)
+
     @property
     def supports_fused_rope(self) -> bool:  # type: ignore[override]
         return self.device.type == "cuda"
@@ -677,9 +722,7 @@ class TritonBackend(AttentionBackend):
         # captured launches cover every work item a step of n tokens can have; eager ones the planned
         exact = self.capture_exact if _capturing(q) else self._exact_step
         if _capturing(q):
-            may_split = self.can_split(self.graph_min_tokens)
-            n_items = min(self.max_items, n + 2 * self.split_tiles) if may_split else n
-            n_merges = self.split_tiles if may_split else 0  # each program loops past these if needed
+            n_items, n_merges = self._graph_grid(n)
         else:
             n_items, n_merges = self._num_items, self._num_merges
         it, po, pl = self._item, self._part_o, self._part_lse
@@ -687,7 +730,7 @@ class TritonBackend(AttentionBackend):
         extra = {} if self.num_stages is None else {"num_stages": self.num_stages}
         _paged_attention_kernel[(n_items, self.num_kv_heads)](
             q, k_cache, v_cache, out, po, pl,
-            it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"],
+            it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"], it["pstride"],
             self._kv_limit, self._tree_start, self._tree_bits, self._counts,
             self._block_table, self._block_table.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -789,7 +832,7 @@ class TritonDecodeAttention(AttentionBackend):
         block_d = max(16, _next_pow2(self.head_dim))
         _paged_attention_kernel[(n, self.num_kv_heads)](
             q, k_cache, v_cache, out, self._dummy, self._dummy,
-            self._arange, self._arange, self._ones, self._zeros, seq, self._no_part,
+            self._arange, self._arange, self._ones, self._zeros, seq, self._no_part, self._zeros,
             seq, seq, self._no_bits, self._counts[n],
             bt, bt.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
