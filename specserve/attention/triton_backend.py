@@ -387,6 +387,7 @@ class TritonBackend(AttentionBackend):
             os.environ.get("SPECSERVE_EXACT_TREES", "1") != "0"
         self.exact_fallbacks = 0  # steps whose trees ran as shared tiles for want of room
         self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
+        self._shifted = False  # the step being planned has lengths moved back on the device
         self.capture_exact = False  # set while graphs that replay steps with trees are captured
 
         # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more
@@ -464,6 +465,7 @@ class TritonBackend(AttentionBackend):
         # ways at low batch): 0.02 ms at 1 request, 0.49 ms at 64 (gpu_step_breakdown --profile)
         _check_trees(trees, q_list)
         exact = self.exact_trees and bool(trees)
+        self._shifted = meta.seq_shift is not None
         while True:
             if T <= SMALL_PLAN_TOKENS:
                 cols, n_parts = self._work_small(q_list, s_list, T, block_m, trees, exact)
@@ -546,7 +548,8 @@ class TritonBackend(AttentionBackend):
             for i in range(q):
                 _add(cols, 0, (b, t0 + i, 1, 0, sl, -1, 0))
             return n_parts
-        below = (sl - q) // chunk  # ranges wholly below the tree
+        # ranges wholly below the tree; a step planned longer (seq_shift) has its tree up to q keys lower
+        below = max(0, sl - q - (q if self._shifted else 0)) // chunk
         for i in range(0, q, bq):
             for c in range(below):
                 _add(cols, 0, (b, t0 + i, min(bq, q - i), c * chunk, (c + 1) * chunk, n_parts + i * C + c, C))
