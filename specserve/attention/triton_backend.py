@@ -353,7 +353,8 @@ class TritonBackend(AttentionBackend):
                  num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
                  num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
-                 min_split_keys: int | None = None, exact_trees: bool | None = None) -> None:
+                 min_split_keys: int | None = None, exact_trees: bool | None = None,
+                 share_tree_prefix: bool | None = None) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -386,6 +387,11 @@ class TritonBackend(AttentionBackend):
         self.exact_trees = exact_trees if exact_trees is not None else \
             os.environ.get("SPECSERVE_EXACT_TREES", "1") != "0"
         self.exact_fallbacks = 0  # steps whose trees ran as shared tiles for want of room
+        # exact trees: the key ranges below a tree read once by tiles of several of its tokens. Off
+        # until measured on the H200 (session 35: exact on CPU; the GPU budget ran out before the
+        # run after its fix); SPECSERVE_EXACT_SHARED_PREFIX=1 turns it on
+        self.share_tree_prefix = share_tree_prefix if share_tree_prefix is not None else \
+            os.environ.get("SPECSERVE_EXACT_SHARED_PREFIX", "0") == "1"
         self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
         self._shifted = False  # the step being planned has lengths moved back on the device
         self.capture_exact = False  # set while graphs that replay steps with trees are captured
@@ -536,8 +542,9 @@ class TritonBackend(AttentionBackend):
     def _exact_tree(self, cols: list, b: int, t0: int, q: int, sl: int, bq: int, split: bool, n_parts: int) -> int:
         """Work items and merges of request b's tree of q tokens (the first t0) under exact trees: its
         keys in the ranges a one-token decode step takes (``128 * split_tiles`` keys at most: the
-        split of seq_len, not of the token's own length, is the same 128-key chunks). Ranges wholly
-        below the tree are shared by tiles of ``bq`` tokens; the rest are per token (its path). Every
+        split of seq_len, not of the token's own length, is the same 128-key chunks). With
+        ``share_tree_prefix`` ranges wholly below the tree are shared by tiles of ``bq`` tokens; the
+        rest (all, without it) are per token, its path mapped in. Every
         token merges its own ``C`` partial outputs (part slots ``first + i * C + c``: a shared item
         writes each of its tokens' rows there, ``pstride = C``). Returns the parts used."""
         bn, msk = self.block_n, self.min_split_keys
@@ -549,7 +556,7 @@ class TritonBackend(AttentionBackend):
                 _add(cols, 0, (b, t0 + i, 1, 0, sl, -1, 0))
             return n_parts
         # ranges wholly below the tree; a step planned longer (seq_shift) has its tree up to q keys lower
-        below = max(0, sl - q - (q if self._shifted else 0)) // chunk
+        below = max(0, sl - q - (q if self._shifted else 0)) // chunk if self.share_tree_prefix else 0
         for i in range(0, q, bq):
             for c in range(below):
                 _add(cols, 0, (b, t0 + i, min(bq, q - i), c * chunk, (c + 1) * chunk, n_parts + i * C + c, C))
