@@ -151,6 +151,10 @@ class EngineConfig:
     # CUDA graphs for steps of up to this many tokens (larger steps run eagerly); None: the whole
     # step budget (max_num_batched_tokens). The drafter raises it to cover every verify it may ask for
     max_cudagraph_capture_size: int | None = None
+    # Triton: each tree token attends as plain decoding of its committed path will, bit for bit, so
+    # greedy tree speculation is lossless in bf16 too (slower verifies: each token's keys read apart).
+    # None: on, unless SPECSERVE_EXACT_TREES=0
+    exact_tree_attention: bool | None = None
     cpu_weight_packing: bool = True  # CPU: linear weights pre-packed for oneDNN (flat cost in tokens per step)
 
     def __post_init__(self) -> None:

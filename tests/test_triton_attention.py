@@ -345,3 +345,30 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, o
         out = dec.forward(0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
         assert torch.equal(out[0], out_tree[i]), f"tree node {i} (path {path}) differs from its decode step"
     assert deep >= 3, "the tree was meant to have paths that skip nodes"
+
+
+def test_exact_tree_attention_is_an_engine_flag(monkeypatch):
+    """``--no-exact-tree-attention`` reaches the engine config (the runner hands it to the backend);
+    unset, the backend follows SPECSERVE_EXACT_TREES (on by default); off, trees plan as shared tiles."""
+    import argparse
+
+    from specserve.engine.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).exact_tree_attention is None
+    assert engine_config_from_args(parser.parse_args(["--no-exact-tree-attention"])).exact_tree_attention is False
+    caches = [(torch.zeros(16, 4, 2, 16, device=DEVICE), torch.zeros(16, 4, 2, 16, device=DEVICE))]
+    opts = dict(num_heads=4, max_num_tokens=16, max_num_seqs=2, max_blocks_per_seq=8, block_n=16)
+    monkeypatch.delenv("SPECSERVE_EXACT_TREES", raising=False)
+    assert TritonBackend(caches, 4, 0.25, **opts).exact_trees
+    monkeypatch.setenv("SPECSERVE_EXACT_TREES", "0")
+    assert not TritonBackend(caches, 4, 0.25, **opts).exact_trees
+    assert TritonBackend(caches, 4, 0.25, exact_trees=True, **opts).exact_trees
+    tree = AttentionMetadata(query_lens=[5], seq_lens=[20], slot_mapping=torch.arange(15, 20, device=DEVICE),
+                             block_tables=torch.arange(5, device=DEVICE)[None], tree_masks={0: TREE.to(DEVICE)})
+    for exact in (False, True):
+        tri = TritonBackend(caches, 4, 0.25, exact_trees=exact, **opts)
+        tri.plan(tree)
+        assert tri.step_exact == exact
+        assert int(tri._item["len"][: tri._num_items].max()) == (1 if exact else 5)

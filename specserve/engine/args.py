@@ -29,6 +29,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="CUDA graphs for steps of up to this many tokens (default: --max-num-batched-tokens)")
+    g.add_argument("--exact-tree-attention", default=None, action=argparse.BooleanOptionalAction,
+                   help="Triton: tree verifies compute each token bit for bit as plain decoding will, so greedy "
+                        "tree speculation matches plain decoding in bf16 (default on; off: faster verifies "
+                        "whose bf16 roundings may flip near-ties)")
     g.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                    help="CPU: plain F.linear instead of oneDNN-packed weights")
     s = parser.add_argument_group("speculative decoding (named like SGLang's flags)")
@@ -51,7 +55,7 @@ ENGINE_FIELDS = (
     "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
     "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
-    "max_cudagraph_capture_size",
+    "max_cudagraph_capture_size", "exact_tree_attention",
 )
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",

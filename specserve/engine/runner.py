@@ -160,7 +160,8 @@ class ModelRunner:
             self.attn = TritonBackend(
                 self.kv_caches, bs, scale, num_heads=mc.num_attention_heads,
                 max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                max_blocks_per_seq=min(num_blocks, -(-max_len // bs)), scratch_slot=num_blocks * bs)
+                max_blocks_per_seq=min(num_blocks, -(-max_len // bs)), scratch_slot=num_blocks * bs,
+                exact_trees=config.exact_tree_attention)
             if device.type == "cuda" and not config.enforce_eager:
                 from specserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 
