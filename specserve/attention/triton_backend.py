@@ -312,10 +312,10 @@ def _check_trees(trees: dict, q_lens: list[int]) -> None:
             raise ValueError(f"tree of request {b} has {ql} tokens; at most {MAX_TREE_TOKENS} are supported")
 
 
-def _add(cols: list, first: int, values: tuple) -> None:
-    """Append one row (a work item at column 0, a merge at column 7) to the plan's columns."""
-    for col, v in zip(cols[first : first + len(values)], values):
-        col.append(v)
+def _extend(cols: list, first: int, *columns) -> None:
+    """Append rows given column-wise (work items from column 0, merges from column 7)."""
+    for col, vals in zip(cols[first : first + len(columns)], columns):
+        col.extend(vals)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -524,15 +524,25 @@ class TritonBackend(AttentionBackend):
         per_tile = -(-self.split_tiles // max(len(tiles), 1))
         bn, msk = self.block_n, self.min_split_keys
         cols: list[list[int]] = [[] for _ in range(len(_ITEM_FIELDS) + len(_MERGE_FIELDS))]
+        req, tok, ln, lo, hi, part, pstride, m_tok, m_len, m_first, m_count = cols
         n_parts = 0
         for b, t0, n, end in tiles:
             ns = max(min(per_tile, -(-end // msk)), 1) if split else 1
             chunk = -(-(-(-end // ns)) // bn) * bn
             ns = -(-end // chunk)
             if ns > 1:
-                _add(cols, 7, (t0, n, n_parts, ns))
+                m_tok.append(t0)
+                m_len.append(n)
+                m_first.append(n_parts)
+                m_count.append(ns)
             for j in range(ns):
-                _add(cols, 0, (b, t0, n, j * chunk, min(j * chunk + chunk, end), n_parts if ns > 1 else -1, 0))
+                req.append(b)
+                tok.append(t0)
+                ln.append(n)
+                lo.append(j * chunk)
+                hi.append(min(j * chunk + chunk, end))
+                part.append(n_parts if ns > 1 else -1)
+                pstride.append(0)
                 n_parts += ns > 1
         for b, t0, q, sl in alone:
             n_parts = self._exact_tree(cols, b, t0, q, sl, bq, split, n_parts)
@@ -552,18 +562,22 @@ class TritonBackend(AttentionBackend):
         chunk = -(-(-(-sl // ns)) // bn) * bn
         C = -(-sl // chunk)
         if C == 1:  # one range: each token alone writes its output (a one-range decode step does)
-            for i in range(q):
-                _add(cols, 0, (b, t0 + i, 1, 0, sl, -1, 0))
+            _extend(cols, 0, [b] * q, range(t0, t0 + q), [1] * q, [0] * q, [sl] * q, [-1] * q, [0] * q)
             return n_parts
         # ranges wholly below the tree; a step planned longer (seq_shift) has its tree up to q keys lower
         below = max(0, sl - q - (q if self._shifted else 0)) // chunk if self.share_tree_prefix else 0
-        for i in range(0, q, bq):
-            for c in range(below):
-                _add(cols, 0, (b, t0 + i, min(bq, q - i), c * chunk, (c + 1) * chunk, n_parts + i * C + c, C))
-        for i in range(q):
-            for c in range(below, C):
-                _add(cols, 0, (b, t0 + i, 1, c * chunk, min((c + 1) * chunk, sl), n_parts + i * C + c, C))
-            _add(cols, 7, (t0 + i, 1, n_parts + i * C, C))
+        if below:  # tiles of bq tokens x the ranges below the tree
+            firsts = range(0, q, bq)
+            _extend(cols, 0, [b] * (len(firsts) * below), [t0 + i for i in firsts for _ in range(below)],
+                    [min(bq, q - i) for i in firsts for _ in range(below)],
+                    [c * chunk for c in range(below)] * len(firsts),
+                    [(c + 1) * chunk for c in range(below)] * len(firsts),
+                    [n_parts + i * C + c for i in firsts for c in range(below)], [C] * (len(firsts) * below))
+        tail = C - below  # each token alone x the rest (its path mapped in)
+        _extend(cols, 0, [b] * (q * tail), [t0 + i for i in range(q) for _ in range(tail)], [1] * (q * tail),
+                [c * chunk for c in range(below, C)] * q, [min((c + 1) * chunk, sl) for c in range(below, C)] * q,
+                [n_parts + i * C + c for i in range(q) for c in range(below, C)], [C] * (q * tail))
+        _extend(cols, 7, range(t0, t0 + q), [1] * q, range(n_parts, n_parts + q * C, C), [C] * q)
         return n_parts + q * C
 
     def _work(self, q_lens: np.ndarray, seq_lens: np.ndarray, trees: dict, T: int,
