@@ -109,8 +109,9 @@ def run_metadata() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu": cpu_description(),
         "torch_threads": torch.get_num_threads(),
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
-                if k in os.environ},
+        "env": {k: v for k, v in os.environ.items()  # (SPECSERVE_*: the A/B knobs a run was under)
+                if k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+                or k.startswith("SPECSERVE_")},
         "load_average_start": load_average(),
     }
 

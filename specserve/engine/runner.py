@@ -246,8 +246,10 @@ class ModelRunner:
         """hidden [T, H], or (hidden, aux) when EAGLE-3 aux layers are set: a CUDA graph replay when
         one fits the step's token count, else an eager forward."""
         if self.graphs is not None and self.graphs.fits(inputs.input_ids.shape[0]):
-            self.path_counts["target:graph"] += 1
-            return self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[return-value]
+            eager_before = self.graphs.eager_tree_steps  # (a step with exact trees past their graphs)
+            out = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
+            self.path_counts["target:graph" if self.graphs.eager_tree_steps == eager_before else "target:eager"] += 1
+            return out  # type: ignore[return-value]
         self.path_counts["target:eager"] += 1
         self.attn.plan(inputs.meta)
         with forward_context(self.attn):
