@@ -252,7 +252,8 @@ def test_64_token_tree(backend):
     _assert_close(ref, out, torch.float32)
 
 
-@pytest.mark.parametrize("opts", [NO_SPLIT, SPLIT, {}, {"target_programs": 64, "min_split_keys": 48}])
+@pytest.mark.parametrize("opts", [NO_SPLIT, SPLIT, {}, {"target_programs": 64, "min_split_keys": 48},
+                                  {"target_programs": 64, "min_split_keys": 16, "share_tree_prefix": True}])
 def test_small_step_plan_in_python_equals_the_numpy_plan(opts):
     """Steps of <= SMALL_PLAN_TOKENS tokens are planned in plain Python: the same work list as numpy's,
     trees included."""
