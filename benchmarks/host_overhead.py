@@ -38,6 +38,8 @@ from specserve.loader import load_model_source  # noqa: E402
 VOCAB, LAYERS = 2048, 2  # a tiny random Llama (tests/tiny_model.py: hidden 32) and a random EAGLE-3 head
 CONFIGS: dict[str, dict[str, Any]] = {
     "nospec": {},
+    # a second plain engine: how far two identical engines in one process differ (the noise floor)
+    "nospec_b": {},
     # the head loaded, speculation never on: what plain decoding costs in a spec engine
     "spec_off": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0},
     # adaptive, held at plain decoding (its quick decisions), features kept for a later catch-up
