@@ -601,26 +601,3 @@ def test_an_explorations_measured_cycle_is_in_flight_until_the_next_decision():
             b.visits[0] += 1  # a quick decision (controller.quick_arm counts it so)
             assert not b.exploration_in_flight(0)
     assert seen > 3
-
-
-def test_a_depth_whose_estimate_beats_plain_decoding_is_explored_at_the_normal_rate():
-    # plain decoding chosen and well measured; depth 1 measured three noisy cycles, 5 % better by its
-    # estimate but with a wide error, so the noise band holds the switch off: it is explored every
-    # ``explore_every`` decisions (not ``off_slower`` x rarer) until measured enough to decide.
-    # Session 34, 16 requests on a CPU: held so, depth 1 was picked only in the window's second half.
-    # One that is worse by its estimate (its bound still above) keeps the rarer rate
-    def explored(tokens: tuple[float, ...]) -> tuple[int, int]:
-        priors = {0: (1.0, 0.0100), 1: (1.1, 0.0105)}
-        b = GoodputBandit(warm_visits=0)
-        for _ in range(300):
-            b.observe(6, 0, 0.0100, 1.0, 0.0100)
-        for t in tokens:
-            b.observe(6, 1, 0.0105, t, 0.0105)
-        b.chosen[6] = 0
-        choices = [b.choose(6, priors) for _ in range(64)]
-        return sum(1 for a, e in choices if e and a == 1), sum(1 for a, e in choices if a == 0 and not e)
-
-    ahead, plain = explored((0.8, 1.6, 0.9))  # ~105 tokens/s against plain decoding's 100
-    assert ahead >= 6 and plain == 64 - ahead
-    behind, _ = explored((0.7, 1.2, 0.8))  # ~86
-    assert behind <= 2

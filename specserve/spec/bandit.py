@@ -346,14 +346,9 @@ class GoodputBandit:
             if must:
                 alt = min(must, key=lambda a: arms[a].n if a in arms else 0.0)
             elif others and (best != min(est) or visit % (self.off_slower * self.explore_every)
-                             == self.off_slower * self.explore_every - 1
-                             or any(est[a][0] > est[best][0] * (1 + self.margin) for a in others)):
+                             == self.off_slower * self.explore_every - 1):
                 # while plain decoding is chosen, trying a depth costs a catch-up over the steps
-                # since the last draft as well: upper-bound explorations are ``off_slower`` x rarer,
-                # unless a depth's estimate itself (not only its bound) beats the pick by the margin:
-                # too few cycles of it keep its error wide, and the noise band holds the switch off
-                # (session 34, 16 requests on a CPU: depth 1 ~5 % above plain decoding by estimate,
-                # +-100-146 tok/s, picked only in the window's second half)
+                # since the last draft as well: upper-bound explorations are ``off_slower`` x rarer
                 # only an arm whose bound clears the switching margin: an exploration that cannot
                 # end in a switch is spent for nothing (at C = 2 on a CPU depths 2 and 3, a few
                 # percent apart, took one cycle pair in 16 each way: ~12 % of cycles exploring)
