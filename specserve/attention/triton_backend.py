@@ -69,7 +69,6 @@ _MERGE_FIELDS = ("tok", "len", "first", "count")
 # room for exact trees' one-token tiles beyond a step's usual items: 32 tree tokens x 16 key ranges
 # (2048 keys); a step needing more runs its trees as shared tiles (``exact_fallbacks`` counts them)
 EXACT_EXTRA_ITEMS = 512
-EXACT_EXTRA_MERGES = 128
 
 
 @triton.jit
@@ -396,15 +395,14 @@ class TritonBackend(AttentionBackend):
         self.share_tree_prefix = share_tree_prefix if share_tree_prefix is not None else \
             os.environ.get("SPECSERVE_EXACT_SHARED_PREFIX", "0") == "1"
         self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
-        self._shifted = False  # the step being planned has lengths moved back on the device
         self.capture_exact = False  # set while graphs that replay steps with trees are captured
 
-        # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more
+        # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more.
+        # Merges: one per split tile or exact tree token, and keys split only below split_tiles tokens
         extra_items = EXACT_EXTRA_ITEMS if self.exact_trees else 0
         self.max_items = max_num_tokens + 2 * self.split_tiles + extra_items
         self.max_parts = 2 * self.split_tiles + extra_items
-        self.max_merges = self.split_tiles + (EXACT_EXTRA_MERGES if self.exact_trees else 0)
-        self._sections = [self.max_items] * len(_ITEM_FIELDS) + [self.max_merges] * len(_MERGE_FIELDS) \
+        self._sections = [self.max_items] * len(_ITEM_FIELDS) + [self.split_tiles] * len(_MERGE_FIELDS) \
             + [max_num_tokens] * 2 + [2]
         self._meta = torch.zeros(sum(self._sections), dtype=torch.int32, device=dev)
         self._offsets = np.cumsum([0] + self._sections).tolist()
@@ -474,15 +472,15 @@ class TritonBackend(AttentionBackend):
         # ways at low batch): 0.02 ms at 1 request, 0.49 ms at 64 (gpu_step_breakdown --profile)
         _check_trees(trees, q_list)
         exact = self.exact_trees and bool(trees)
-        self._shifted = meta.seq_shift is not None
+        shifted = meta.seq_shift is not None
         while True:
             if T <= SMALL_PLAN_TOKENS:
-                cols, n_parts = self._work_small(q_list, s_list, T, block_m, trees, exact)
+                cols, n_parts = self._work_small(q_list, s_list, T, block_m, trees, exact, shifted)
             else:
                 cols, n_parts = self._work(np.asarray(q_list, dtype=np.int64), np.asarray(s_list, dtype=np.int64),
-                                           trees, T, block_m, exact)
+                                           trees, T, block_m, exact, shifted)
             ni, nm = len(cols[0]), len(cols[len(_ITEM_FIELDS)])
-            if ni <= self.max_items and nm <= self.max_merges and n_parts <= self.max_parts:
+            if ni <= self.max_items and nm <= self.split_tiles and n_parts <= self.max_parts:
                 break
             if not exact:
                 raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
@@ -499,7 +497,8 @@ class TritonBackend(AttentionBackend):
             self._tree_start[:T] += shift
 
     def _work_small(self, q_lens: list[int], seq_lens: list[int], T: int, block_m: int,
-                    trees: dict | None = None, exact: bool = False) -> tuple[list[list[int]], int]:
+                    trees: dict | None = None, exact: bool = False,
+                    shifted: bool = False) -> tuple[list[list[int]], int]:
         """``_work`` for a small step, in plain Python."""
         bq = block_m // self.group
         trees = trees or {}
@@ -548,11 +547,12 @@ class TritonBackend(AttentionBackend):
                 pstride.append(0)
                 n_parts += ns > 1
         for b, t0, q, sl in alone:
-            n_parts = self._exact_tree(cols, b, t0, q, sl, bq, split, n_parts)
+            n_parts = self._exact_tree(cols, b, t0, q, sl, bq, split, shifted, n_parts)
         cols += [kv_limit, tree_start]
         return cols, n_parts
 
-    def _exact_tree(self, cols: list, b: int, t0: int, q: int, sl: int, bq: int, split: bool, n_parts: int) -> int:
+    def _exact_tree(self, cols: list, b: int, t0: int, q: int, sl: int, bq: int, split: bool, shifted: bool,
+                    n_parts: int) -> int:
         """Work items and merges of request b's tree of q tokens (the first t0) under exact trees: its
         keys in the ranges a one-token decode step takes (``128 * split_tiles`` keys at most: the
         split of seq_len, not of the token's own length, is the same 128-key chunks). With
@@ -568,7 +568,7 @@ class TritonBackend(AttentionBackend):
             _extend(cols, 0, [b] * q, range(t0, t0 + q), [1] * q, [0] * q, [sl] * q, [-1] * q, [0] * q)
             return n_parts
         # ranges wholly below the tree; a step planned longer (seq_shift) has its tree up to q keys lower
-        below = max(0, sl - q - (q if self._shifted else 0)) // chunk if self.share_tree_prefix else 0
+        below = max(0, sl - q - (q if shifted else 0)) // chunk if self.share_tree_prefix else 0
         if below:  # tiles of bq tokens x the ranges below the tree
             firsts = range(0, q, bq)
             _extend(cols, 0, [b] * (len(firsts) * below), [t0 + i for i in firsts for _ in range(below)],
@@ -584,7 +584,7 @@ class TritonBackend(AttentionBackend):
         return n_parts + q * C
 
     def _work(self, q_lens: np.ndarray, seq_lens: np.ndarray, trees: dict, T: int,
-              block_m: int, exact: bool = False) -> tuple[list, int]:
+              block_m: int, exact: bool = False, shifted: bool = False) -> tuple[list, int]:
         """The step's work items (tiles of query tokens x key ranges), merges of split tiles, and
         per-token key limits, as the fourteen columns of the metadata buffer (counts apart); and the
         split parts. Exact trees' work comes after every other tile's (``_exact_tree``)."""
@@ -639,7 +639,7 @@ class TritonBackend(AttentionBackend):
             extra: list[list[int]] = [[] for _ in cols]
             for b in np.nonzero(alone)[0]:
                 n_parts = self._exact_tree(extra, int(b), int(starts[b]), int(q_lens[b]), int(seq_lens[b]), bq,
-                                           split, n_parts)
+                                           split, shifted, n_parts)
             cols = [np.concatenate([c, np.asarray(e, dtype=np.int64)]) for c, e in zip(cols, extra)]
         return cols + [kv_limit, tree_start], n_parts
 
@@ -747,10 +747,11 @@ class TritonBackend(AttentionBackend):
             q = q.contiguous()
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         # captured launches cover every work item a step of n tokens can have; eager ones the planned
-        exact = self.capture_exact if _capturing(q) else self._exact_step
         if _capturing(q):
+            exact = self.capture_exact
             n_items, n_merges = self._graph_grid(n)
         else:
+            exact = self._exact_step
             n_items, n_merges = self._num_items, self._num_merges
         it, po, pl = self._item, self._part_o, self._part_lse
         block_d = max(16, _next_pow2(self.head_dim))
@@ -813,9 +814,6 @@ class TritonDecodeAttention(AttentionBackend):
         self._no_part = torch.full((n,), -1, dtype=torch.int32, device=dev)
         self._no_bits = torch.zeros(n, dtype=torch.int64, device=dev)
         self._dummy = torch.zeros(1, dtype=torch.float32, device=dev)  # partial outputs: never written
-        # row b: (b items, no merges), the kernel's counts for a step of b requests
-        self._counts = torch.stack([torch.arange(n + 1), torch.zeros(n + 1, dtype=torch.long)], 1).to(
-            device=dev, dtype=torch.int32)
         self._slots: torch.Tensor | None = None
         self._seq32: torch.Tensor | None = None
 
@@ -860,7 +858,7 @@ class TritonDecodeAttention(AttentionBackend):
         _paged_attention_kernel[(n, self.num_kv_heads)](
             q, k_cache, v_cache, out, self._dummy, self._dummy,
             self._arange, self._arange, self._ones, self._zeros, seq, self._no_part, self._zeros,
-            seq, seq, self._no_bits, self._counts[n],
+            seq, seq, self._no_bits, self._zeros,  # (counts: read by the EXACT variant only)
             bt, bt.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -174,7 +174,7 @@ class CUDAGraphRunner:
                  len(self.graphs), ",".join(map(str, self.sizes)), self.capture_seconds, self.capture_bytes / 2**20)
         self.tree_graphs.clear()
         self.tree_outputs.clear()
-        if self.tree_tokens and getattr(self.attn, "exact_trees", False):
+        if self.tree_tokens and self.attn.exact_trees:
             sizes = [s for s in self.sizes if s <= self.padded_size(min(self.tree_tokens, self.max_size))]
             self.attn.capture_exact = True
             try:
@@ -198,7 +198,7 @@ class CUDAGraphRunner:
         n = self.padded_size(T)
         self.attn.plan(meta)
         graphs, outputs = self.graphs, self.outputs
-        if getattr(self.attn, "step_exact", False):  # only the EXACT kernel runs exact trees' work
+        if self.attn.step_exact:  # only the EXACT kernel runs exact trees' work
             graphs, outputs = self.tree_graphs, self.tree_outputs
             if n not in graphs:
                 self.eager_tree_steps += 1
