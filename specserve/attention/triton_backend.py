@@ -108,23 +108,22 @@ def _paged_attention_kernel(
 @triton.jit
 def _path_positions(j, base, bits):
     """Cache positions of virtual keys ``j``: below ``base`` themselves; ``base + r`` is the tree
-    node of the r-th set bit of ``bits`` (a tree token's ancestors, root first, then itself)."""
+    node of the r-th set bit of ``bits`` (a tree token's ancestors, root first, then itself).
+    Computed across all 64 bits at once (a prefix sum and a max over [keys, 64]): a 64-step scalar
+    loop sat on every tree token's critical path."""
+    b = tl.arange(0, 64)
+    flag = ((bits >> b.to(tl.int64)) & 1).to(tl.int32)
+    rank = tl.cumsum(flag, axis=0) - flag  # set bits below bit b
     r = j - base
-    sel = tl.zeros_like(j)
-    seen = tl.zeros_like(base)
-    for b in tl.static_range(64):
-        bit = ((bits >> b) & 1).to(tl.int32)
-        sel = tl.where((r == seen) & (bit != 0), b, sel)
-        seen += bit
+    hit = (flag[None, :] != 0) & (rank[None, :] == r[:, None])
+    sel = tl.max(tl.where(hit, b[None, :], 0), axis=1)
     return tl.where(r >= 0, base + sel, j)
 
 
 @triton.jit
 def _popcount64(bits):
-    n = tl.zeros_like(bits.to(tl.int32))
-    for b in tl.static_range(64):
-        n += ((bits >> b) & 1).to(tl.int32)
-    return n
+    b = tl.arange(0, 64)
+    return tl.sum(((bits >> b.to(tl.int64)) & 1).to(tl.int32), axis=0)
 
 
 @triton.jit
