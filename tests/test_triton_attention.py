@@ -281,14 +281,15 @@ def test_small_step_plan_in_python_equals_the_numpy_plan(opts):
             assert [list(map(int, c)) for c in small] == [list(map(int, c)) for c in ref], (q, s, exact)
 
 
-SHARED = {**SPLIT, "share_tree_prefix": True}  # the key ranges below the tree read by tiles of several tokens
+PER_TOKEN = {**SPLIT, "share_tree_prefix": False}  # every key range of a tree token its own
+SHARED = {**SPLIT, "share_tree_prefix": True}  # the key ranges below the tree read by tiles of several tokens (default)
 FEW_PROGRAMS = {"target_programs": 26, "min_split_keys": 16, "share_tree_prefix": True}  # a captured grid below the work
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not CUDA, reason="Triton 3.6's interpreter multiplies bf16 dot operands as raw bits"))], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("over", [0, 12], ids=["planned", "shifted"])
-@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT, SHARED, FEW_PROGRAMS],
+@pytest.mark.parametrize("backend", [NO_SPLIT, PER_TOKEN, SHARED, FEW_PROGRAMS],
                          ids=["whole", "split_kv", "shared_prefix", "few_programs"])
 def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, over, dtype):
     """Exact trees: every tree token's output is bit for bit what a one-token decode step computes
