@@ -26,9 +26,11 @@ between other tree nodes' masked keys). So each tree token is a tile of its own 
 keys as plain decoding will hold them: the prefix, then its ancestors in order at consecutive
 positions (key ``tree_start + r`` is the tree node of the r-th set bit of its row), split into the
 same key ranges a one-token decode step takes (128-key chunks up to ``128 * split_tiles`` keys),
-and merges its own partial outputs. With ``share_tree_prefix`` the ranges wholly below the tree
-are read by tiles of several tree tokens instead (rows are computed apart, so each token's sums
-stay its own), which write each token's rows to that token's part slots.
+and merges its own partial outputs. Its path (the bit indices of its row's set bits) comes from a
+table a small kernel builds from the bits once a step, at layer 0's launch. With
+``share_tree_prefix`` (default on) the ranges wholly below the tree are read by tiles of several
+tree tokens instead (rows are computed apart, so each token's sums stay its own), which write each
+token's rows to that token's part slots.
 The target's matmuls are row-invariant in token count on the H200 (benchmarks/results/gpu_session35).
 
 CUDA graphs: ``plan`` writes every per-step number into preallocated device buffers (one packed
