@@ -1,6 +1,7 @@
 #!/bin/bash
-# Session 36, after staging: exact trees reading their paths from a table built once a step
-# (_path_table_kernel) in one key loop, the ranges below the tree shared by default. The attention
+# Session 36 (not run: no device lent after run 2), for branch exact-path-table, after staging: exact
+# trees reading their paths from a table built once a step (_path_table_kernel) in one key loop, the
+# ranges below the tree shared by default. The attention
 # alone beside 62218cc's kernel (gpu_tree_attention.py); the tree attention tests on the H200; then
 # parity and C = 1 per mode (gpu_exact_trees.sh: exact + shared prefix (default), exact, shared tiles).
 export PYTHONPATH=/tmp/site:$PWD
