@@ -285,6 +285,32 @@ def test_a_depth_that_commits_one_token_per_request_never_beats_plain_decoding()
     assert b.choose(10, priors, 32)[0] == 0
 
 
+def test_a_useless_depth_picked_on_lucky_timing_gives_the_pick_back_to_plain_decoding():
+    # depth 1 of a head that is never right was picked while its cycles were timed faster than plain
+    # decoding's (a loaded machine: at 15x their profile, timing says little); measured, plain
+    # decoding caps it at plain decoding's goodput x 1.0 tokens per request: a tie, which hysteresis
+    # would leave with the pick. Its requests commit one token a cycle: it cannot be the pick
+    b = GoodputBandit(explore_every=0, warm_visits=0)
+    priors = {0: (32.0, 0.30), 1: (32.0, 0.36)}
+    for _ in range(20):
+        b.observe(10, 1, 0.36, 32.0, 0.40, requests=32)
+    b.chosen[10] = 1
+    for _ in range(10):
+        b.observe(10, 0, 0.30, 32.0, 0.45, requests=32)
+    est = b.estimates(10, priors, 32)
+    assert est[1][0] >= est[0][0]  # by time alone depth 1 still ties plain decoding
+    assert b.tokens_per_request(1, 32.0, 32) < 1 + b.margin
+    assert b.choose(10, priors, 32)[0] == 0
+    # a depth whose requests commit 1.5 tokens a cycle is picked on the same times
+    useful = GoodputBandit(explore_every=0, warm_visits=0)
+    for _ in range(20):
+        useful.observe(10, 1, 0.36, 48.0, 0.40, requests=32)
+    useful.chosen[10] = 1
+    for _ in range(10):
+        useful.observe(10, 0, 0.30, 32.0, 0.45, requests=32)
+    assert useful.choose(10, {0: (32.0, 0.30), 1: (48.0, 0.36)}, 32)[0] == 1
+
+
 def test_calibration_seeds_rank_the_arms_from_the_first_decision_without_warm_up_explorations():
     # the profile says depth 3 is best; steps timed at start-up say plain decoding is (host time
     # per request the profile cannot see): seeded, the bucket picks plain decoding at once and its

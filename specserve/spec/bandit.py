@@ -208,6 +208,12 @@ class GoodputBandit:
                 den += st.requests
         return num / den if den > 0 else 0.0
 
+    def tokens_per_request(self, arm: int, tokens: float, batch: int = 1) -> float:
+        """Tokens a request commits per cycle of ``arm``: measured in every bucket, with the acceptance
+        model's ``tokens`` (for ``batch`` requests) worth ``prior_requests`` requests."""
+        pool = self.pooled.get(arm) or ArmStats()
+        return (pool.tokens + self.prior_requests * tokens / batch) / (pool.requests + self.prior_requests)
+
     def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
         """(goodput, standard error) per arm, for a cycle of ``batch`` requests in bucket ``key``.
 
@@ -231,7 +237,7 @@ class GoodputBandit:
             pool = self.pooled.get(arm) or ArmStats()
             # tokens per request: measured in every bucket, the acceptance model's worth
             # ``prior_requests`` requests
-            tpr = (pool.tokens + self.prior_requests * tokens / batch) / (pool.requests + self.prior_requests)
+            tpr = self.tokens_per_request(arm, tokens, batch)
             cv_tok = pool.cv(self.default_cv) if arm else 0.0  # plain decoding: exactly one token
             cv = st.cv(self.default_time_cv)
             # the time prediction counts as many cycles as it is accurate: (cycle spread / its error)^2
@@ -283,9 +289,18 @@ class GoodputBandit:
         # drafting was never tried within a 40-s window (an exploration out of plain decoding waits
         # for its catch-up to fit the budget), 0.922 of the best fixed against 1.041 (session 21)
         known = [a for a in est if served(arms.get(a)) >= self.pick_cycles] if visit >= self.warm_visits else []
-        best = max(known or est, key=lambda a: est[a][0])
+        # a depth whose requests commit under 1 + margin tokens a cycle cannot beat plain decoding by
+        # the margin (its cycle does all a plain one does, and more): never the pick, whatever its
+        # cycles' timing said. By time alone, capped at plain decoding's goodput x its tokens per
+        # request (estimates), a useless head's depth tied plain decoding and, picked once, kept the
+        # pick on hysteresis: on a loaded CPU (steps 15x their profile) a random head drafted on
+        # 70 % of request-steps (session 36)
+        plain = min(est)
+        useless = {a for a in est if a != plain and self.tokens_per_request(a, priors[a][0], batch) < 1 + self.margin}
+        best = max([a for a in (known or est) if a not in useless] or [a for a in est if a not in useless],
+                   key=lambda a: est[a][0])
         cur = self.chosen.get(key)
-        if cur in est and cur != best:
+        if cur in est and cur != best and cur not in useless:
             (gb, sb), (gc, sc) = est[best], est[cur]
             cur_st = self.stats.get(key, {}).get(cur)
             # the noise band only once the current arm has cycles of its own: a pick made on the
