@@ -23,7 +23,8 @@ the excess per request measured in all buckets, times its batch size. A constant
 arm cannot make drafting a head that is never right look better than plain decoding (it drafts
 the same tokens for more seconds), while a ratio borrowed from elsewhere could. And once plain
 decoding has a few cycles in a bucket, a depth's goodput is bounded by plain decoding's times the
-depth's tokens per request: a drafting cycle does all a plain one does, and more.
+depth's tokens per request: a drafting cycle does all a plain one does, and more. So a depth whose
+requests commit under 1 + ``margin`` tokens a cycle is never the pick.
 
 Choice: the arm with the best goodput (past a bucket's warm-up, among arms with served cycles there;
 another is explored first), kept unless another is better by ``margin`` and by ``band``
