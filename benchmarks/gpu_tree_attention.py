@@ -31,6 +31,7 @@ from common import run_metadata, write_json  # noqa: E402
 
 from specserve.attention import triton_backend  # noqa: E402
 from specserve.attention.base import AttentionMetadata  # noqa: E402
+from specserve.spec.tree import DraftTree  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
@@ -49,13 +50,10 @@ def tree_mask(n: int, topk: int = 4) -> torch.Tensor:
                 parents.append(p)
                 nxt.append(len(parents) - 1)
         frontier = nxt[:topk]
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != -1:
-            m[i, j] = True
-            j = parents[j]
-    return m
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    return DraftTree([0] * n, parents, depths).mask()
 
 
 def load_module(path: str):
