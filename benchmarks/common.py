@@ -153,6 +153,19 @@ def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def device_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Device milliseconds of one replay of a captured graph (after a warm one), between CUDA events."""
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
 def write_json(path: str, result: dict[str, Any]) -> None:
     result.setdefault("load_average_end", load_average())
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

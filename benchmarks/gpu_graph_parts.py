@@ -21,22 +21,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from common import chat_prompt_ids, device_ms, run_metadata, write_json  # noqa: E402
 from spec_single import CONFIGS, DEFAULT_HEAD  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
-
-
-def device_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def kernels(graph: torch.cuda.CUDAGraph, reps: int = 20, top: int = 30) -> list[dict]:

@@ -18,6 +18,7 @@ beside this tree's, interleaved, for A/Bs of the kernel. Also the host time of `
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib.util
 import os
 import statistics
@@ -27,10 +28,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import run_metadata, write_json  # noqa: E402
+from common import device_ms, run_metadata, write_json  # noqa: E402
 
 from specserve.attention import triton_backend  # noqa: E402
 from specserve.attention.base import AttentionMetadata  # noqa: E402
+from specserve.engine.cuda_graph import CAPTURE_SIZES  # noqa: E402
 from specserve.spec.tree import DraftTree  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
@@ -78,11 +80,11 @@ def build(mod, mode: str, seq_len: int, tree_tokens: int, caches, device) -> tup
 
 def time_mode(mod, mode: str, seq_len: int, args, caches, device) -> dict:
     be, meta, q = build(mod, mode, seq_len, args.tree_tokens, caches, device)
-    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-    n = min(s for s in sizes if s >= q)
-    below = max(s for s in sizes if s < n) if n > 1 else 0
-    be.graph_min_tokens = below + 1
-    be.capture_exact = mode in ("exact", "prefix")
+    # the engine's graph for q tokens: the next captured size up, replayed by steps above the one below
+    i = bisect.bisect_left(CAPTURE_SIZES, q)
+    n = CAPTURE_SIZES[i]
+    be.graph_min_tokens = CAPTURE_SIZES[i - 1] + 1 if i else 1
+    be.capture_exact = be.exact_trees
     be.plan(meta)
     qt = torch.randn(n, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     for layer in range(args.layers):  # compile, warm
@@ -100,15 +102,8 @@ def time_mode(mod, mode: str, seq_len: int, args, caches, device) -> dict:
         be.plan(meta)
         plan_s.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(args.reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return {"device_us_per_layer": a.elapsed_time(b) * 1e3 / args.reps / args.layers,
+    us_per_layer = device_ms(graph, args.reps) * 1e3 / args.layers
+    return {"device_us_per_layer": us_per_layer,
             "plan_us_median": statistics.median(plan_s) * 1e6, "items": be._num_items, "merges": be._num_merges,
             "exact_step": bool(be.step_exact), "graph_tokens": n}
 
