@@ -26,9 +26,11 @@ between other tree nodes' masked keys). So each tree token is a tile of its own 
 keys as plain decoding will hold them: the prefix, then its ancestors in order at consecutive
 positions (key ``tree_start + r`` is the tree node of the r-th set bit of its row), split into the
 same key ranges a one-token decode step takes (128-key chunks up to ``128 * split_tiles`` keys),
-and merges its own partial outputs. With ``share_tree_prefix`` (default on) the ranges wholly below
-the tree are read by tiles of several tree tokens instead (rows are computed apart, so each token's sums
-stay its own), which write each token's rows to that token's part slots.
+and merges its own partial outputs. Its path (the bit indices of its row's set bits) comes from a
+table a small kernel builds from the bits once a step, at layer 0's launch. With
+``share_tree_prefix`` (default on) the ranges wholly below the tree are read by tiles of several
+tree tokens instead (rows are computed apart, so each token's sums stay its own), which write each
+token's rows to that token's part slots.
 The target's matmuls are row-invariant in token count on the H200 (benchmarks/results/gpu_session35).
 
 CUDA graphs: ``plan`` writes every per-step number into preallocated device buffers (one packed
@@ -76,6 +78,7 @@ def _paged_attention_kernel(
     Q, K_cache, V_cache, O, PartO, PartLse,
     item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,  # [items] int32
     kv_limit, tree_start, tree_bits,  # [tokens] int32, int32, int64
+    path_tab, path_len,  # [tokens, 64], [tokens] int32: exact trees' paths (_path_table_kernel)
     counts,  # [2] int32: the step's work items, merges
     block_table,  # [max_seqs, max_blocks] int32
     bt_stride, qk_scale,  # qk_scale = softmax scale * log2(e)
@@ -94,45 +97,42 @@ def _paged_attention_kernel(
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
                          item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-                         kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+                         kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                          stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True)
     else:  # (one item a program: the plain kernel, as fast as before exact trees)
         _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
                      item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-                     kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+                     kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                      stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False)
 
 
 @triton.jit
-def _path_positions(j, base, bits):
-    """Cache positions of virtual keys ``j``: below ``base`` themselves; ``base + r`` is the tree
-    node of the r-th set bit of ``bits`` (a tree token's ancestors, root first, then itself)."""
-    r = j - base
-    sel = tl.zeros_like(j)
-    seen = tl.zeros_like(base)
-    for b in tl.static_range(64):
-        bit = ((bits >> b) & 1).to(tl.int32)
-        sel = tl.where((r == seen) & (bit != 0), b, sel)
-        seen += bit
-    return tl.where(r >= 0, base + sel, j)
+def _path_table_kernel(tree_bits, path_tab, path_len):
+    """Once per step with exact trees (program t: token t): ``path_tab[t, r]`` = the bit index of the
+    r-th set bit of the token's tree row (its ancestors root first, then itself), ``path_len[t]`` =
+    how many. Every layer's attention then maps a tree token's virtual keys with one load."""
+    t = tl.program_id(0)
+    bits = tl.load(tree_bits + t)
+    b = tl.arange(0, 64)
+    flag = ((bits >> b.to(tl.int64)) & 1).to(tl.int32)
+    rank = tl.cumsum(flag, axis=0) - flag  # set bits below bit b
+    tl.store(path_tab + t * 64 + rank, b, mask=flag != 0)
+    tl.store(path_len + t, tl.sum(flag, axis=0))
 
 
 @triton.jit
-def _popcount64(bits):
-    n = tl.zeros_like(bits.to(tl.int32))
-    for b in tl.static_range(64):
-        n += ((bits >> b) & 1).to(tl.int32)
-    return n
-
-
-@triton.jit
-def _key_block(j, pos, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, V_cache,
+def _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, V_cache,
                block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
-               PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One block of keys ``j`` (read at cache positions ``pos``) into the online softmax."""
+               path, path_base, path_end, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT: tl.constexpr):
+    """One block of keys ``j`` into the online softmax. EXACT: keys in [path_base, path_end) are the
+    tree token's path (virtual key ``path_base + r`` is read at ``path_base + path[r]``)."""
     j_ok = j < hi
+    pos = j
+    if EXACT:
+        on_path = (j >= path_base) & (j < path_end)
+        pos = tl.where(j >= path_base, path_base + tl.load(path + (j - path_base), mask=on_path, other=0), j)
     blk = tl.load(block_table + req * bt_stride + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
     kv_off = blk * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
     kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -158,7 +158,7 @@ def _key_block(j, pos, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_ca
 def _attend_item(
     item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
     item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-    kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+    kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_pi, stride_ph,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -188,34 +188,24 @@ def _attend_item(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    path = path_tab  # (the plain variant reads no path: keys map to themselves)
+    path_base = hi
+    path_end = hi
     if EXACT:
         # one tree token alone in its tile: its keys are the prefix then its path, at consecutive
-        # (virtual) positions, as plain decoding will hold them (module docstring: exact trees).
-        # Blocks wholly below the tree read the cache as they are; the rest map positions through
-        # the path. Two loops without a branch inside, so both stay software-pipelined
+        # (virtual) positions, as plain decoding will hold them (module docstring: exact trees)
         base = tl.load(tree_start + t0)
-        path_bits = tl.load(tree_bits + t0)
-        mid = hi
         if (n_q == 1) & (base < tl.load(kv_limit + t0)):
-            limit = tl.zeros_like(limit) + base + _popcount64(path_bits)
+            path_end = base + tl.load(path_len + t0)
+            limit = tl.zeros_like(limit) + path_end
             tstart = limit
-            mid = tl.minimum(tl.maximum(lo + (base - lo) // BLOCK_N * BLOCK_N, lo), hi)
-        for start in range(lo, mid, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
-                                       V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
-                                       d, d_ok, PAGE, DOT_PRECISION)
-        for start in range(mid, hi, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _key_block(j, _path_positions(j, base, path_bits), hi, q, m_i, l_i, acc, limit,
-                                       tstart, bits, req, kvh, K_cache, V_cache, block_table, bt_stride, qk_scale,
-                                       stride_kb, stride_ks, stride_kh, d, d_ok, PAGE, DOT_PRECISION)
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
-                                       V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
-                                       d, d_ok, PAGE, DOT_PRECISION)
+            path = path_tab + t0.to(tl.int64) * 64
+            path_base = base
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
+                                   V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
+                                   d, d_ok, path, path_base, path_end, PAGE, DOT_PRECISION, EXACT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
@@ -411,6 +401,10 @@ class TritonBackend(AttentionBackend):
         self._merge = dict(zip(_MERGE_FIELDS, views[len(_ITEM_FIELDS) : len(_ITEM_FIELDS) + len(_MERGE_FIELDS)]))
         self._kv_limit, self._tree_start, self._counts = views[-3:]
         self._tree_bits = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        # exact trees: each token's path (bit indices of its row's set bits) and its length, from the
+        # bits on the device once a step (layer 0's launch), so captured graphs compute them too
+        self._path_tab = torch.zeros(max_num_tokens if self.exact_trees else 1, 64, dtype=torch.int32, device=dev)
+        self._path_len = torch.zeros(max_num_tokens if self.exact_trees else 1, dtype=torch.int32, device=dev)
         self._block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._slots = torch.full((max_num_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
         self._slots_used = 0  # rows of _slots the last plan wrote (the rest hold the scratch slot)
@@ -754,12 +748,14 @@ class TritonBackend(AttentionBackend):
             exact = self._exact_step
             n_items, n_merges = self._num_items, self._num_merges
         it, po, pl = self._item, self._part_o, self._part_lse
+        if exact and layer == 0:  # (every model runs its layer 0 first)
+            _path_table_kernel[(n,)](self._tree_bits, self._path_tab, self._path_len)
         block_d = max(16, _next_pow2(self.head_dim))
         extra = {} if self.num_stages is None else {"num_stages": self.num_stages}
         _paged_attention_kernel[(n_items, self.num_kv_heads)](
             q, k_cache, v_cache, out, po, pl,
             it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"], it["pstride"],
-            self._kv_limit, self._tree_start, self._tree_bits, self._counts,
+            self._kv_limit, self._tree_start, self._tree_bits, self._path_tab, self._path_len, self._counts,
             self._block_table, self._block_table.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -858,7 +854,7 @@ class TritonDecodeAttention(AttentionBackend):
         _paged_attention_kernel[(n, self.num_kv_heads)](
             q, k_cache, v_cache, out, self._dummy, self._dummy,
             self._arange, self._arange, self._ones, self._zeros, seq, self._no_part, self._zeros,
-            seq, seq, self._no_bits, self._zeros,  # (counts: read by the EXACT variant only)
+            seq, seq, self._no_bits, self._zeros, self._zeros, self._zeros,  # (path, counts: EXACT variant only)
             bt, bt.stride(0), self.scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -1,0 +1,871 @@
+"""Paged attention in Triton (the GPU backend), graph-friendly.
+
+A *tile* is up to ``block_q`` consecutive query tokens of one request; its rows are those tokens
+times the query heads that share one KV head (GQA), so decode (1 token), verify (1+k) and prefill
+chunks all run through one kernel. A *work item* is a tile and a range of its keys: one program
+per (work item, KV head) reads keys and values through the block table, ``block_n`` keys at a
+time, with an online softmax.
+
+Small steps (few tiles: decode at low batch) would leave most of the GPU idle, so the plan splits
+each tile's keys over several work items (flash-decoding); those write partial outputs with
+their log-sum-exp, and a second kernel merges them. Tiles with one work item write the output
+directly.
+
+Masking is per query token, from three numbers the plan writes:
+  ``kv_limit``   keys at positions >= kv_limit are never seen (causal: own position + 1),
+  ``tree_start`` keys below it are the committed prefix, always visible,
+  ``tree_bits``  bit i set: the token sees the request's i-th new token (key tree_start + i).
+A causal token has tree_start = kv_limit, so its bits are never consulted. A request with a tree
+mask has kv_limit = seq_len and tree_start = seq_len - q_len for all its tokens (trees of at most
+64 tokens: the bits are one int64).
+
+Exact trees (``exact_trees``, on by default): a tree token's result must be bit for bit what plain
+decoding computes for that token once its path is committed, or greedy speculation is not lossless
+in bf16 (the sums of the online softmax and of P @ V round differently when the ancestors' keys sit
+between other tree nodes' masked keys). So each tree token is a tile of its own that reads its
+keys as plain decoding will hold them: the prefix, then its ancestors in order at consecutive
+positions (key ``tree_start + r`` is the tree node of the r-th set bit of its row), split into the
+same key ranges a one-token decode step takes (128-key chunks up to ``128 * split_tiles`` keys),
+and merges its own partial outputs. With ``share_tree_prefix`` the ranges wholly below the tree
+are read by tiles of several tree tokens instead (rows are computed apart, so each token's sums
+stay its own), which write each token's rows to that token's part slots.
+The target's matmuls are row-invariant in token count on the H200 (benchmarks/results/gpu_session35).
+
+CUDA graphs: ``plan`` writes every per-step number into preallocated device buffers (one packed
+host->device copy plus device->device copies; no host sync), and ``forward`` only reads them, so
+a graph captured once replays with any step's metadata. A captured launch has a program for every
+work item a step of its token count can have; unused programs find ``item_len == 0`` and store
+nothing. Steps with exact trees have more items (a tree token's keys split alone) and run the
+kernel's EXACT variant, whose programs loop over items up to the count the plan wrote: graphs that
+replay such steps are captured with ``capture_exact`` (CUDAGraphRunner's tree graphs, the drafter's
+verify graph); the plain variant stays as it was for every other step. Tokens past the step's real
+count (padding up to a captured size) write their K/V into ``scratch_slot``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+import triton
+import triton.language as tl
+
+from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from specserve.engine.host_copy import host_buffer, host_to_device
+
+MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
+GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens (all captured sizes)
+LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; never split
+LARGE_STEP_TOKENS = 512
+SMALL_PLAN_TOKENS = 32  # steps of at most this many tokens are planned in plain Python
+_LOG2E = 1.4426950408889634
+
+# packed int32 metadata sections: per work item, per split tile (merge), per token
+_ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part", "pstride")
+_MERGE_FIELDS = ("tok", "len", "first", "count")
+# room for exact trees' one-token tiles beyond a step's usual items: 32 tree tokens x 16 key ranges
+# (2048 keys); a step needing more runs its trees as shared tiles (``exact_fallbacks`` counts them)
+EXACT_EXTRA_ITEMS = 512
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K_cache, V_cache, O, PartO, PartLse,
+    item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,  # [items] int32
+    kv_limit, tree_start, tree_bits,  # [tokens] int32, int32, int64
+    counts,  # [2] int32: the step's work items, merges
+    block_table,  # [max_seqs, max_blocks] int32
+    bt_stride, qk_scale,  # qk_scale = softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,  # K and V caches share their layout
+    stride_pi, stride_ph,  # partial outputs: [parts, kv_heads, BLOCK_M, HEAD_DIM]; lse: [parts, kv_heads, BLOCK_M]
+    G: tl.constexpr,  # query heads per KV head
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EXACT: tl.constexpr,  # steps with exact trees: path tiles, and items looped up to the planned count
+):
+    kvh = tl.program_id(1)
+    if EXACT:
+        n_items = tl.load(counts)
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
+                         item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
+                         kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+                         stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True)
+    else:  # (one item a program: the plain kernel, as fast as before exact trees)
+        _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
+                     item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
+                     kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+                     stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False)
+
+
+@triton.jit
+def _path_positions(j, base, bits):
+    """Cache positions of virtual keys ``j``: below ``base`` themselves; ``base + r`` is the tree
+    node of the r-th set bit of ``bits`` (a tree token's ancestors, root first, then itself)."""
+    r = j - base
+    sel = tl.zeros_like(j)
+    seen = tl.zeros_like(base)
+    for b in tl.static_range(64):
+        bit = ((bits >> b) & 1).to(tl.int32)
+        sel = tl.where((r == seen) & (bit != 0), b, sel)
+        seen += bit
+    return tl.where(r >= 0, base + sel, j)
+
+
+@triton.jit
+def _popcount64(bits):
+    n = tl.zeros_like(bits.to(tl.int32))
+    for b in tl.static_range(64):
+        n += ((bits >> b) & 1).to(tl.int32)
+    return n
+
+
+@triton.jit
+def _key_block(j, pos, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, V_cache,
+               block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
+               PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One block of keys ``j`` (read at cache positions ``pos``) into the online softmax."""
+    j_ok = j < hi
+    blk = tl.load(block_table + req * bt_stride + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
+    kv_mask = j_ok[:, None] & d_ok[None, :]
+    k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+
+    jj = j[None, :]
+    shift = tl.minimum(tl.maximum(jj - tstart[:, None], 0), 63).to(tl.int64)
+    in_tree = ((bits[:, None] >> shift) & 1) != 0
+    allowed = (jj < limit[:, None]) & ((jj < tstart[:, None]) | in_tree)
+    s = tl.where(allowed, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_item(
+    item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
+    item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
+    kv_limit, tree_start, tree_bits, block_table, bt_stride, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+    stride_pi, stride_ph,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    n_q = tl.load(item_len + item)
+    req = tl.load(item_req + item).to(tl.int64)
+    t0 = tl.load(item_tok + item)
+    lo = tl.load(item_lo + item)
+    hi = tl.load(item_hi + item)
+    part = tl.load(item_part + item)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_off = rows // G
+    row_ok = q_off < n_q
+    tok = (t0 + q_off).to(tl.int64)
+    head = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    limit = tl.load(kv_limit + tok, mask=row_ok, other=0)
+    tstart = tl.load(tree_start + tok, mask=row_ok, other=0)
+    bits = tl.load(tree_bits + tok, mask=row_ok, other=0)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if EXACT:
+        # one tree token alone in its tile: its keys are the prefix then its path, at consecutive
+        # (virtual) positions, as plain decoding will hold them (module docstring: exact trees).
+        # Blocks wholly below the tree read the cache as they are; the rest map positions through
+        # the path. Two loops without a branch inside, so both stay software-pipelined
+        base = tl.load(tree_start + t0)
+        path_bits = tl.load(tree_bits + t0)
+        mid = hi
+        if (n_q == 1) & (base < tl.load(kv_limit + t0)):
+            limit = tl.zeros_like(limit) + base + _popcount64(path_bits)
+            tstart = limit
+            mid = tl.minimum(tl.maximum(lo + (base - lo) // BLOCK_N * BLOCK_N, lo), hi)
+        for start in range(lo, mid, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
+                                       V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
+                                       d, d_ok, PAGE, DOT_PRECISION)
+        for start in range(mid, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(j, _path_positions(j, base, path_bits), hi, q, m_i, l_i, acc, limit,
+                                       tstart, bits, req, kvh, K_cache, V_cache, block_table, bt_stride, qk_scale,
+                                       stride_kb, stride_ks, stride_kh, d, d_ok, PAGE, DOT_PRECISION)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(j, j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
+                                       V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
+                                       d, d_ok, PAGE, DOT_PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=io_mask & (part < 0))
+    # one of several work items of its tile: partial output + log2-sum-exp for the merge kernel
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    if EXACT:  # pstride > 0: each token's rows go to its own part slots (exact trees merge per token)
+        pstride = tl.load(item_pstride + item)
+        slot = (tl.maximum(part, 0) + q_off * pstride).to(tl.int64)
+        prow = tl.where(pstride > 0, rows - q_off * G, rows)
+        tl.store(PartO + slot[:, None] * stride_pi + kvh * stride_ph + prow[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=io_mask & (part >= 0))
+        tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + prow, lse, mask=row_ok & (part >= 0))
+    else:
+        slot = tl.maximum(part, 0).to(tl.int64)
+        tl.store(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=io_mask & (part >= 0))
+        tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, lse, mask=row_ok & (part >= 0))
+
+
+@triton.jit
+def _merge_kernel(
+    PartO, PartLse, O,
+    merge_tok, merge_len, merge_first, merge_count,  # [split tiles] int32
+    counts,  # [2] int32: the step's work items, merges
+    stride_ot, stride_oh, stride_pi, stride_ph,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    kvh = tl.program_id(1)
+    if EXACT:
+        n_merges = tl.load(counts + 1)
+        for t in range(tl.program_id(0), n_merges, tl.num_programs(0)):
+            _merge_tile(t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
+                        stride_ot, stride_oh, stride_pi, stride_ph, G, BLOCK_M, HEAD_DIM, BLOCK_D)
+    else:
+        _merge_tile(tl.program_id(0), kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
+                    stride_ot, stride_oh, stride_pi, stride_ph, G, BLOCK_M, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _merge_tile(
+    t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
+    stride_ot, stride_oh, stride_pi, stride_ph,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    n_q = tl.load(merge_len + t)
+    t0 = tl.load(merge_tok + t)
+    first = tl.load(merge_first + t)
+    count = tl.load(merge_count + t)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_off = rows // G
+    row_ok = (q_off < n_q) & (count > 0)
+    tok = (t0 + q_off).to(tl.int64)
+    head = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    wsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(0, count):
+        slot = (first + i).to(tl.int64)
+        lse = tl.load(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, mask=row_ok,
+                      other=float("-inf"))
+        o = tl.load(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        wsum = wsum * alpha + w
+        m = m_new
+    out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
+    tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _pack_rows(mask: np.ndarray) -> np.ndarray:
+    """bool [q, q] (q <= 64) -> int64 [q]: bit j of row i set iff mask[i, j]."""
+    q = mask.shape[1]
+    weights = np.left_shift(np.ones(q, dtype=np.uint64), np.arange(q, dtype=np.uint64))
+    return (mask.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64).view(np.int64)
+
+
+def _check_trees(trees: dict, q_lens: list[int]) -> None:
+    for b, tm in trees.items():
+        ql = q_lens[b]
+        if tm.dim() == 1 and tm.dtype == torch.int64 and tm.shape[0] == ql:
+            pass  # rows already packed as bits (spec.tree.tree_fields)
+        elif tuple(tm.shape) != (ql, ql):
+            raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
+        if ql > MAX_TREE_TOKENS:
+            raise ValueError(f"tree of request {b} has {ql} tokens; at most {MAX_TREE_TOKENS} are supported")
+
+
+def _extend(cols: list, first: int, *columns) -> None:
+    """Append rows given column-wise (work items from column 0, merges from column 7)."""
+    for col, vals in zip(cols[first : first + len(columns)], columns):
+        col.extend(vals)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether this launch is being recorded into a CUDA graph (then it must cover any step)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _cdiv(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _default_target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention with persistent metadata buffers (see the module docstring).
+
+    Capacity is fixed at construction: ``max_num_tokens`` tokens and ``max_num_seqs`` requests
+    per step, ``max_blocks_per_seq`` block-table entries per request. ``scratch_slot`` is a
+    cache slot no request owns (the runner reserves one block for it); padded tokens write there.
+    Steps of fewer tokens than ``split_tiles = target_programs / kv_heads`` split each tile's keys
+    into ranges of at least ``min_split_keys`` (``split_kv=False`` turns that off). ``exact_trees``
+    (default on; ``SPECSERVE_EXACT_TREES=0`` turns it off for A/Bs) runs tree tokens as plain decoding
+    of their paths would (module docstring).
+    """
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float, *,
+                 num_heads: int, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
+                 num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
+                 min_split_keys: int | None = None, exact_trees: bool | None = None,
+                 share_tree_prefix: bool | None = None) -> None:
+        super().__init__(kv_caches, block_size, scale)
+        k0 = kv_caches[0][0]
+        num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
+        if page != block_size:
+            raise ValueError(f"cache block size {page} != block_size {block_size}")
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        for kc, vc in kv_caches:
+            if kc.stride() != k0.stride() or vc.stride() != k0.stride() or kc.stride(-1) != 1:
+                raise ValueError("all K/V caches must share one contiguous layout")
+        self.num_heads = num_heads
+        self.group = num_heads // self.num_kv_heads
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.scratch_slot = num_blocks * block_size - 1 if scratch_slot is None else scratch_slot
+        self.block_n = block_n
+        self.num_warps = num_warps
+        # 2 beat Triton's default (3) on the H200 at decode batch 1/16/64 (benchmarks/gpu_decode.py)
+        self.num_stages = num_stages  # None: Triton's default
+        self.device = k0.device
+        dev = self.device
+        self.split_kv = split_kv
+        target = target_programs if target_programs is not None else _default_target_programs(dev)
+        self.split_tiles = max(1, -(-target // self.num_kv_heads))  # split below this many tiles
+        # SPECSERVE_ATTN_MIN_SPLIT_KEYS: for A/Bs of the split-K threshold (a large value: no splits)
+        self.min_split_keys = min_split_keys if min_split_keys is not None else int(
+            os.environ.get("SPECSERVE_ATTN_MIN_SPLIT_KEYS", "128"))
+
+        self.exact_trees = exact_trees if exact_trees is not None else \
+            os.environ.get("SPECSERVE_EXACT_TREES", "1") != "0"
+        self.exact_fallbacks = 0  # steps whose trees ran as shared tiles for want of room
+        # exact trees: the key ranges below a tree read once by tiles of several of its tokens. Off
+        # until measured on the H200 (session 35: exact on CPU; the GPU budget ran out before the
+        # run after its fix); SPECSERVE_EXACT_SHARED_PREFIX=1 turns it on
+        self.share_tree_prefix = share_tree_prefix if share_tree_prefix is not None else \
+            os.environ.get("SPECSERVE_EXACT_SHARED_PREFIX", "0") == "1"
+        self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
+        self.capture_exact = False  # set while graphs that replay steps with trees are captured
+
+        # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more.
+        # Merges: one per split tile or exact tree token, and keys split only below split_tiles tokens
+        extra_items = EXACT_EXTRA_ITEMS if self.exact_trees else 0
+        self.max_items = max_num_tokens + 2 * self.split_tiles + extra_items
+        self.max_parts = 2 * self.split_tiles + extra_items
+        self._sections = [self.max_items] * len(_ITEM_FIELDS) + [self.split_tiles] * len(_MERGE_FIELDS) \
+            + [max_num_tokens] * 2 + [2]
+        self._meta = torch.zeros(sum(self._sections), dtype=torch.int32, device=dev)
+        self._offsets = np.cumsum([0] + self._sections).tolist()
+        views = self._meta.split(self._sections)
+        self._item = dict(zip(_ITEM_FIELDS, views[: len(_ITEM_FIELDS)]))
+        self._merge = dict(zip(_MERGE_FIELDS, views[len(_ITEM_FIELDS) : len(_ITEM_FIELDS) + len(_MERGE_FIELDS)]))
+        self._kv_limit, self._tree_start, self._counts = views[-3:]
+        self._tree_bits = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self._block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self._slots = torch.full((max_num_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
+        self._slots_used = 0  # rows of _slots the last plan wrote (the rest hold the scratch slot)
+        bm = self.block_m_for(1)
+        self._part_o = torch.zeros(self.max_parts, self.num_kv_heads, bm, self.head_dim, dtype=torch.float32,
+                                   device=dev)
+        self._part_lse = torch.zeros(self.max_parts, self.num_kv_heads, bm, dtype=torch.float32, device=dev)
+        self._pin = dev.type == "cuda"
+        self._num_items = 0
+        self._num_merges = 0
+        # entries of the item and merge columns the last plan wrote: a captured launch reads every
+        # item a step of its size may have, so the ones past a plan's own must read as empty (zero)
+        self._items_written = 0
+        self._merges_written = 0
+        self._block_m = bm
+        # set by the graph runner while capturing: the fewest tokens a step replaying this graph has
+        self.graph_min_tokens = 1
+
+    # -- per step ----------------------------------------------------------------------------
+    @property
+    def step_exact(self) -> bool:
+        """The planned step has exact trees: a graph captured without ``capture_exact`` cannot run it."""
+        return self._exact_step
+
+    def block_m_for(self, num_tokens: int) -> int:
+        """Rows per program: a pure function of the step's token count, so a graph captured for a
+        padded size and the plan of any step that replays it agree."""
+        bm = GRAPH_BLOCK_M if num_tokens <= LARGE_STEP_TOKENS else LARGE_BLOCK_M
+        return max(bm, _next_pow2(self.group))
+
+    def can_split(self, num_tokens: int) -> bool:
+        """Steps of fewer tokens than ``split_tiles`` (so fewer tiles too) split their keys."""
+        return (self.split_kv and num_tokens < self.split_tiles
+                and self.block_m_for(num_tokens) == self._part_o.shape[2])
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        q_list, s_list = list(meta.query_lens), list(meta.seq_lens)
+        B = len(q_list)
+        if B == 0 or len(s_list) != B:
+            raise ValueError(f"need one seq_len per request: {B} query_lens, {len(s_list)} seq_lens")
+        if min(q_list) < 1 or any(s < q for s, q in zip(s_list, q_list)):
+            raise ValueError("every request needs query_len >= 1 and seq_len >= query_len")
+        T = sum(q_list)
+        if T > self.max_num_tokens:
+            raise ValueError(f"step has {T} tokens; this backend was sized for {self.max_num_tokens}")
+        if B > self.max_num_seqs:
+            raise ValueError(f"step has {B} requests; this backend was sized for {self.max_num_seqs}")
+        bt = meta.block_tables
+        if bt.shape[0] != B or bt.shape[1] > self.max_blocks_per_seq:
+            raise ValueError(f"block table {tuple(bt.shape)} does not fit {B} requests x {self.max_blocks_per_seq} blocks")
+        if max(s_list) > bt.shape[1] * self.block_size:
+            raise ValueError("a seq_len exceeds its block table")
+        if meta.slot_mapping.shape[0] != T:
+            raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {T} tokens")
+        trees = meta.tree_masks or {}
+        block_m = self.block_m_for(T)
+        # the same work list either way. On the H200's host numpy costs ~0.15 ms a step whatever its
+        # size, plain Python ~0.02 ms plus ~1.5 us per work item (a request's keys split up to five
+        # ways at low batch): 0.02 ms at 1 request, 0.49 ms at 64 (gpu_step_breakdown --profile)
+        _check_trees(trees, q_list)
+        exact = self.exact_trees and bool(trees)
+        shifted = meta.seq_shift is not None
+        while True:
+            if T <= SMALL_PLAN_TOKENS:
+                cols, n_parts = self._work_small(q_list, s_list, T, block_m, trees, exact, shifted)
+            else:
+                cols, n_parts = self._work(np.asarray(q_list, dtype=np.int64), np.asarray(s_list, dtype=np.int64),
+                                           trees, T, block_m, exact, shifted)
+            ni, nm = len(cols[0]), len(cols[len(_ITEM_FIELDS)])
+            if ni <= self.max_items and nm <= self.split_tiles and n_parts <= self.max_parts:
+                break
+            if not exact:
+                raise AssertionError(f"work split out of capacity: {ni} items, {nm} merges")  # a bug, not bad input
+            exact = False  # long keys x many tree tokens: shared tiles (close, not bit for bit)
+            self.exact_fallbacks += 1
+        cols.append([ni, nm])
+        self._exact_step = exact
+        self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
+        if meta.seq_shift is not None:  # lengths known on the device only: every token's limits move
+            shift = meta.seq_shift.to(torch.int32)
+            if B > 1:
+                shift = shift.repeat_interleave(host_to_device(q_list, self._meta.device), output_size=T)
+            self._kv_limit[:T] += shift
+            self._tree_start[:T] += shift
+
+    def _work_small(self, q_lens: list[int], seq_lens: list[int], T: int, block_m: int,
+                    trees: dict | None = None, exact: bool = False,
+                    shifted: bool = False) -> tuple[list[list[int]], int]:
+        """``_work`` for a small step, in plain Python."""
+        bq = block_m // self.group
+        trees = trees or {}
+        kv_limit: list[int] = []
+        tree_start: list[int] = []
+        tiles = []  # (request, first token, tokens, keys of its last token)
+        alone = []  # exact trees: (request, first token, tokens, seq_len)
+        start = 0
+        for b, (q, sl) in enumerate(zip(q_lens, seq_lens)):
+            if b in trees:  # every tree token may see all keys, its bits decide
+                lim = [sl] * q
+                tree_start.extend([sl - q] * q)
+            else:
+                lim = list(range(sl - q + 1, sl + 1))
+                tree_start.extend(lim)
+            kv_limit.extend(lim)
+            if exact and b in trees:
+                alone.append((b, start, q, sl))
+            else:
+                for i in range(0, q, bq):
+                    n = min(bq, q - i)
+                    tiles.append((b, start + i, n, lim[i + n - 1]))
+            start += q
+        split = self.can_split(T)
+        per_tile = -(-self.split_tiles // max(len(tiles), 1))
+        bn, msk = self.block_n, self.min_split_keys
+        cols: list[list[int]] = [[] for _ in range(len(_ITEM_FIELDS) + len(_MERGE_FIELDS))]
+        req, tok, ln, lo, hi, part, pstride, m_tok, m_len, m_first, m_count = cols
+        n_parts = 0
+        for b, t0, n, end in tiles:
+            ns = max(min(per_tile, -(-end // msk)), 1) if split else 1
+            chunk = -(-(-(-end // ns)) // bn) * bn
+            ns = -(-end // chunk)
+            if ns > 1:
+                m_tok.append(t0)
+                m_len.append(n)
+                m_first.append(n_parts)
+                m_count.append(ns)
+            for j in range(ns):
+                req.append(b)
+                tok.append(t0)
+                ln.append(n)
+                lo.append(j * chunk)
+                hi.append(min(j * chunk + chunk, end))
+                part.append(n_parts if ns > 1 else -1)
+                pstride.append(0)
+                n_parts += ns > 1
+        for b, t0, q, sl in alone:
+            n_parts = self._exact_tree(cols, b, t0, q, sl, bq, split, shifted, n_parts)
+        cols += [kv_limit, tree_start]
+        return cols, n_parts
+
+    def _exact_tree(self, cols: list, b: int, t0: int, q: int, sl: int, bq: int, split: bool, shifted: bool,
+                    n_parts: int) -> int:
+        """Work items and merges of request b's tree of q tokens (the first t0) under exact trees: its
+        keys in the ranges a one-token decode step takes (``128 * split_tiles`` keys at most: the
+        split of seq_len, not of the token's own length, is the same 128-key chunks). With
+        ``share_tree_prefix`` ranges wholly below the tree are shared by tiles of ``bq`` tokens; the
+        rest (all, without it) are per token, its path mapped in. Every
+        token merges its own ``C`` partial outputs (part slots ``first + i * C + c``: a shared item
+        writes each of its tokens' rows there, ``pstride = C``). Returns the parts used."""
+        bn, msk = self.block_n, self.min_split_keys
+        ns = max(min(self.split_tiles, -(-sl // msk)), 1) if split else 1
+        chunk = -(-(-(-sl // ns)) // bn) * bn
+        C = -(-sl // chunk)
+        if C == 1:  # one range: each token alone writes its output (a one-range decode step does)
+            _extend(cols, 0, [b] * q, range(t0, t0 + q), [1] * q, [0] * q, [sl] * q, [-1] * q, [0] * q)
+            return n_parts
+        # ranges wholly below the tree; a step planned longer (seq_shift) has its tree up to q keys lower
+        below = max(0, sl - q - (q if shifted else 0)) // chunk if self.share_tree_prefix else 0
+        if below:  # tiles of bq tokens x the ranges below the tree
+            firsts = range(0, q, bq)
+            _extend(cols, 0, [b] * (len(firsts) * below), [t0 + i for i in firsts for _ in range(below)],
+                    [min(bq, q - i) for i in firsts for _ in range(below)],
+                    [c * chunk for c in range(below)] * len(firsts),
+                    [(c + 1) * chunk for c in range(below)] * len(firsts),
+                    [n_parts + i * C + c for i in firsts for c in range(below)], [C] * (len(firsts) * below))
+        tail = C - below  # each token alone x the rest (its path mapped in)
+        _extend(cols, 0, [b] * (q * tail), [t0 + i for i in range(q) for _ in range(tail)], [1] * (q * tail),
+                [c * chunk for c in range(below, C)] * q, [min((c + 1) * chunk, sl) for c in range(below, C)] * q,
+                [n_parts + i * C + c for i in range(q) for c in range(below, C)], [C] * (q * tail))
+        _extend(cols, 7, range(t0, t0 + q), [1] * q, range(n_parts, n_parts + q * C, C), [C] * q)
+        return n_parts + q * C
+
+    def _work(self, q_lens: np.ndarray, seq_lens: np.ndarray, trees: dict, T: int,
+              block_m: int, exact: bool = False, shifted: bool = False) -> tuple[list, int]:
+        """The step's work items (tiles of query tokens x key ranges), merges of split tiles, and
+        per-token key limits, as the fourteen columns of the metadata buffer (counts apart); and the
+        split parts. Exact trees' work comes after every other tile's (``_exact_tree``)."""
+        B = len(q_lens)
+        bq = block_m // self.group
+        starts = np.cumsum(q_lens) - q_lens
+        req_of_tok = np.repeat(np.arange(B), q_lens)
+        idx_in_req = np.arange(T) - starts[req_of_tok]
+        kv_limit = seq_lens[req_of_tok] - q_lens[req_of_tok] + idx_in_req + 1
+        tree_start = kv_limit.copy()
+        for b in trees:
+            ql, sl = int(q_lens[b]), int(seq_lens[b])
+            st = int(starts[b])
+            kv_limit[st : st + ql] = sl
+            tree_start[st : st + ql] = sl - ql
+
+        # tiles: bq consecutive tokens of one request (exact trees' own work apart)
+        alone = np.zeros(B, dtype=bool)
+        if exact:
+            alone[list(trees)] = True
+        n_tiles = np.where(alone, 0, (q_lens + bq - 1) // bq)
+        tile_req = np.repeat(np.arange(B), n_tiles)
+        tile_idx = np.arange(int(n_tiles.sum())) - (np.cumsum(n_tiles) - n_tiles)[tile_req]
+        tile_tok = starts[tile_req] + tile_idx * bq
+        tile_len = np.minimum(bq, q_lens[tile_req] - tile_idx * bq)
+        tile_kv_end = kv_limit[tile_tok + tile_len - 1]  # the tile's last token sees the most keys
+        nt = len(tile_req)
+
+        # work items: split the keys of every tile when there are too few tiles to fill the GPU
+        split = self.can_split(T)
+        n_split = np.ones(nt, dtype=np.int64)
+        if split:
+            per_tile = -(-self.split_tiles // max(nt, 1))
+            n_split = np.clip(np.minimum(per_tile, _cdiv(tile_kv_end, self.min_split_keys)), 1, None)
+        chunk = _cdiv(_cdiv(tile_kv_end, n_split), self.block_n) * self.block_n  # keys per item
+        n_split = _cdiv(tile_kv_end, chunk)
+        item_tile = np.repeat(np.arange(nt), n_split)
+        item_idx = np.arange(len(item_tile)) - (np.cumsum(n_split) - n_split)[item_tile]
+        item_lo = item_idx * chunk[item_tile]
+        item_hi = np.minimum(item_lo + chunk[item_tile], tile_kv_end[item_tile])
+        is_split = n_split[item_tile] > 1
+        item_part = np.full(len(item_tile), -1, dtype=np.int64)
+        item_part[is_split] = np.arange(int(is_split.sum()))
+        merged = np.nonzero(n_split > 1)[0]
+        merge_count = n_split[merged]
+        merge_first = np.cumsum(merge_count) - merge_count
+        cols: list = [tile_req[item_tile], tile_tok[item_tile], tile_len[item_tile], item_lo, item_hi, item_part,
+                      np.zeros(len(item_tile), dtype=np.int64),
+                      tile_tok[merged], tile_len[merged], merge_first, merge_count]
+        n_parts = int(is_split.sum())
+        if alone.any():  # (a few trees of at most 64 tokens: in Python)
+            extra: list[list[int]] = [[] for _ in cols]
+            for b in np.nonzero(alone)[0]:
+                n_parts = self._exact_tree(extra, int(b), int(starts[b]), int(q_lens[b]), int(seq_lens[b]), bq,
+                                           split, shifted, n_parts)
+            cols = [np.concatenate([c, np.asarray(e, dtype=np.int64)]) for c, e in zip(cols, extra)]
+        return cols + [kv_limit, tree_start], n_parts
+
+    def _write(self, cols: list, trees: dict, q_lens: list[int], bt: torch.Tensor, slot_mapping: torch.Tensor,
+               T: int, ni: int, nm: int, block_m: int) -> None:
+        """The planned step into the persistent device buffers (asynchronous copies)."""
+        B = len(q_lens)
+        offs = self._offsets
+        if isinstance(cols[0], list):
+            # the small path's entries alone, with zeros over what the last plan wrote past them:
+            # (index, value) pairs in one copy and a scatter on the device, where the whole buffer
+            # (~270 KB for a target of 8192 tokens) was zeroed, filled and copied every step
+            idx: list[int] = []
+            vals: list[int] = []
+            n_items = len(_ITEM_FIELDS)
+            for f, (o, col) in enumerate(zip(offs, cols)):
+                n = len(col)
+                idx.extend(range(o, o + n))
+                vals.extend(col)
+                stale = (self._items_written if f < n_items else
+                         self._merges_written if f < n_items + len(_MERGE_FIELDS) else 0)
+                if stale > n:
+                    idx.extend(range(o + n, o + stale))
+                    vals.extend([0] * (stale - n))
+            both = host_to_device(idx + vals, self._meta.device)
+            self._meta.index_copy_(0, both[: len(idx)], both[len(idx) :].to(torch.int32))
+        else:  # the whole buffer, zeros past every column's entries
+            h, host = host_buffer(sum(self._sections), torch.int32, self._meta.device)
+            for i, col in enumerate(cols):
+                h[offs[i] : offs[i] + len(col)] = col
+            self._meta.copy_(host, non_blocking=True)
+        self._items_written, self._merges_written = ni, nm
+
+        # tree bits: only tokens of tree requests read theirs, so stale entries elsewhere are harmless
+        if trees:
+            starts = np.cumsum([0] + q_lens[:-1])
+            on_host = all(tm.device.type == "cpu" for tm in trees.values())
+            if on_host:  # every tree's rows in one host buffer, one copy
+                hb, host_bits = host_buffer(T, torch.int64, self._meta.device)
+            for b, tm in trees.items():
+                ql, s = int(q_lens[b]), int(starts[b])
+                if tm.dim() == 1:  # packed already
+                    if on_host:
+                        hb[s : s + ql] = tm.numpy()
+                    else:
+                        self._tree_bits[s : s + ql].copy_(tm, non_blocking=True)
+                    continue
+                if on_host:
+                    hb[s : s + ql] = _pack_rows(tm.numpy().astype(bool))
+                    continue
+                weights = torch.ones(ql, dtype=torch.int64, device=tm.device).bitwise_left_shift_(
+                    torch.arange(ql, dtype=torch.int64, device=tm.device))
+                self._tree_bits[s : s + ql].copy_((tm.to(torch.int64) * weights).sum(-1), non_blocking=True)
+            if on_host:
+                self._tree_bits[:T].copy_(host_bits, non_blocking=True)
+
+        self._block_table[:B, : bt.shape[1]].copy_(bt, non_blocking=True)
+        self._slots[:T].copy_(slot_mapping, non_blocking=True)
+        if T < self._slots_used:  # padding rows write to the scratch slot (past T: scratch already)
+            self._slots[T : self._slots_used].fill_(self.scratch_slot)
+        self._slots_used = T
+        self._num_items = ni
+        self._num_merges = nm
+        self._block_m = block_m
+
+    # -- per layer ---------------------------------------------------------------------------
+    def _graph_grid(self, n: int) -> tuple[int, int]:
+        """Programs (work items, merges) of a launch captured for n tokens: every item and merge a
+        step of that size has without exact trees (with them, the EXACT programs loop for more)."""
+        may_split = self.can_split(self.graph_min_tokens)
+        n_items = min(self.max_items, n + 2 * self.split_tiles) if may_split else n
+        return n_items, (self.split_tiles if may_split else 0)
+
+    @property
+    def supports_fused_rope(self) -> bool:  # type: ignore[override]
+        return self.device.type == "cuda"
+
+    def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        from specserve.models.triton_ops import rope_and_cache
+
+        kv = self.kv_caches[layer]
+        if qkv.dtype != kv[0].dtype:  # the kernel stores k, v as they are: rotary and write apart
+            if positions is not None:
+                raise ValueError(f"the draft rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
+            from specserve.models.layers import rotary_qkv
+
+            return self.forward(layer, *rotary_qkv(qkv, cos, sin, num_heads, self.num_kv_heads, self.head_dim))
+        q = rope_and_cache(qkv, cos, sin, kv, self._slots[: qkv.shape[0]], num_heads, self.num_kv_heads,
+                           self.head_dim, positions)
+        return self._attend(layer, q)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        write_kv(self.kv_caches[layer], self._slots[:n], k, v)
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [T, H, D] over the cache, this step's K/V already written."""
+        k_cache, v_cache = self.kv_caches[layer]
+        n = q.shape[0]
+        if q.dtype != k_cache.dtype:
+            q = q.to(k_cache.dtype)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        # captured launches cover every work item a step of n tokens can have; eager ones the planned
+        if _capturing(q):
+            exact = self.capture_exact
+            n_items, n_merges = self._graph_grid(n)
+        else:
+            exact = self._exact_step
+            n_items, n_merges = self._num_items, self._num_merges
+        it, po, pl = self._item, self._part_o, self._part_lse
+        block_d = max(16, _next_pow2(self.head_dim))
+        extra = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        _paged_attention_kernel[(n_items, self.num_kv_heads)](
+            q, k_cache, v_cache, out, po, pl,
+            it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"], it["pstride"],
+            self._kv_limit, self._tree_start, self._tree_bits, self._counts,
+            self._block_table, self._block_table.stride(0), self.scale * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            po.stride(0), po.stride(1),
+            G=self.group, BLOCK_M=self._block_m, BLOCK_N=self.block_n,
+            HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=exact,
+            num_warps=self.num_warps, **extra,
+        )
+        if n_merges:
+            mg = self._merge
+            _merge_kernel[(n_merges, self.num_kv_heads)](
+                po, pl, out, mg["tok"], mg["len"], mg["first"], mg["count"], self._counts,
+                out.stride(0), out.stride(1), po.stride(0), po.stride(1),
+                G=self.group, BLOCK_M=self._block_m, HEAD_DIM=self.head_dim, BLOCK_D=block_d, EXACT=exact,
+                num_warps=4,
+            )
+        return out
+
+
+def max_blocks_per_seq(max_model_len: int, block_size: int, num_blocks: int) -> int:
+    return min(num_blocks, math.ceil(max_model_len / block_size))
+
+
+class TritonDecodeAttention(AttentionBackend):
+    """One query token per request, with all metadata on the device: the draft loop's attention.
+
+    ``set_step(slots, seq_lens)`` takes device tensors (computed inside a captured graph, e.g.
+    from base positions + the step index), so nothing is planned on the host. Request b's token
+    writes its K/V at ``slots[b]`` and attends to the first ``seq_lens[b]`` keys of row b of
+    ``block_tables`` (a static [max_seqs, max_blocks] int64 buffer the caller fills). Keys are
+    not split over programs: one program per (request, KV head), enough for a one-layer head.
+    """
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float, *,
+                 num_heads: int, block_tables: torch.Tensor, block_n: int = 64, num_warps: int = 4) -> None:
+        super().__init__(kv_caches, block_size, scale)
+        k0 = kv_caches[0][0]
+        _, page, self.num_kv_heads, self.head_dim = k0.shape
+        if page != block_size:
+            raise ValueError(f"cache block size {page} != block_size {block_size}")
+        self.num_heads = num_heads
+        self.group = num_heads // self.num_kv_heads
+        self.block_tables = block_tables
+        self.block_n = block_n
+        self.num_warps = num_warps
+        dev = k0.device
+        n = block_tables.shape[0]
+        self._arange = torch.arange(n, dtype=torch.int32, device=dev)
+        self._ones = torch.ones(n, dtype=torch.int32, device=dev)
+        self._zeros = torch.zeros(n, dtype=torch.int32, device=dev)
+        self._no_part = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self._no_bits = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._dummy = torch.zeros(1, dtype=torch.float32, device=dev)  # partial outputs: never written
+        self._slots: torch.Tensor | None = None
+        self._seq32: torch.Tensor | None = None
+
+    def plan(self, meta: AttentionMetadata) -> None:  # pragma: no cover - the interface's host path
+        raise NotImplementedError("TritonDecodeAttention takes device metadata through set_step()")
+
+    def set_step(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_kv: int | None = None) -> None:
+        self._slots = slots
+        self._seq32 = seq_lens.to(torch.int32)
+
+    @property
+    def supports_fused_rope(self) -> bool:  # type: ignore[override]
+        return self.kv_caches[0][0].is_cuda
+
+    def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        from specserve.models.triton_ops import rope_and_cache
+
+        assert self._slots is not None and self._seq32 is not None, "set_step() first"
+        kv = self.kv_caches[layer]
+        if qkv.dtype != kv[0].dtype:
+            raise ValueError(f"the fused rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
+        q = rope_and_cache(qkv, cos, sin, kv, self._slots, num_heads, self.num_kv_heads, self.head_dim, positions)
+        return self._attend(layer, q)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self._slots is not None and self._seq32 is not None, "set_step() first"
+        write_kv(self.kv_caches[layer], self._slots, k, v)
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, H, D] over the cache, this step's K/V already written."""
+        k_cache, v_cache = self.kv_caches[layer]
+        n = q.shape[0]
+        if q.dtype != k_cache.dtype:
+            q = q.to(k_cache.dtype)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        seq, bt = self._seq32, self.block_tables
+        block_d = max(16, _next_pow2(self.head_dim))
+        _paged_attention_kernel[(n, self.num_kv_heads)](
+            q, k_cache, v_cache, out, self._dummy, self._dummy,
+            self._arange, self._arange, self._ones, self._zeros, seq, self._no_part, self._zeros,
+            seq, seq, self._no_bits, self._zeros,  # (counts: read by the EXACT variant only)
+            bt, bt.stride(0), self.scale * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            0, 0,
+            G=self.group, BLOCK_M=max(GRAPH_BLOCK_M, _next_pow2(self.group)), BLOCK_N=self.block_n,
+            HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=False,
+            num_warps=self.num_warps, num_stages=2,
+        )
+        return out
