@@ -5,6 +5,7 @@
 # 2) the attention tests and the GPU graph tests on the H200; 3) parity and C = 1 per mode
 # (gpu_exact_trees.sh: exact + shared prefix (default), exact, shared tiles). Merge the branch if 1) shows
 # the exact rows near shared tiles' at 100 keys, 2) passes and 3) holds 50/50.
+# (62218cc's backend, the baseline: git show 62218cc:specserve/attention/triton_backend.py > benchmarks/results/gpu_session36/triton_backend_62218cc.py)
 export PYTHONPATH=/tmp/site:$PWD
 R=$OUT/r; mkdir -p $R
 timeout 200 python3 benchmarks/gpu_tree_attention.py --seq-lens 100,300,500,1000,2000 \

@@ -1,6 +1,8 @@
 #!/bin/bash
 # Session 37, after staging, on branch exact-path-table rebased on main (ept37): the path-table kernel's
 # attention alone beside 62218cc's (gpu_tree_attention.py), the tree attention tests, the GPU graph tests.
+# The A/B baseline (62218cc's backend) travelled as a file, the device has no git; to recreate it:
+#   git show 62218cc:specserve/attention/triton_backend.py > benchmarks/results/gpu_session36/triton_backend_62218cc.py
 export PYTHONPATH=/tmp/site:$PWD
 R=$OUT/r1; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > $R/gpu.txt 2>&1
