@@ -8,6 +8,7 @@ the most own time, and the garbage collector's time per step (the engines are fr
 warm, as the server freezes its engine; ``--no-gc-freeze`` leaves them in it).
 
     python benchmarks/host_overhead.py --concurrency 256 --output-file benchmarks/results/host_overhead.json
+    python benchmarks/host_overhead.py --device cuda --concurrency 16 --configs nospec,spec_off --torch-profile ...
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="cProfile's order")
     ap.add_argument("--filter", default="", help="a regular expression the listed functions' file:line(name) match "
                     "(e.g. 'specserve/': the engine's own, by cumulative time)")
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="also trace one more pass per engine with torch.profiler (device kernels too on CUDA): "
+                         "ops and kernels per step, and where the engines' counts differ from the first one's")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the engines in reach of full garbage collections (the server freezes them)")
     ap.add_argument("--output-file", required=True)
@@ -197,8 +201,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps, tok/s "
               f"{result['configs'][n]['tok_s_over_first']:.3f}x {names[0]}; "
               f"collector ms/step per round (gen 0, 1, 2): {gc_ms[n]}", flush=True)
+    if args.torch_profile:
+        traced = {n: torch_ops_per_step(engines[n], prompts, args.concurrency, lens, args.device) for n in names}
+        for n in names:
+            result["configs"][n]["torch_ops_per_step"] = traced[n]
+        result["torch_ops_differing"] = differing_ops(traced, names[0], args.top)
+        for n, rows in result["torch_ops_differing"].items():
+            print(f"torch.profiler, {n} against {names[0]} (calls / self CPU us / device us per step):", flush=True)
+            for r in rows:
+                print(f"  {r['name'][:70]:70s} {r['calls']:+7.2f} {r['cpu_us']:+8.1f} {r['device_us']:+8.1f}")
     write_json(args.output_file, result)
     return result
+
+
+def torch_ops_per_step(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int],
+                       device: str) -> dict[str, dict[str, float]]:
+    """Per op or kernel name (torch.profiler's key averages over one closed-loop pass): calls, self CPU
+    microseconds and self device microseconds, per engine step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        _, steps = serve(llm, prompts, concurrency, lens)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    out: dict[str, dict[str, float]] = {}
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:  # older torch
+            dev = getattr(e, "self_cuda_time_total", 0.0)
+        out[e.key] = {"calls": round(e.count / steps, 3), "cpu_us": round(e.self_cpu_time_total / steps, 2),
+                      "device_us": round(dev / steps, 2)}
+    return out
+
+
+def differing_ops(traced: dict[str, dict[str, dict[str, float]]], first: str, top: int) -> dict[str, list[dict]]:
+    """Per engine after the first: the ops whose calls per step differ most from the first engine's (then
+    self CPU time), as differences."""
+    out: dict[str, list[dict]] = {}
+    zero = {"calls": 0.0, "cpu_us": 0.0, "device_us": 0.0}
+    for n, ops in traced.items():
+        if n == first:
+            continue
+        rows = []
+        for name in set(ops) | set(traced[first]):
+            a, b = ops.get(name, zero), traced[first].get(name, zero)
+            rows.append({"name": name, **{k: round(a[k] - b[k], 2) for k in zero}})
+        rows.sort(key=lambda r: (abs(r["calls"]) >= 0.5, abs(r["cpu_us"])), reverse=True)
+        out[n] = rows[:top]
+    return out
 
 
 if __name__ == "__main__":

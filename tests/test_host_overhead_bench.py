@@ -23,3 +23,19 @@ def test_host_overhead_times_and_profiles_every_engine(tmp_path):
     assert res["configs"]["nospec"]["over_first"] == 1.0
     # static chain 1 drafts: fewer engine steps than plain decoding for the same tokens, or as many
     assert res["configs"]["static_chain1"]["engine_steps"] <= res["configs"]["nospec"]["engine_steps"]
+
+
+def test_torch_profile_lists_the_ops_a_drafting_engine_adds(tmp_path):
+    res = host_overhead.main(["--concurrency", "2", "--requests", "4", "--max-tokens", "4", "--rounds", "1",
+                              "--top", "40", "--configs", "nospec,static_chain1", "--torch-profile",
+                              "--output-file", str(tmp_path / "h.json")])
+    plain = res["configs"]["nospec"]["torch_ops_per_step"]
+    chain = res["configs"]["static_chain1"]["torch_ops_per_step"]
+    # a chain-1 engine runs the head every step as well: more ops per step than plain decoding
+    assert sum(v["calls"] for v in chain.values()) > sum(v["calls"] for v in plain.values()) > 0
+    rows = res["torch_ops_differing"]["static_chain1"]
+    assert 0 < len(rows) <= 40
+    for r in rows:  # each row is the difference of the two tables
+        a = chain.get(r["name"], {}).get("calls", 0.0)
+        b = plain.get(r["name"], {}).get("calls", 0.0)
+        assert abs(r["calls"] - (a - b)) < 0.02, r
