@@ -43,7 +43,6 @@ Writes --output-dir/adaptive.json, adaptive.md, adaptive_sweep.png, adaptive_ram
 from __future__ import annotations
 
 import argparse
-import ast
 import bisect
 import json
 import os
@@ -58,7 +57,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import OtherCpu, chat_prompt_ids, run_metadata, wait_for_quiet, write_json  # noqa: E402
+from common import parse_variant, OtherCpu, chat_prompt_ids, run_metadata, wait_for_quiet, write_json  # noqa: E402
 from cycle_log import CycleLog  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
@@ -83,15 +82,7 @@ def configs(args: argparse.Namespace, variant_names: list[str] = ()) -> dict[str
 
 def variant(spec: str) -> tuple[str, dict[str, Any]]:
     """``NAME:FIELD=VALUE[,FIELD=VALUE]`` -> ("adaptive_NAME", {field path under the controller: value})."""
-    name, sep, rest = spec.partition(":")
-    if not sep or not name or not rest:
-        raise ValueError(f"--variant wants NAME:FIELD=VALUE[,FIELD=VALUE], got {spec!r}")
-    fields = {}
-    for item in rest.split(","):
-        path, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"--variant: {item!r} is not FIELD=VALUE")
-        fields[path.strip()] = ast.literal_eval(value.strip())
+    name, fields = parse_variant(spec)
     return f"adaptive_{name}", fields
 
 

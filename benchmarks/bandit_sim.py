@@ -26,7 +26,6 @@ measured runs (BENCHMARKS.md): the CPU at C = 16 where depth 1 paid only 3 % (se
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 import os
 import statistics
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import run_metadata, write_json  # noqa: E402
+from common import parse_variant, run_metadata, write_json  # noqa: E402
 
 from specserve.spec.bandit import GoodputBandit, batch_key  # noqa: E402
 
@@ -126,16 +125,12 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
     while clock < sc.seconds:
         behind = int(lag.sum())
         switch_s = sc.catch_per_token * behind
-        visit = bandit.visits.get(key, 0)
-        chosen = bandit.chosen.get(key)
-        full = (chosen is None or bandit.second_cycle_due(key) or visit % full_every == full_every - 1
-                or bandit.explores_at(key, visit))
         exploring = False
-        if full:
+        if bandit.full_decision_due(key, full_every):  # as SpecController.quick_arm decides
             arm, exploring = bandit.choose(key, priors, sc.batch, switch_s)
-        else:
-            arm = chosen
-            bandit.visits[key] = visit + 1
+        else:  # the pick kept
+            arm = bandit.chosen[key]
+            bandit.visits[key] += 1
         pick = bandit.chosen.get(key)
         switches += last_pick is not None and pick != last_pick
         last_pick = pick
@@ -147,7 +142,7 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
             seconds *= sc.pause_x
         caught_up = arm > 0 and behind > 0
         if caught_up:
-            seconds += sc.catch_per_token * behind
+            seconds += switch_s
         lag = np.zeros_like(lag) if arm else lag + per_req
         age += per_req
         done = age >= life
@@ -166,7 +161,7 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
         # expected seconds lost against the best depth for these expected tokens, by cause
         lost = (true_s[arm] - sc.batch * sc.tokens_per_request(arm) / best_raw) * inflate
         loss["exploring" if exploring else "exploiting"] += lost
-        loss["catch_up"] += sc.catch_per_token * behind if caught_up else 0.0
+        loss["catch_up"] += switch_s if caught_up else 0.0
     n = sum(counts)
     return {"ratio": tokens_total / clock / best, "share": [c / n for c in counts], "switches": switches,
             "cycles": n, "lost": {k: v / clock for k, v in loss.items()}}
@@ -184,18 +179,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "cycles": round(statistics.fmean(x["cycles"] for x in runs))}
 
 
-def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """NAME:FIELD=VALUE[,FIELD=VALUE] over GoodputBandit's fields (or scenario fields as s.FIELD)."""
-    name, _, rest = spec.partition(":")
-    if not name or not rest:
-        raise ValueError(f"--variant wants NAME:FIELD=VALUE[,FIELD=VALUE], got {spec!r}")
+def bandit_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``--variant`` over GoodputBandit's fields (or scenario fields as s.FIELD)."""
+    name, out = parse_variant(spec)
     known = {f.name for f in fields(GoodputBandit)} | {f"s.{f.name}" for f in fields(Scenario)}
-    out: dict[str, Any] = {}
-    for item in rest.split(","):
-        k, eq, v = item.partition("=")
-        if not eq or k not in known:
-            raise ValueError(f"--variant: {item!r} is not FIELD=VALUE of a GoodputBandit (or s.<scenario> field)")
-        out[k] = ast.literal_eval(v)
+    bad = [k for k in out if k not in known]
+    if bad:
+        raise ValueError(f"--variant: {bad} are not fields of a GoodputBandit (or s.<scenario field>)")
     return name, out
 
 
@@ -215,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = {"default": {}}
     for spec in args.variant:
         try:
-            name, vals = parse_variant(spec)
+            name, vals = bandit_variant(spec)
         except (ValueError, SyntaxError) as e:
             ap.error(str(e))
         if name in variants:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import datetime
 import json
 import os
@@ -164,6 +165,21 @@ def device_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / reps
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME:FIELD=VALUE[,FIELD=VALUE]`` (a benchmark's ``--variant``) -> (NAME, {FIELD: value}); values
+    are Python literals."""
+    name, sep, rest = spec.partition(":")
+    if not sep or not name or not rest:
+        raise ValueError(f"--variant wants NAME:FIELD=VALUE[,FIELD=VALUE], got {spec!r}")
+    fields = {}
+    for item in rest.split(","):
+        path, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--variant: {item!r} is not FIELD=VALUE")
+        fields[path.strip()] = ast.literal_eval(value.strip())
+    return name, fields
 
 
 def write_json(path: str, result: dict[str, Any]) -> None:

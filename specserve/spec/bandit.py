@@ -387,6 +387,13 @@ class GoodputBandit:
                 return alt, True
         return best, False
 
+    def full_decision_due(self, key: int, every: int) -> bool:
+        """Whether the next decision in bucket ``key`` must weigh the arms (``choose``) rather than keep the
+        pick: none yet, an exploration's second cycle, an exploration turn, or every ``every``-th decision."""
+        visit = self.visits.get(key, 0)
+        return (key not in self.chosen or key in self._explore_again or visit % every == every - 1
+                or self.explores_at(key, visit))
+
     def second_cycle_due(self, key: int) -> bool:
         """Whether ``choose``'s next decision in bucket ``key`` is an exploration's second cycle (its
         depth known already: the first one's)."""

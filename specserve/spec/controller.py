@@ -325,14 +325,11 @@ class SpecController:
             return None
         b = self.bandit
         key = batch_key(batch)
-        visit = b.visits.get(key, 0)
-        arm = b.chosen.get(key)
-        every = self.full_decision_every()
-        if arm is None or key in b._explore_again or visit % every == every - 1 or b.explores_at(key, visit):
+        if b.full_decision_due(key, self.full_decision_every()):
             return None
-        b.visits[key] = visit + 1
+        b.visits[key] = b.visits.get(key, 0) + 1
         self._quick_key = key
-        return arm
+        return b.chosen[key]
 
     def note_launched_early(self, n: int) -> None:
         """``n`` requests of the cycle just decided took drafts launched before the sync (observability:
