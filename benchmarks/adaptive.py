@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import json
 import os
 import random
@@ -195,6 +196,11 @@ def spec_snapshot(llm: LLM) -> dict[str, Any]:
     if ctl is not None:
         snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions,
                     finish_catch_ups=getattr(llm.engine.drafter, "finish_catch_ups", 0))
+    # which code path each step took (fused or not and why, graph or eager): where engines' cycles differ
+    paths: collections.Counter[str] = collections.Counter()
+    for part in (getattr(llm.engine, "runner", None), llm.engine.drafter):  # (a test's fake engine has none)
+        paths.update(getattr(part, "path_counts", {}))
+    snap["path_counts"] = dict(paths)
     return snap
 
 
@@ -216,6 +222,8 @@ def spec_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     for key in ("switches", "k_changes", "explorations", "decisions", "finish_catch_ups"):
         if key in after:
             out[key] = after[key] - before[key]
+    paths = {k: v - before["path_counts"].get(k, 0) for k, v in after["path_counts"].items()}
+    out["path_counts"] = {k: v for k, v in sorted(paths.items()) if v}
     return out
 
 

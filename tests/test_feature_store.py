@@ -43,7 +43,8 @@ def reference(model: str, head: str, tokens: list[int]) -> torch.Tensor:
     llm = spec_llm(model, head, speculative_policy="threshold", speculative_disable_batch_threshold=0)
     runner = llm.engine.runner
     forward, outs = runner.forward, []
-    runner.forward = lambda inputs: (outs.append(forward(inputs)), outs[-1])[1]
+    # (copies always: the outputs are read after the step)
+    runner.forward = lambda inputs, copy=True: (outs.append(forward(inputs)), outs[-1])[1]
     llm.engine.add_request("ref", tokens, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     llm.engine.step()
     return outs[0][1][: len(tokens)]

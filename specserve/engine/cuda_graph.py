@@ -187,9 +187,11 @@ class CUDAGraphRunner:
             log.info("captured %d CUDA graphs for steps with exact trees (up to %d tokens) in %.2fs using %.1f MiB",
                      len(sizes), sizes[-1], secs, nbytes / 2**20)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The forward of this step's T tokens (T <= max_size), as fresh tensors of T rows."""
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               copy: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The forward of this step's T tokens (T <= max_size), as fresh tensors of T rows; with
+        ``copy`` False, views of the graph's output memory, which the next replay overwrites (for a
+        caller that queues every read of them before it: a copy is a launch and an allocation)."""
         if not self.is_current:
             if self.graphs:
                 log.info("model outputs changed since capture (aux hidden layers): re-capturing CUDA graphs")
@@ -208,7 +210,8 @@ class CUDAGraphRunner:
         self.positions[:T].copy_(positions)
         graphs[n].replay()
         out = outputs[n]
-        # clone: the next replay overwrites the graph's output memory (callers keep features)
+        if not copy:
+            return tuple(o[:T] for o in out) if isinstance(out, tuple) else out[:T]
         if isinstance(out, tuple):
             return tuple(o[:T].clone() for o in out)
         return out[:T].clone()

@@ -242,12 +242,13 @@ class ModelRunner:
 
     # -- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inputs: StepInputs, copy: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H], or (hidden, aux) when EAGLE-3 aux layers are set: a CUDA graph replay when
-        one fits the step's token count, else an eager forward."""
+        one fits the step's token count, else an eager forward. ``copy`` False: a replay's outputs
+        may be the graph's own memory, valid until the next replay (CUDAGraphRunner.replay)."""
         if self.graphs is not None and self.graphs.fits(inputs.input_ids.shape[0]):
             eager_before = self.graphs.eager_tree_steps  # (a step with exact trees past their graphs)
-            out = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)
+            out = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta, copy)
             self.path_counts["target:graph" if self.graphs.eager_tree_steps == eager_before else "target:eager"] += 1
             return out  # type: ignore[return-value]
         self.path_counts["target:eager"] += 1
@@ -259,7 +260,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> CommitResult:
         """Plain decode / prefill step (no drafts): one sampled token per finishing request."""
         inputs = self.prepare(plan)
-        hidden = self.forward(inputs)
+        hidden = self.forward(inputs, copy=False)  # sampled from right away
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         return self.sample(plan, inputs, hidden)

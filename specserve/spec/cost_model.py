@@ -90,8 +90,11 @@ class Curve:
     _table: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     _pxy: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     # (median, count) per bucket with samples: an observation changes one bucket's, so a table
-    # rebuild (after every observed step, when predicted) does not take every bucket's median anew
+    # rebuild (after every observed step, when predicted) does not take every bucket's median anew;
+    # buckets observed since the last rebuild are taken again then (an engine observes every step
+    # and predicts far less often)
     _med: dict[int, tuple[float, int]] | None = field(default=None, repr=False)
+    _stale_med: set[int] = field(default_factory=set, repr=False)
     # the table and the profile as lists, for one-point predictions (_interp1)
     _tlist: list[float] = field(default_factory=list, repr=False)
     _tlist_y: list[float] = field(default_factory=list, repr=False)
@@ -101,6 +104,11 @@ class Curve:
     def _medians(self) -> dict[int, tuple[float, int]]:
         if self._med is None:
             self._med = {g: (median(s), len(s)) for g, s in self.samples.items() if s}
+        elif self._stale_med:
+            for g in self._stale_med:
+                s = self.samples[g]
+                self._med[g] = (median(s), len(s))
+        self._stale_med.clear()
         return self._med
 
     def observed(self, g: int) -> float | None:
@@ -183,7 +191,7 @@ class Curve:
         s.append(seconds)
         self.measured = self.measured or len(s) >= self.min_samples
         if self._med is not None:
-            self._med[g] = (median(s), len(s))
+            self._stale_med.add(g)
         self._table = None
 
 

@@ -616,7 +616,8 @@ class EagleSpeculator:
         else:
             inputs = self.runner.prepare(plan)
             pending, pending_rows, tree_extra = self._fill_drafts(plan, inputs) if drafted else ([], None, None)
-            out = self.runner.forward(inputs)
+            # a plain step reads its outputs at once (features kept, then sampled): no copies
+            out = self.runner.forward(inputs, copy=drafted)
         # launched: on a GPU the last cycle's bookkeeping runs while the device computes (a CPU forward
         # has returned by now, and it costs what it would have anyway)
         self.controller.flush()
@@ -625,8 +626,8 @@ class EagleSpeculator:
             # nobody drafted (speculation off, prefill): the target features of every computed token
             # are kept for the head's catch-up, before the sampler's host sync (on a GPU this runs
             # while the device computes), then the plain-decode sampler.
-            # The runner's outputs are the step's own tensors (a graph replay returns copies of its
-            # output buffers), so every row (one per computed token: no drafts) is kept as it is
+            # Every row (one per computed token: no drafts) is kept as it is, queued before any other
+            # replay can overwrite the graph's outputs
             T = inputs.input_ids.shape[0]
             self._keep_all_features(plan, feats[:T], inputs.meta.slot_mapping)
             result = self.runner.sample(plan, inputs, hidden)
