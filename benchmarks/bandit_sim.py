@@ -64,6 +64,10 @@ class Scenario:
     pause_p: float = 0.003  # share of cycles hit by a pause of the machine ...
     pause_x: float = 4.0  # ... that many times their time
     seconds: float = 60.0  # of the measured window (each engine's own clock in adaptive.py)
+    # requests differ: each one's acceptance rates are alpha x a factor drawn for it (lognormal, this
+    # sigma; rates capped at 0.95), so that cycles of one request (C = 1: ~50 cycles each) accept more
+    # or less than the mean together (0: every request alike)
+    request_spread: float = 0.0
 
     def tokens_per_request(self, d: int) -> float:
         return 1.0 + sum(math.prod(self.alpha[:j]) for j in range(1, d + 1))
@@ -93,6 +97,12 @@ SCENARIOS = {
         # plain cycles; 20 s of it here (~9,000 cycles) to keep the run short
         Scenario("gpu_c1", 1, 0.0013, (1.0, 1.45, 1.75, 1.95, 2.08, 2.15), alpha=(0.75, 0.72, 0.7, 0.68, 0.66),
                  time_cv=0.1, catch_per_token=2e-5, seconds=20.0),
+        # session 38's H200 sweep (16-s points): chain 3 2.06x / 1.90x none, chain 5 2.20x / 1.96x at C = 1 / 4
+        # (depths 1, 2, 4 in between by guess), accept lengths 2.18 / 2.39 at chains 3 / 5
+        Scenario("gpu_c1_s38", 1, 0.00136, (1.0, 1.55, 1.85, 2.06, 2.15, 2.20),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=16.0),
+        Scenario("gpu_c4_s38", 4, 0.00152, (1.0, 1.40, 1.70, 1.90, 1.94, 1.96),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=16.0),
     ]
 }
 
@@ -103,21 +113,33 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
     bandit = GoodputBandit(**bandit_fields)
     K = len(sc.ratio) - 1
     key = batch_key(sc.batch)
-    true_s = [sc.cycle_s(d) for d in range(K + 1)]
+    true_s = [sc.cycle_s(d) for d in range(K + 1)]  # (a cycle's time does not depend on who drafts)
     pred_s = [t * float(np.exp(rng.normal(0.0, sc.prior_error))) for t in true_s]
-    priors = {d: (sc.batch * sc.tokens_per_request(d), pred_s[d]) for d in range(K + 1)}
     alpha = np.asarray(sc.alpha[:K]) if K else np.zeros(0)
+
+    def rates(n: int, g: np.random.Generator) -> np.ndarray:  # per-position acceptance of n new requests
+        f = np.exp(g.normal(0.0, sc.request_spread, (n, 1))) if sc.request_spread > 0 else np.ones((n, 1))
+        return np.minimum(alpha[None, :] * f, 0.95)
+
+    # tokens a request commits per cycle at each depth, over the requests' spread: a request's life is
+    # its tokens, so one that accepts less runs more cycles, and a cycle's tokens average harmonically
+    tpr = [sc.tokens_per_request(d) for d in range(K + 1)]
+    if sc.request_spread > 0 and K:
+        cum = np.cumprod(rates(100_000, np.random.default_rng(12345)), axis=1)
+        tpr = [1.0 / float(np.mean(1.0 / (1.0 + cum[:, :d].sum(axis=1)))) for d in range(K + 1)]
+    priors = {d: (sc.batch * tpr[d], pred_s[d]) for d in range(K + 1)}
     shape = 1.0 / sc.time_cv**2
     # closed loop: a finished request's successor takes its place. lag: tokens the head has not
     # passed over (a new request's prompt, then what plain cycles committed), caught up before drafting
     life = rng.integers(sc.output_len // 2, sc.output_len * 3 // 2 + 1, sc.batch)
+    req_alpha = rates(sc.batch, rng)
     age = (rng.random(sc.batch) * life).astype(np.int64)
     lag = np.zeros(sc.batch, dtype=np.int64)
     clock = tokens_total = 0.0
     counts = [0] * (K + 1)
     # every configuration pays the pauses: the best depth's goodput with them
     inflate = 1 + sc.pause_p * (sc.pause_x - 1)
-    best_raw = max(sc.goodput(d) for d in range(K + 1))
+    best_raw = max(sc.batch * tpr[d] / true_s[d] for d in range(K + 1))
     best = best_raw / inflate
     loss = {"exploring": 0.0, "exploiting": 0.0, "catch_up": 0.0}
     switches = 0
@@ -135,7 +157,7 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
         switches += last_pick is not None and pick != last_pick
         last_pick = pick
         # the cycle's outcome
-        per_req = 1 + np.cumprod(rng.random((sc.batch, arm)) < alpha[:arm], axis=1).sum(axis=1)  # arm 0: ones
+        per_req = 1 + np.cumprod(rng.random((sc.batch, arm)) < req_alpha[:, :arm], axis=1).sum(axis=1)  # arm 0: ones
         tokens = float(np.sum(per_req))
         seconds = true_s[arm] * rng.gamma(shape, 1.0 / shape)
         if rng.random() < sc.pause_p:
@@ -149,17 +171,20 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
         if done.any():
             n = int(done.sum())
             life[done] = rng.integers(sc.output_len // 2, sc.output_len * 3 // 2 + 1, n)
+            req_alpha[done] = rates(n, rng)
             age[done] = 0
             lag[done] = 0 if arm else sc.prompt_len
         if caught_up:
             bandit.charge(key, arm, tokens, seconds)
-        else:
-            bandit.observe(key, arm, priors[arm][1], tokens, seconds, sc.batch)
+        else:  # with what each shallower depth would have committed on the same drafts
+            acc = per_req - 1
+            tokens_at = {d: float(np.minimum(acc, d).sum()) + sc.batch for d in range(1, arm)}
+            bandit.observe(key, arm, priors[arm][1], tokens, seconds, sc.batch, tokens_at)
         clock += seconds
         tokens_total += tokens
         counts[arm] += 1
         # expected seconds lost against the best depth for these expected tokens, by cause
-        lost = (true_s[arm] - sc.batch * sc.tokens_per_request(arm) / best_raw) * inflate
+        lost = (true_s[arm] - sc.batch * tpr[arm] / best_raw) * inflate
         loss["exploring" if exploring else "exploiting"] += lost
         loss["catch_up"] += switch_s if caught_up else 0.0
     n = sum(counts)

@@ -627,3 +627,50 @@ def test_an_explorations_measured_cycle_is_in_flight_until_the_next_decision():
             b.visits[0] += 1  # a quick decision (controller.quick_arm counts it so)
             assert not b.exploration_in_flight(0)
     assert seen > 3
+
+
+def test_a_chain_cycle_also_measures_the_tokens_of_every_shallower_depth():
+    """The first e drafts of a depth-d chain are depth e's, so a cycle of depth 5 says what depths 1-4
+    would have committed (tokens_at): their tokens per request are measured without running them."""
+    rng = np.random.default_rng(0)
+    alpha, B = 0.7, 4
+    truth = {e: 1 + sum(alpha**j for j in range(1, e + 1)) for e in range(1, 6)}
+    for nested in (True, False):
+        b = GoodputBandit(nested_tokens=nested)
+        key = batch_key(B)
+        for _ in range(400):
+            acc = np.cumprod(rng.random((B, 5)) < alpha, axis=1).sum(axis=1)
+            at = {e: float(np.minimum(acc, e).sum() + B) for e in range(1, 5)}
+            b.observe(key, 5, 1e-3, float(acc.sum() + B), 1e-3, B, at)
+        # priors of one token a request (a head never right): what depths 1-4 show is measured or nothing
+        est = {e: b.tokens_per_request(e, float(B), B) for e in range(1, 6)}
+        assert abs(est[5] - truth[5]) < 0.15
+        for e in range(1, 5):
+            if nested:
+                assert abs(est[e] - truth[e]) < 0.1, (e, est[e], truth[e])
+            else:
+                assert est[e] == 1.0  # never ran: the prior alone
+        # depths 1-4 gained no time of their own (their time is measured on their own cycles only)
+        assert all(b.stats[key].get(e) is None for e in range(1, 5))
+
+
+def test_a_depth_explored_now_and_then_is_known_by_what_its_last_drafts_added():
+    """Depth 4 exploited, depth 5 run on 10 cycles: depth 5's tokens are depth 4's (measured on every
+    cycle) plus what its fifth drafts added on those 10 (paired on the same cycles), not those
+    cycles' whole counts, which a wrong acceptance model then outweighs."""
+    rng = np.random.default_rng(1)
+    alpha, B = 0.7, 4
+    truth5 = 1 + sum(alpha**j for j in range(1, 6))
+    priors = {d: (float(B), 1e-3) for d in range(6)}  # an acceptance model that expects nothing
+    errors = {}
+    for nested in (True, False):
+        b = GoodputBandit(nested_tokens=nested)
+        key = batch_key(B)
+        for i in range(410):
+            arm = 5 if i % 41 == 40 else 4
+            acc = np.cumprod(rng.random((B, arm)) < alpha, axis=1).sum(axis=1)
+            at = {e: float(np.minimum(acc, e).sum() + B) for e in range(1, arm)}
+            b.observe(key, arm, 1e-3, float(acc.sum() + B), 1e-3, B, at)
+        errors[nested] = abs(b.token_estimates(priors, B)[5][0] - truth5)
+    # (what is left with nested tokens: the fifth drafts' 40 requests, shrunk a little towards the model)
+    assert errors[True] < 0.25 and errors[False] > 0.4, errors

@@ -667,3 +667,20 @@ def test_a_decision_whose_caps_bind_below_the_pick_keeps_the_pick():
     b._explore_again[key] = 1  # an exploration's second cycle: the bandit's
     ctl.decide([R("a")], [2], 1, 0)
     assert len(weighed) == 2 and key not in b._explore_again
+
+
+def test_a_chain_cycle_hands_the_bandit_what_each_shallower_depth_would_have_committed():
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=5), cost=step_cost(CPU_LIKE))
+    reqs = [R("a"), R("b"), R("c")]
+    got = []
+    real = ctl.bandit.observe
+    ctl.bandit.observe = lambda *a: (got.append(a), real(*a))
+    assert ctl.uniform(reqs, 5, [5, 5, 3]) == [5, 5, 3]
+    ctl.observe_many(["a", "b", "c", "x"], [5, 5, 3, 2], [0, 5, 2, 1])  # "x": not in this cycle
+    ctl.observe_step(18, 3, 0.02)
+    ctl.end_cycle(0.05)
+    (key, arm, _, tokens, seconds, requests, tokens_at), = got
+    assert (arm, tokens, requests) == (5, 10, 3)  # 1 + 6 + 3
+    # depth e: min(accepted, e) + 1 a request
+    assert tokens_at == {1: 5.0, 2: 7.0, 3: 8.0, 4: 9.0}
+    assert ctl.bandit.pooled[3].tokens == 8.0 and ctl.bandit.pooled[3].seconds == 0.0

@@ -159,6 +159,9 @@ class Cycle:
     prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
     exploring: bool = False  # an exploration's cycle
     launched_early: int = 0  # requests whose drafts were launched before the last verify's sync (fused)
+    # chains: what each shallower depth e would have committed on the same drafts (min(accepted, e) + 1
+    # per request: GoodputBandit.nested_tokens)
+    tokens_at: dict[int, float] | None = None
 
 
 @dataclass
@@ -285,7 +288,19 @@ class SpecController:
         (as per request, 0.999 each) instead of once per request, a per-request cost at 256 requests."""
         c = self._cycle
         if c is not None and c.request_ids is not None:
-            c.tokens += sum(a + 1 for rid, a in zip(request_ids, accepted) if rid in c.request_ids)
+            mine = [a for rid, a in zip(request_ids, accepted) if rid in c.request_ids]
+            c.tokens += sum(mine) + len(mine)
+            if c.arm > 1 and self.cfg.is_chain and mine:
+                # committed at each shallower depth e: min(a, e) + 1 a request, from one histogram
+                hist = np.bincount(np.minimum(mine, c.arm), minlength=c.arm + 1)
+                below = np.cumsum(hist)  # below[e - 1]: requests that accepted fewer than e
+                at = c.tokens_at if c.tokens_at is not None else {}
+                for e in range(1, c.arm):
+                    # sum of min(a, e) = e x (requests that accepted e or more) + the accepted of the rest
+                    rest = int(below[e - 1])
+                    part = e * (len(mine) - rest) + int(np.dot(np.arange(e), hist[:e]))
+                    at[e] = at.get(e, 0.0) + part + len(mine)
+                c.tokens_at = at
         ov = self.overall
         K = len(ov.drafted)
         dr, ac = [0.0] * K, [0.0] * K
@@ -452,7 +467,7 @@ class SpecController:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
         elif c.target_predicted is not None:
             self.bandit.observe(c.key, c.arm, c.target_predicted + c.draft_predicted, c.tokens, seconds,
-                                c.requests)
+                                c.requests, c.tokens_at)
             self.cycles += 1
 
     def forget(self, request_id: str) -> None:
