@@ -684,3 +684,14 @@ def test_a_chain_cycle_hands_the_bandit_what_each_shallower_depth_would_have_com
     # depth e: min(accepted, e) + 1 a request
     assert tokens_at == {1: 5.0, 2: 7.0, 3: 8.0, 4: 9.0}
     assert ctl.bandit.pooled[3].tokens == 8.0 and ctl.bandit.pooled[3].seconds == 0.0
+
+
+@pytest.mark.parametrize("batch", [7, 40])  # (per request in Python up to 32 requests, a histogram past that)
+def test_shallower_depths_tokens_at_any_batch(batch):
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=5), cost=step_cost(CPU_LIKE))
+    reqs = [R(f"r{i}") for i in range(batch)]
+    accepted = [(i * 7) % 6 for i in range(batch)]
+    ctl.uniform(reqs, 4, [4] * batch)
+    ctl.observe_many([r.request_id for r in reqs], [4] * batch, [min(a, 4) for a in accepted])
+    want = {e: float(sum(min(a, e) + 1 for a in accepted)) for e in range(1, 4)}
+    assert ctl._cycle.tokens_at == want

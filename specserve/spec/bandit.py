@@ -250,7 +250,8 @@ class GoodputBandit:
             prev = (arm, tpr, n)
         return out
 
-    def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
+    def estimates(self, key: int, priors: dict[int, Prior], batch: int = 1,
+                  token_est: dict[int, tuple[float, float]] | None = None) -> dict[int, tuple[float, float]]:
         """(goodput, standard error) per arm, for a cycle of ``batch`` requests in bucket ``key``.
 
         goodput = tokens per request (pooled over all buckets: acceptance does not depend on the
@@ -267,7 +268,8 @@ class GoodputBandit:
         # decoding's own goodput is measured: a guessed one would cap every depth alike; plain
         # decoding, arm 0, comes first)
         cap_on = arms.get(0, ArmStats()).n >= self.cap_cycles
-        token_est = self.token_estimates(priors, batch)
+        if token_est is None:
+            token_est = self.token_estimates(priors, batch)
         for arm in sorted(priors):
             tokens, psec = priors[arm]
             st = arms.get(arm) or ArmStats()
@@ -309,7 +311,8 @@ class GoodputBandit:
         """(arm, exploring) for the next cycle of ``batch`` requests in bucket ``key``; ``switch_s``: the
         predicted seconds of catching the requests' draft KV up, which an exploration out of plain
         decoding pays first."""
-        est = self.estimates(key, priors, batch)
+        token_est = self.token_estimates(priors, batch)
+        est = self.estimates(key, priors, batch, token_est)
         visit = self.visits.get(key, 0)
         self.visits[key] = visit + 1
         again = self._explore_again.pop(key, None)
@@ -333,7 +336,6 @@ class GoodputBandit:
         # pick on hysteresis: on a loaded CPU (steps 15x their profile) a random head drafted on
         # 70 % of request-steps (session 36)
         plain = min(est)
-        token_est = self.token_estimates(priors, batch)
         useless = {a for a in est if a != plain and token_est[a][0] < 1 + self.margin}
         best = max([a for a in (known or est) if a not in useless] or [a for a in est if a not in useless],
                    key=lambda a: est[a][0])

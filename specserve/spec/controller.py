@@ -291,15 +291,17 @@ class SpecController:
             mine = [a for rid, a in zip(request_ids, accepted) if rid in c.request_ids]
             c.tokens += sum(mine) + len(mine)
             if c.arm > 1 and self.cfg.is_chain and mine:
-                # committed at each shallower depth e: min(a, e) + 1 a request, from one histogram
-                hist = np.bincount(np.minimum(mine, c.arm), minlength=c.arm + 1)
-                below = np.cumsum(hist)  # below[e - 1]: requests that accepted fewer than e
+                # committed at each shallower depth e: min(a, e) + 1 a request
                 at = c.tokens_at if c.tokens_at is not None else {}
-                for e in range(1, c.arm):
-                    # sum of min(a, e) = e x (requests that accepted e or more) + the accepted of the rest
-                    rest = int(below[e - 1])
-                    part = e * (len(mine) - rest) + int(np.dot(np.arange(e), hist[:e]))
-                    at[e] = at.get(e, 0.0) + part + len(mine)
+                if len(mine) <= 32:  # (per request in Python: numpy's calls cost more at small batches)
+                    for e in range(1, c.arm):
+                        at[e] = at.get(e, 0.0) + sum(a if a < e else e for a in mine) + len(mine)
+                else:  # from one histogram: sum of min(a, e) = e x (requests accepting e or more) + the rest's
+                    hist = np.bincount(np.minimum(mine, c.arm), minlength=c.arm + 1)
+                    below = np.cumsum(hist)  # below[e - 1]: requests that accepted fewer than e
+                    for e in range(1, c.arm):
+                        part = e * (len(mine) - int(below[e - 1])) + int(np.dot(np.arange(e), hist[:e]))
+                        at[e] = at.get(e, 0.0) + part + len(mine)
                 c.tokens_at = at
         ov = self.overall
         K = len(ov.drafted)
