@@ -222,3 +222,20 @@ def test_linear_cost_separates_a_fixed_part_from_the_rate_per_unit():
     lc.observe(100, 0.003)
     lc.observe(1000, 0.001)
     assert lc.fit() == (0.0, pytest.approx((0.8 * 0.003 + 0.001) / (0.8 * 100 + 1000)))  # decayed sums
+
+
+def test_a_curve_observed_between_predictions_predicts_as_one_built_from_its_samples():
+    """Medians are taken again only for buckets observed since the last table (lazily): the table must
+    be the one every bucket's median would give."""
+    rng = np.random.default_rng(3)
+    profile = {1: 0.010, 4: 0.012, 16: 0.020, 64: 0.050}
+    c = Curve(dict(profile))
+    for i in range(300):
+        x = int(rng.choice([1, 2, 4, 8, 16, 32, 64]))
+        c.observe(x, 0.001 * x * rng.lognormal(0, 0.3) + 0.01)
+        if i % 7 == 0:
+            c.predict(10)  # builds the table, caching the medians
+    fresh = Curve(dict(profile))
+    fresh.samples = {g: type(s)(s, maxlen=s.maxlen) for g, s in c.samples.items()}
+    for x in (1, 3, 10, 24, 50, 100):
+        assert c.predict(x) == pytest.approx(fresh.predict(x), rel=1e-12)
