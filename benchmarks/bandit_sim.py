@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import parse_variant, run_metadata, write_json  # noqa: E402
 
-from specserve.spec.bandit import GoodputBandit, batch_key  # noqa: E402
+from specserve.spec.bandit import GoodputBandit, batch_key, shallower_tokens  # noqa: E402
 
 # conditional acceptance per draft position of the shipped head on ShareGPT (CPU fp32 sweeps: accept
 # length 1.56 / 1.85 / 2.0 at chains 1 / 2 / 3); the H200's bf16 runs accept a little more
@@ -177,8 +177,7 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
         if caught_up:
             bandit.charge(key, arm, tokens, seconds)
         else:  # with what each shallower depth would have committed on the same drafts
-            acc = per_req - 1
-            tokens_at = {d: float(np.minimum(acc, d).sum()) + sc.batch for d in range(1, arm)}
+            tokens_at = shallower_tokens((per_req - 1).tolist(), arm)
             bandit.observe(key, arm, priors[arm][1], tokens, seconds, sc.batch, tokens_at)
         clock += seconds
         tokens_total += tokens

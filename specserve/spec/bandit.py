@@ -60,6 +60,22 @@ def batch_key(batch: int) -> int:
     return int(round(2 * math.log2(max(batch, 1))))
 
 
+def shallower_tokens(accepted: list[int], depth: int) -> dict[int, float]:
+    """What each depth e < ``depth`` would have committed on a chain cycle's drafts, whose requests
+    accepted ``accepted`` of them: the sum of min(a, e) + 1 (``GoodputBandit.nested_tokens``)."""
+    reached = [0] * (depth + 1)  # reached[j]: requests that accepted exactly j (depth: j or more)
+    for a in accepted:
+        reached[a if a < depth else depth] += 1
+    out: dict[int, float] = {}
+    at_least = len(accepted)  # requests that accepted e - 1 or more, e = 1 ...
+    total = float(len(accepted))  # ... and the tokens at depth e - 1 (every request commits one)
+    for e in range(1, depth):
+        at_least -= reached[e - 1]
+        total += at_least  # each request that accepted e or more commits one more at depth e
+        out[e] = total
+    return out
+
+
 def bucket_batch(key: int) -> int:
     """The batch size at the centre of bucket ``key`` (``batch_key``'s inverse, for reports)."""
     return round(2 ** (key / 2))
@@ -238,14 +254,15 @@ class GoodputBandit:
         for arm in sorted(priors):
             pool = self.pooled.get(arm)
             tpr, n = self.tokens_per_request(arm, priors[arm][0], batch), (pool.n if pool is not None else 0.0)
-            inc = [self.increments.get(d) for d in range(prev[0] + 1, arm + 1)] if prev is not None else []
-            if self.nested_tokens and inc and all(st is not None and st.n > 0 for st in inc):
-                p_arm, p_tpr, p_n = prev  # type: ignore[misc]
-                model = (priors[arm][0] - priors[p_arm][0]) / batch
-                measured = sum(st.tokens / st.requests for st in inc)  # type: ignore[union-attr]
-                w = min(st.requests for st in inc)  # type: ignore[union-attr]
-                tpr = p_tpr + (w * measured + self.prior_requests * model) / (w + self.prior_requests)
-                n = max(n, min(p_n, min(st.n for st in inc)))  # type: ignore[union-attr]
+            if self.nested_tokens and prev is not None:
+                p_arm, p_tpr, p_n = prev
+                inc = [self.increments[d] for d in range(p_arm + 1, arm + 1) if d in self.increments]
+                if len(inc) == arm - p_arm and all(st.n > 0 for st in inc):
+                    model = (priors[arm][0] - priors[p_arm][0]) / batch
+                    measured = sum(st.tokens / st.requests for st in inc)
+                    w = min(st.requests for st in inc)
+                    tpr = p_tpr + (w * measured + self.prior_requests * model) / (w + self.prior_requests)
+                    n = max(n, min(p_n, min(st.n for st in inc)))
             out[arm] = (tpr, n)
             prev = (arm, tpr, n)
         return out

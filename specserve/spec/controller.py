@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.bandit import GoodputBandit, batch_key, bucket_batch
+from specserve.spec.bandit import GoodputBandit, batch_key, bucket_batch, shallower_tokens
 from specserve.spec.cost_model import CostModel, LinearCost
 
 Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
@@ -291,17 +291,9 @@ class SpecController:
             mine = [a for rid, a in zip(request_ids, accepted) if rid in c.request_ids]
             c.tokens += sum(mine) + len(mine)
             if c.arm > 1 and self.cfg.is_chain and mine:
-                # committed at each shallower depth e: min(a, e) + 1 a request
                 at = c.tokens_at if c.tokens_at is not None else {}
-                if len(mine) <= 32:  # (per request in Python: numpy's calls cost more at small batches)
-                    for e in range(1, c.arm):
-                        at[e] = at.get(e, 0.0) + sum(a if a < e else e for a in mine) + len(mine)
-                else:  # from one histogram: sum of min(a, e) = e x (requests accepting e or more) + the rest's
-                    hist = np.bincount(np.minimum(mine, c.arm), minlength=c.arm + 1)
-                    below = np.cumsum(hist)  # below[e - 1]: requests that accepted fewer than e
-                    for e in range(1, c.arm):
-                        part = e * (len(mine) - int(below[e - 1])) + int(np.dot(np.arange(e), hist[:e]))
-                        at[e] = at.get(e, 0.0) + part + len(mine)
+                for e, t in shallower_tokens(mine, c.arm).items():
+                    at[e] = at.get(e, 0.0) + t
                 c.tokens_at = at
         ov = self.overall
         K = len(ov.drafted)
@@ -636,18 +628,15 @@ class SpecController:
             arm, exploring = b.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
-        if arm == 0:
-            # plain decoding: one token a request, counted now, as for a quick decision (count_off). With
-            # each request's count taken after the step instead, a plain cycle decided in full (an
-            # exploration out of drafting) paid per-request bookkeeping (observe_many over the batch)
-            # that the pick's plain cycles do not: at 256 requests on the H200 plain decoding explored out
-            # of depth 4 was put at 35,100 tok/s, where as the pick (another run) it measured 39,600,
-            # and depth 4 (35,300) was kept at 0.935x no-spec (session 37)
-            self._cycle = Cycle(key, 0, drafting[i], None, tokens=len(requests), requests=len(requests),
-                                exploring=exploring)
-        else:
-            self._cycle = Cycle(key, arm, drafting[i], {r.request_id for r in requests}, requests=len(requests),
-                                exploring=exploring)
+        # plain decoding: one token a request, counted now, as for a quick decision (count_off). With
+        # each request's count taken after the step instead, a plain cycle decided in full (an
+        # exploration out of drafting) paid per-request bookkeeping (observe_many over the batch)
+        # that the pick's plain cycles do not: at 256 requests on the H200 plain decoding explored out
+        # of depth 4 was put at 35,100 tok/s, where as the pick (another run) it measured 39,600,
+        # and depth 4 (35,300) was kept at 0.935x no-spec (session 37)
+        plain = arm == 0
+        self._cycle = Cycle(key, arm, drafting[i], None if plain else {r.request_id for r in requests},
+                            tokens=len(requests) if plain else 0, requests=len(requests), exploring=exploring)
         ks = depths[i]
         if len(self.per_request) > 4 * len(requests) + 256:  # finished requests' stats
             self.per_request = {r.request_id: self.per_request[r.request_id] for r in requests
