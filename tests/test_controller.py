@@ -393,23 +393,20 @@ def test_full_decisions_spread_out_when_they_cost_a_share_of_short_cycles():
     assert ctl.full_decision_every() == 4
 
 
-def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_for_it(monkeypatch):
-    # the drafter's cycle timing with a fake clock: 4 requests drafting one token, each step 100 ms,
-    # each catch-up 1 ms per row; in step 3 a new request's 200-token prompt is prefilled. The head's
-    # pass over that prompt (200 ms) is a cost of drafting: it belongs to the cycle that drafts for
-    # the new request, not to the cycle whose step prefilled the prompt (which is seldom measured:
-    # its prompt share is large), where no depth ever paid for it
+def _timed_drafter(monkeypatch, clock: list[float]):
+    """The drafter's cycle timing with a fake clock (``clock[0]``): a drafter whose catch-up costs 1 ms a
+    row and whose draft step 10 ms; returns it, the cycle times it finishes, and a request maker."""
     from types import SimpleNamespace
 
     from specserve.spec import drafter as drafter_mod
 
-    clock = [0.0]
     monkeypatch.setattr(drafter_mod, "clock", lambda: clock[0])
     d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
     d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1))
     d.controller.forced_arm = 1
     d.max_k, d.states, d._time_catch_up, d._drafted_last, d._cycle_head = 1, {}, False, False, None
     d._finished, d._reuse_lost, d._fused, d._pre_arm, d._pre_ks = [], 0.0, None, None, None
+    d.device, d._steady_s, d._steady_count = SimpleNamespace(type="cpu"), {}, 0
     d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], _reserve=lambda r, n: True),
                                step_started=0.0, step_ended=0.0, max_model_len=10**6)
 
@@ -423,7 +420,7 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
         return catch_up
 
     d._draft = draft
-    seen = []
+    seen: list[float] = []
     finish = d.controller.finish_cycle
     d.controller.finish_cycle = lambda c, s: (seen.append(round(s, 6)) if c is not None else None, finish(c, s))
 
@@ -433,21 +430,41 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
                                num_prompt_tokens=prompt, num_output_tokens=0, no_draft_kv=False,
                                params=SimpleNamespace(max_spec_tokens=None, max_tokens=None))
 
+    return d, seen, req
+
+
+def _step(d, clock: list[float], reqs: list, committed: int, prefilled=None) -> None:
+    """One engine step of ``reqs`` (100 ms), each committing ``committed`` tokens (and ``prefilled``
+    joining them, its prompt prefilled in this step), then its draft_step, 5 ms of outputs, and 50 ms
+    of the caller's own work between steps."""
+    from types import SimpleNamespace
+
+    d.engine.step_started = clock[0]
+    clock[0] += 0.100  # the target step
+    for r in reqs:
+        r.num_computed_tokens += committed
+        r.num_tokens = r.num_computed_tokens + 1
+    if prefilled is not None:
+        reqs.append(prefilled)
+    d.draft_step(SimpleNamespace(scheduled=[SimpleNamespace(samples=1, req=r) for r in reqs]), None)
+    clock[0] += 0.005  # the rest of the step: the requests' outputs
+    d.engine.step_ended = clock[0]
+    clock[0] += 0.050  # the caller's own work between steps: no cycle's
+
+
+def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_for_it(monkeypatch):
+    # 4 requests drafting one token, each step 100 ms, each catch-up 1 ms per row; in step 3 a new
+    # request's 200-token prompt is prefilled. The head's pass over that prompt (200 ms) is a cost of
+    # drafting: it belongs to the cycle that drafts for the new request, not to the cycle whose step
+    # prefilled the prompt (which is seldom measured: its prompt share is large), where no depth ever
+    # paid for it
+    clock = [0.0]
+    d, seen, req = _timed_drafter(monkeypatch, clock)
     reqs = [req(str(i), 20) for i in range(4)]
     for r in reqs:
         d.states[r.request_id].draft_pos = r.num_computed_tokens  # caught up already
-    for step in range(6):
-        d.engine.step_started = clock[0]
-        clock[0] += 0.100  # the target step
-        for r in reqs:  # each commits its draft and a bonus token
-            r.num_computed_tokens += 2
-            r.num_tokens = r.num_computed_tokens + 1
-        if step == 3:
-            reqs.append(req("new", 200))  # prefilled in this step, drafts from the next
-        d.draft_step(SimpleNamespace(scheduled=[SimpleNamespace(samples=1, req=r) for r in reqs]), None)
-        clock[0] += 0.005  # the rest of the step: the requests' outputs
-        d.engine.step_ended = clock[0]
-        clock[0] += 0.050  # the caller's own work between steps: no cycle's
+    for step in range(6):  # each commits its draft and a bonus token; a new request's prompt in step 3
+        _step(d, clock, reqs, 2, req("new", 200) if step == 3 else None)
     # cycle i ends in step i + 1: its step's 100 ms, the 10 ms draft before it, the 5 ms rest of
     # its step and the catch-up of what its verify committed (2 rows per request; cycle 0 also caught
     # up at its start). The new request's prompt (200 rows) goes to the cycle that first drafts for it
@@ -456,6 +473,25 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     # every second of the engine's own steps but step 0's target forward and the last step's outputs,
     # timed once (the caller's 50 ms between steps in none)
     assert sum(seen) + d._cycle_head == pytest.approx(clock[0] - 0.100 - 6 * 0.050 - 0.005, abs=1e-6)
+
+
+def test_a_drafting_cycle_followed_by_plain_decoding_is_charged_its_catch_up(monkeypatch):
+    # a depth explored out of plain decoding runs two cycles, then plain decoding again, which runs no
+    # catch-up: the second cycle is charged the catch-up a cycle followed by drafting pays (the 8 rows
+    # its verify committed, at the steady catch-ups' measured 8 ms), not measured 8 ms cheaper than
+    # the exploited cycles of its depth
+    clock = [0.0]
+    d, seen, req = _timed_drafter(monkeypatch, clock)
+    reqs = [req(str(i), 20) for i in range(4)]
+    for r in reqs:
+        d.states[r.request_id].draft_pos = r.num_computed_tokens
+    for step in range(5):
+        d.controller.forced_arm = 1 if step < 3 else 0
+        _step(d, clock, reqs, 2 if step <= 3 else 1)  # (step 3 verifies cycle 2's drafts)
+    # cycles 0-2 draft (cycle 2 ended by the plain decision of step 3), cycle 3 decodes plainly: its
+    # step and outputs, nothing drafted
+    assert seen == pytest.approx([0.131, 0.123, 0.123, 0.105], abs=1e-6)
+    assert d._steady_s  # (on a CPU the steady catch-ups' host time is their time)
 
 
 def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():

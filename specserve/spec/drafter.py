@@ -239,7 +239,7 @@ class EagleSpeculator:
         # host time, 3 % of a step at one request); the others take the timed ones' mean for their rows
         self._time_catch_up = cfg.policy == "adaptive" and self.device.type == "cuda"
         self._catch_up_marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._steady_s: dict[int, float] = {}  # device seconds of a steady catch-up by rows (bucketed), averaged
+        self._steady_s: dict[int, float] = {}  # seconds of a steady catch-up (to its end) by rows (bucketed), averaged
         self._steady_count = 0
         self.catch_ups_timed = 0  # catch-ups timed with device events
         self._head_path = path
@@ -1430,6 +1430,8 @@ class EagleSpeculator:
             # it did: an exploration's second cycle, decided early, ran the pick instead)
             arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
+            if prev is not None and self._drafted_last:
+                prev_s += self._unpaid_catch_up(candidates)
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
             self._drafted_last = False
@@ -1479,17 +1481,17 @@ class EagleSpeculator:
             t0 = clock()
             usual = caught_up <= len(rest) * (self.max_k + 2)  # what a verify commits, no stretch of plain steps
             steady = self._drafted_last and usual
-            timed, rows_key, known = False, 0, None
+            rows_key = batch_key(caught_up)
+            known = self._steady_s.get(rows_key)
+            timed = False
             if self._time_catch_up:
-                rows_key = batch_key(caught_up)
-                known = self._steady_s.get(rows_key)
                 timed = not steady or known is None or self._steady_count % CATCH_UP_TIMING_EVERY == 0
             catch_up_s = self._draft(rest, time_catch_up=timed)
-            if self._time_catch_up and steady:
+            if steady:
                 self._steady_count += 1
-                if not timed:
+                if self._time_catch_up and not timed:
                     catch_up_s = known
-                else:
+                elif timed or self.device.type != "cuda":  # timed to its end (a CPU's forward returns when done)
                     self._steady_s[rows_key] = catch_up_s if known is None else 0.8 * known + 0.2 * catch_up_s
             if usual:
                 self.controller.observe_draft(len(rest), max(k for _, k in rest), clock() - t0)
@@ -1515,6 +1517,22 @@ class EagleSpeculator:
         # cycle it decides, it charged explored depths alone ~0.3 ms at one request on the H200 (~12 %
         # of a cycle) and ~0.8 ms at 256
         self._open_head(now, shift + decide_s)
+
+    def _unpaid_catch_up(self, candidates: list[Request]) -> float:
+        """Predicted seconds of the catch-up over what the last verify committed for ``candidates``, which
+        plain decoding next does not run: a drafting cycle followed by another pays it (moved back to it,
+        ``shift`` in draft_step), so one followed by plain decoding is charged the same. Without it a
+        depth explored out of plain decoding (two cycles, then the pick again: the busy buckets' every
+        exploration) was measured without that cost, which its exploited cycles pay."""
+        rows = 0
+        for r in candidates:
+            st = self.states.get(r.request_id)
+            if st is not None and not r.no_draft_kv:
+                rows += max(r.num_computed_tokens - st.draft_pos, 0)
+        if rows <= 0 or rows > len(candidates) * (self.max_k + 2):  # (a stretch of plain steps: no cycle's)
+            return 0.0
+        known = self._steady_s.get(batch_key(rows))
+        return known if known is not None else self.controller.catch_up_seconds(rows)
 
     @staticmethod
     def _early_decision(candidates: list[Request], ids: list[str], ks: list[int],
