@@ -65,9 +65,10 @@ class CycleLog:
                                    {a: [round(g, 1), round(se, 1)] for a, (g, se) in est.items()}])
             return arm, exploring
 
-        def observed(key: int, arm: int, predicted: float, tokens: float, seconds: float, requests: int = 1) -> None:
+        def observed(key: int, arm: int, predicted: float, tokens: float, seconds: float, requests: int = 1,
+                     *rest: Any) -> None:
             self.cycles.append([key, arm, tokens, round(seconds, 6), requests, 1])
-            observe(key, arm, predicted, tokens, seconds, requests)
+            observe(key, arm, predicted, tokens, seconds, requests, *rest)
 
         def charged(key: int, arm: int, tokens: float, seconds: float) -> None:
             self.cycles.append([key, arm, tokens, round(seconds, 6), 0, 0])

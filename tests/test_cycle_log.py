@@ -49,3 +49,34 @@ def test_summary_compares_the_bandits_measure_with_own_time():
     assert s["engine_s"] == pytest.approx(24.0) and s["cycles_own_s"] == pytest.approx(16.0)
     assert arm["fused_share"] == 0.5 and arm["exploring_share"] == 0.5
     assert arm["tok_s_raw_fused"] == pytest.approx(12 / 6.0, abs=0.05)
+
+
+def test_a_log_attached_to_an_adaptive_engine_records_its_drafting_cycles(tmp_path):
+    # the log wraps the bandit's own methods: its wrappers must take what the controller hands them (a
+    # chain cycle's tokens at shallower depths too), or a benchmark run with --log-cycles fails at the
+    # first measured drafting cycle (as it did after session 38)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_model import make_random_head, make_tiny_model
+
+    from specserve import LLM, SamplingParams
+
+    model = make_tiny_model(str(tmp_path / "m"), vocab=64, layers=4)
+    head = make_random_head(model, str(tmp_path / "h"))
+    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=4, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_num_steps=2, speculative_policy="adaptive",
+              speculative_calibrate=False)
+    llm.engine.drafter.controller.forced_arm = 2  # every cycle drafts two tokens: measured, nested tokens
+    log = CycleLog.start(llm)
+    eng = llm.engine
+    for i in range(4):
+        eng.add_request(f"r{i}", [3 + i, 5, 7, 9], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    log.detach()
+    measured = [c for c in log.cycles if c[5] == 1]
+    assert measured and all(c[1] == 2 for c in measured)  # (bucket, arm 2, tokens, seconds, requests, measured)
+    assert sum(c[2] for c in measured) > 0
+    s = log.summary(min_cycles=1)
+    arms = {a for arms in s["by_bucket"].values() for a in arms}
+    assert "2" in arms
+    assert llm.engine.drafter.controller.bandit.increments  # the nested tokens reached the bandit through the log

@@ -194,6 +194,10 @@ class SpecController:
     # session 20) drafted where plain decoding was best: see BENCHMARKS.md, adaptive sessions 19-20
     prefill_share_limit: float = 0.25
     nodraft_share_limit: float = 0.1  # see mixed_batch
+    # a drafting cycle followed by plain decoding is charged the catch-up a drafting successor would run
+    # for it (EagleSpeculator._unpaid_catch_up): explorations out of plain decoding are measured as the
+    # depth's exploited cycles are. False: for A/Bs
+    charge_unpaid_catch_up: bool = True
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
     _draft_predicted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, arm) -> seconds

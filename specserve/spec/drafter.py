@@ -1430,7 +1430,7 @@ class EagleSpeculator:
             # it did: an exploration's second cycle, decided early, ran the pick instead)
             arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
-            if prev is not None and self._drafted_last:
+            if prev is not None and self._drafted_last and self.controller.charge_unpaid_catch_up:
                 prev_s += self._unpaid_catch_up(candidates)
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
