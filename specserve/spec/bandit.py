@@ -81,7 +81,7 @@ def bucket_batch(key: int) -> int:
     return round(2 ** (key / 2))
 
 
-@dataclass
+@dataclass(slots=True)
 class ArmStats:
     """Decayed sums over the cycles an arm ran (in one bucket, or pooled over all of them)."""
 
@@ -152,6 +152,17 @@ class ArmStats:
 
 
 Prior = tuple[float, float]  # expected tokens, predicted seconds of one cycle
+
+
+_NO_STATS = ArmStats()  # what an arm without cycles reads as (never added to)
+
+
+def _stats_of(arms: dict[int, ArmStats], arm: int) -> ArmStats:
+    """``arms[arm]``, made if missing (``setdefault`` would build a new one on every call)."""
+    st = arms.get(arm)
+    if st is None:
+        st = arms[arm] = ArmStats()
+    return st
 
 
 def served(st: ArmStats | None) -> float:
@@ -238,7 +249,7 @@ class GoodputBandit:
     def tokens_per_request(self, arm: int, tokens: float, batch: int = 1) -> float:
         """Tokens a request commits per cycle of ``arm``: measured in every bucket, with the acceptance
         model's ``tokens`` (for ``batch`` requests) worth ``prior_requests`` requests."""
-        pool = self.pooled.get(arm) or ArmStats()
+        pool = self.pooled.get(arm) or _NO_STATS
         return (pool.tokens + self.prior_requests * tokens / batch) / (pool.requests + self.prior_requests)
 
     def token_estimates(self, priors: dict[int, Prior], batch: int = 1) -> dict[int, tuple[float, float]]:
@@ -284,13 +295,13 @@ class GoodputBandit:
         # better than plain decoding however its few cycles happened to be timed (once plain
         # decoding's own goodput is measured: a guessed one would cap every depth alike; plain
         # decoding, arm 0, comes first)
-        cap_on = arms.get(0, ArmStats()).n >= self.cap_cycles
+        cap_on = (arms.get(0) or _NO_STATS).n >= self.cap_cycles
         if token_est is None:
             token_est = self.token_estimates(priors, batch)
         for arm in sorted(priors):
             tokens, psec = priors[arm]
-            st = arms.get(arm) or ArmStats()
-            pool = self.pooled.get(arm) or ArmStats()
+            st = arms.get(arm) or _NO_STATS
+            pool = self.pooled.get(arm) or _NO_STATS
             # tokens per request: measured in every bucket, the acceptance model's worth
             # ``prior_requests`` requests (token_estimates); n_tok: the cycles that measured them
             tpr, n_tok = token_est[arm]
@@ -497,14 +508,14 @@ class GoodputBandit:
         seconds = min(seconds, self.clip * predicted * self._time_ratio(arms, arm))
         for st in arms.values():
             st.fade(self.decay)
-        arms.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, requests / seconds)
+        _stats_of(arms, arm).add(tokens, seconds, predicted, requests, requests / seconds)
         for st in self.pooled.values():
             st.fade(self.pool_decay)
-        self.pooled.setdefault(arm, ArmStats()).add(tokens, seconds, predicted, requests, tokens / requests)
+        _stats_of(self.pooled, arm).add(tokens, seconds, predicted, requests, tokens / requests)
         if self.nested_tokens and tokens_at is not None and arm > 0:
             for d, t in tokens_at.items():  # tokens only: no time (_time_ratio skips what predicted nothing)
                 if 0 < d < arm:
-                    self.pooled.setdefault(d, ArmStats()).add(t, 0.0, 0.0, requests, t / requests)
+                    _stats_of(self.pooled, d).add(t, 0.0, 0.0, requests, t / requests)
             for st in self.increments.values():
                 st.fade(self.pool_decay)
             last = float(requests)  # plain decoding's: one token a request
@@ -512,7 +523,7 @@ class GoodputBandit:
                 t = tokens if d == arm else tokens_at.get(d)
                 if t is None:  # (a depth collapsed into another: no increment of its own)
                     continue
-                self.increments.setdefault(d, ArmStats()).add(t - last, 0.0, 0.0, requests, (t - last) / requests)
+                _stats_of(self.increments, d).add(t - last, 0.0, 0.0, requests, (t - last) / requests)
                 last = t
         self._account(key, arm, tokens, seconds)
 
