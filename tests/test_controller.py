@@ -475,22 +475,28 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     assert sum(seen) + d._cycle_head == pytest.approx(clock[0] - 0.100 - 6 * 0.050 - 0.005, abs=1e-6)
 
 
-def test_a_drafting_cycle_followed_by_plain_decoding_is_charged_its_catch_up(monkeypatch):
+@pytest.mark.parametrize("decision", ["quick", "full"])
+def test_a_drafting_cycle_followed_by_plain_decoding_is_charged_its_catch_up(monkeypatch, decision):
     # a depth explored out of plain decoding runs two cycles, then plain decoding again, which runs no
     # catch-up: the second cycle is charged the catch-up a cycle followed by drafting pays (the 8 rows
     # its verify committed, at the steady catch-ups' measured 8 ms), not measured 8 ms cheaper than
-    # the exploited cycles of its depth
+    # the exploited cycles of its depth. Plain decoding as the bucket's pick (a quick decision) or as
+    # what a full decision weighed out (every request at k = 0)
     clock = [0.0]
     d, seen, req = _timed_drafter(monkeypatch, clock)
+    if decision == "full":
+        d.controller.quick_arm = lambda batch, running=None: None
+        d.controller.decide = lambda requests, caps, running, prefill, behind=0: [0] * len(requests)
+        d._prefill_tokens_next_step = lambda: 0
     reqs = [req(str(i), 20) for i in range(4)]
     for r in reqs:
         d.states[r.request_id].draft_pos = r.num_computed_tokens
     for step in range(5):
-        d.controller.forced_arm = 1 if step < 3 else 0
+        d.controller.forced_arm = 1 if step < 3 else (0 if decision == "quick" else None)
         _step(d, clock, reqs, 2 if step <= 3 else 1)  # (step 3 verifies cycle 2's drafts)
     # cycles 0-2 draft (cycle 2 ended by the plain decision of step 3), cycle 3 decodes plainly: its
-    # step and outputs, nothing drafted
-    assert seen == pytest.approx([0.131, 0.123, 0.123, 0.105], abs=1e-6)
+    # step and outputs, nothing drafted (the patched full decision opens no cycle)
+    assert seen == pytest.approx([0.131, 0.123, 0.123] + ([0.105] if decision == "quick" else []), abs=1e-6)
     assert d._steady_s  # (on a CPU the steady catch-ups' host time is their time)
 
 

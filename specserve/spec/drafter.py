@@ -1431,7 +1431,7 @@ class EagleSpeculator:
             arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
             if prev is not None and self._drafted_last and self.controller.charge_unpaid_catch_up:
-                prev_s += self._unpaid_catch_up(candidates)
+                prev_s += self._unpaid_catch_up(candidates)  # (a drafting successor runs it: shift below)
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
             self._drafted_last = False
@@ -1510,6 +1510,8 @@ class EagleSpeculator:
                 # does not have, left out of the comparison where prompts come most often (a closed
                 # loop at 16-32 requests on a CPU prefills one about every other cycle)
                 shift = catch_up_s * steady_share(caught_up, prompt_rows)
+        if not todo and prev is not None and self._drafted_last and self.controller.charge_unpaid_catch_up:
+            prev_s += self._unpaid_catch_up(candidates)  # a full decision for plain decoding, as above
         self.controller.finish_cycle(prev, prev_s + shift)
         self._drafted_last = bool(todo)
         # a full decision's host time is no arm's: it is the same whatever it picks, and every
