@@ -58,6 +58,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     "speculative_num_draft_tokens": 16},
     # adaptive as shipped (on the tiny model's random head it stays at plain decoding; on a real one it drafts)
     "adaptive": {"speculative_policy": "adaptive"},
+    # up to 5 drafts, free and held at 5 (with --agree every draft is accepted, so the free one drafts 5 too)
+    "adaptive5": {"speculative_policy": "adaptive", "speculative_num_steps": 5, "speculative_calibrate": False},
+    "adaptive_forced5": {"speculative_policy": "adaptive", "speculative_num_steps": 5, "speculative_calibrate": False,
+                         "forced_arm": 5},
 }
 DEFAULT_CONFIGS = "nospec,spec_off,adaptive_at_0,static_chain1"
 
@@ -115,6 +119,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default=None, help="a real model (GGUF or HF folder) with the shipped head; "
                     "default: the tiny random model and head")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engines' max_num_seqs (default: --concurrency); the adaptive policy's start-up "
+                         "profile times draft forwards up to it, and a catch-up's first estimate extrapolates that")
+    ap.add_argument("--agree", action="store_true",
+                    help="a tiny model and head that always agree (token 0): every draft is accepted, so an "
+                         "adaptive engine drafts its deepest depth as a GPU one does at one request")
     ap.add_argument("--length-spread", type=float, default=0.0,
                     help="output lengths uniform in max-tokens x [1 - s, 1 + s] (0: all the same: waves)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per engine, interleaved")
@@ -138,8 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="host_overhead_")
     head_dir: str | None = None  # the shipped head, for a real model
     if args.model is None:
-        model_dir = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS)
-        head_dir = make_random_head(model_dir, os.path.join(tmp, "head"))
+        model_dir = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS, constant=args.agree)
+        head_dir = make_random_head(model_dir, os.path.join(tmp, "head"), constant=args.agree)
     else:
         model_dir = args.model
     vocab = load_model_source(model_dir).config.vocab_size
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         forced = kw.pop("forced_arm", None)
         if kw:
             kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
-        engines[n] = LLM(model_dir, device=args.device, dtype=dtype, max_num_seqs=args.concurrency,
+        engines[n] = LLM(model_dir, device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs or args.concurrency,
                          num_kv_blocks=args.concurrency * blocks_per_request, max_num_batched_tokens=4096, **kw)
         if forced is not None:
             engines[n].engine.drafter.controller.forced_arm = forced
@@ -180,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gc_timer.close()  # (main() also runs inside the test process)
     result: dict[str, Any] = {"benchmark": "host_overhead", **run_metadata(),
                               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                              "model": ({"vocab": VOCAB, "layers": LAYERS, "made_by": "tests/tiny_model.py"} if args.model is None
+                              "model": ({"vocab": VOCAB, "layers": LAYERS, "made_by": "tests/tiny_model.py", "agree": args.agree}
+                                                  if args.model is None
                                         else {"path": args.model, "head": "shipped"}), "settings": vars(args), "configs": {}}
     base = min(timing[names[0]])
     for n in names:
@@ -196,10 +207,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 "over_first": round(ms / base, 3), "engine_steps": steps_of[n],
                                 "tok_s_rounds": [round(sum(lens) / x, 1) for x in seconds[n]],
                                 "tok_s_over_first": round(min(seconds[names[0]]) / min(seconds[n]), 3),
-                                "gc_ms_per_step_rounds": gc_ms[n],
+                                "gc_ms_per_step_rounds": gc_ms[n], **decisions_of(engines[n]),
                                 "profile_top": [ln for ln in buf.getvalue().splitlines() if ln.strip()][:args.top + 8]}
         print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps, tok/s "
-              f"{result['configs'][n]['tok_s_over_first']:.3f}x {names[0]}; "
+              f"{result['configs'][n]['tok_s_over_first']:.3f}x {names[0]}; k {result['configs'][n].get('k_histogram')}; "
               f"collector ms/step per round (gen 0, 1, 2): {gc_ms[n]}", flush=True)
     if args.torch_profile:
         traced = {n: torch_ops_per_step(engines[n], prompts, args.concurrency, lens, args.device) for n in names}
@@ -212,6 +223,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  {r['name'][:70]:70s} {r['calls']:+7.2f} {r['cpu_us']:+8.1f} {r['device_us']:+8.1f}")
     write_json(args.output_file, result)
     return result
+
+
+def decisions_of(llm: LLM) -> dict[str, Any]:
+    """A speculative engine's decisions over every pass (warm-up and profile included): k per
+    request-step, explorations, decisions, accepted drafts per verified request and per draft."""
+    d = llm.engine.drafter
+    if d is None:
+        return {}
+    ctl, st = d.controller, llm.engine.stats
+    return {"k_histogram": {int(k): v for k, v in sorted(ctl.k_histogram.items())}, "decisions": ctl.decisions,
+            "explorations": ctl.explorations,
+            "accepted_per_verify": round(st.spec_accepted_tokens / st.spec_verify_steps, 3) if st.spec_verify_steps else None,
+            "accepted_share": round(st.spec_accepted_tokens / st.spec_draft_tokens, 4) if st.spec_draft_tokens else None}
 
 
 def torch_ops_per_step(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int],

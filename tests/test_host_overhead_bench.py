@@ -39,3 +39,17 @@ def test_torch_profile_lists_the_ops_a_drafting_engine_adds(tmp_path):
         a = chain.get(r["name"], {}).get("calls", 0.0)
         b = plain.get(r["name"], {}).get("calls", 0.0)
         assert abs(r["calls"] - (a - b)) < 0.02, r
+
+
+def test_agree_makes_every_draft_accepted(tmp_path):
+    # --agree: a tiny model and head that both emit token 0, so a static chain's every draft is accepted
+    # and (with drafts priced within the profile: --max-num-seqs above one request) an adaptive engine
+    # drafts, as on a GPU at one request; without it the random head's drafts are all rejected
+    res = host_overhead.main(["--agree", "--concurrency", "1", "--max-num-seqs", "16", "--requests", "4",
+                              "--max-tokens", "24", "--rounds", "1", "--top", "5",
+                              "--configs", "static_chain1,adaptive_forced5", "--output-file", str(tmp_path / "h.json")])
+    chain, held = res["configs"]["static_chain1"], res["configs"]["adaptive_forced5"]
+    assert chain["accepted_share"] == 1.0 and held["accepted_share"] == 1.0
+    assert chain["accepted_per_verify"] == 1.0 and held["accepted_per_verify"] > 4  # (the last cycles' caps)
+    assert held["k_histogram"].get(5, 0) > 0
+    assert res["model"]["agree"] is True

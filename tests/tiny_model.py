@@ -10,7 +10,10 @@ import torch
 from safetensors.torch import save_file
 
 
-def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, logit_scale: float = 1.0) -> str:
+def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, logit_scale: float = 1.0,
+                    constant: bool = False) -> str:
+    """``constant``: the final norm's weight zero, so every logit is 0 and greedy decoding emits token 0
+    forever (with ``make_random_head(constant=True)``: a pair whose drafts are always accepted)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -22,6 +25,8 @@ def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, l
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # peaky next-token distributions so that drafts get rejected sometimes
         model.lm_head.weight.mul_(logit_scale)
+        if constant:
+            model.model.norm.weight.zero_()
     os.makedirs(path, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -34,7 +39,8 @@ def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, l
     return path
 
 
-def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5) -> str:
+def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5, constant: bool = False) -> str:
+    """``constant``: its final norm's weight zero: it drafts token 0 every time."""
     from specserve.loader import load_model_source
     from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
 
@@ -44,7 +50,7 @@ def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" in name:
-                p.fill_(1.0)
+                p.fill_(0.0 if constant and name == "norm.weight" else 1.0)
             else:
                 p.normal_(0, std)
     head.save_pretrained(path)
