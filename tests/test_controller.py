@@ -1,9 +1,12 @@
 """The speculation controller, with numbers alone."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.request import Status
 from specserve.spec.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
 from specserve.spec.cost_model import CostModel, Curve
 
@@ -393,11 +396,17 @@ def test_full_decisions_spread_out_when_they_cost_a_share_of_short_cycles():
     assert ctl.full_decision_every() == 4
 
 
+class _Req(SimpleNamespace):
+    """A request as the drafter reads it: its token count follows its token ids."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
 def _timed_drafter(monkeypatch, clock: list[float]):
     """The drafter's cycle timing with a fake clock (``clock[0]``): a drafter whose catch-up costs 1 ms a
     row and whose draft step 10 ms; returns it, the cycle times it finishes, and a request maker."""
-    from types import SimpleNamespace
-
     from specserve.spec import drafter as drafter_mod
 
     monkeypatch.setattr(drafter_mod, "clock", lambda: clock[0])
@@ -426,7 +435,8 @@ def _timed_drafter(monkeypatch, clock: list[float]):
 
     def req(rid, prompt):
         d.states[rid] = SimpleNamespace(draft_pos=0)
-        return SimpleNamespace(request_id=rid, is_finished=False, num_computed_tokens=prompt, num_tokens=prompt + 1,
+        return _Req(request_id=rid, status=Status.RUNNING, num_computed_tokens=prompt,
+                               all_token_ids=[0] * (prompt + 1),
                                num_prompt_tokens=prompt, num_output_tokens=0, no_draft_kv=False,
                                params=SimpleNamespace(max_spec_tokens=None, max_tokens=None))
 
@@ -437,13 +447,11 @@ def _step(d, clock: list[float], reqs: list, committed: int, prefilled=None) -> 
     """One engine step of ``reqs`` (100 ms), each committing ``committed`` tokens (and ``prefilled``
     joining them, its prompt prefilled in this step), then its draft_step, 5 ms of outputs, and 50 ms
     of the caller's own work between steps."""
-    from types import SimpleNamespace
-
     d.engine.step_started = clock[0]
     clock[0] += 0.100  # the target step
     for r in reqs:
         r.num_computed_tokens += committed
-        r.num_tokens = r.num_computed_tokens + 1
+        r.all_token_ids.extend([0] * committed)  # (its next token known: one more than computed)
     if prefilled is not None:
         reqs.append(prefilled)
     d.draft_step(SimpleNamespace(scheduled=[SimpleNamespace(samples=1, req=r) for r in reqs]), None)

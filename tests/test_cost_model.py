@@ -239,3 +239,29 @@ def test_a_curve_observed_between_predictions_predicts_as_one_built_from_its_sam
     fresh.samples = {g: type(s)(s, maxlen=s.maxlen) for g, s in c.samples.items()}
     for x in (1, 3, 10, 24, 50, 100):
         assert c.predict(x) == pytest.approx(fresh.predict(x), rel=1e-12)
+
+
+def test_one_seat_profiles_catch_up_sized_head_forwards(tmp_path, monkeypatch):
+    # with max_num_seqs 1 the eager start-up profile still times head forwards over catch-up-sized row
+    # counts: a catch-up's first estimate (before any switch measured one) extrapolated a one-point curve
+    # in proportion, 125 rows at 125x one row's forward, so no exploration out of plain decoding ever fitted
+    # the exploration budget and the engine never drafted where depth 5 paid
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_model import make_random_head, make_tiny_model
+
+    from specserve import LLM
+    from specserve.spec.drafter import CATCH_UP_PROFILE_ROWS
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny_model(str(tmp_path / "m"), vocab=64, layers=4)
+    head = make_random_head(model, str(tmp_path / "h"))
+    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=1, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_num_steps=3, speculative_policy="adaptive",
+              speculative_calibrate=False)
+    ctl = llm.engine.drafter.controller
+    assert set(CATCH_UP_PROFILE_ROWS) <= set(ctl.cost.draft.profile)
+    one = ctl.cost.draft.profile[1]
+    # a head forward over 64 rows costs a few single-row ones, not 64: the estimate follows the curve
+    assert ctl.catch_up_seconds(125) < 16 * one

@@ -28,7 +28,8 @@ import numpy as np
 EXACT = 16
 GRID: tuple[int, ...] = (*range(1, EXACT + 1), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
                          224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 3072, 4096)
-FORMAT_VERSION = 4  # 4: on the static draft path the draft curve times catch-up + chain loop per step
+FORMAT_VERSION = 5  # 4: on the static draft path the draft curve times catch-up + chain loop per step; 5: the eager
+# draft curve goes past max_num_seqs to catch-up-sized row counts (CATCH_UP_PROFILE_ROWS)
 
 
 def bucket(x: float) -> int:

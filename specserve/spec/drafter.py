@@ -41,7 +41,7 @@ from specserve.engine import sampler
 from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.kv_cache import KVSlots
-from specserve.engine.request import Request
+from specserve.engine.request import Request, Status
 from specserve.engine.runner import StepLists, allocate_kv_cache, kv_slab
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
@@ -139,6 +139,7 @@ class EarlyVerify:
 # and the tokens at which a prefill's and a catch-up's costs per token are compared
 FINISH_DECAY = 0.99
 COST_PROBE_TOKENS = 256
+CATCH_UP_PROFILE_ROWS = (16, 32, 64)  # head forwards profiled past max_num_seqs on the eager path (catch-ups)
 CATCH_UP_TIMING_EVERY = 8  # steady catch-ups per one timed with device events (the adaptive policy on a GPU)
 
 
@@ -384,7 +385,12 @@ class EagleSpeculator:
 
         t0 = clock()
         mt = measure(profile_points(max_tokens), target, sync=sync, budget_s=60.0)
-        md = measure(profile_points(max_batch), draft_static if static else draft, sync=sync, budget_s=20.0)
+        # eager: a few row counts past the batch too, catch-up-shaped (several rows a request): the first
+        # estimate of a catch-up (controller.catch_up_seconds) extrapolates this curve, and from one point
+        # (max_num_seqs 1) it did so in proportion, ~20x what a catch-up over 125 rows took: no exploration
+        # out of plain decoding ever fitted the budget
+        points = profile_points(max_batch) + ([] if static else [n for n in CATCH_UP_PROFILE_ROWS if n > max_batch])
+        md = measure(points, draft_static if static else draft, sync=sync, budget_s=20.0)
         if static:  # seconds per draft step
             md.seconds = {n: s / K for n, s in md.seconds.items()}
         # verify-shaped steps, b requests (a power of two) x t = 2..8 tokens: they do not cost what b*t
@@ -1412,9 +1418,10 @@ class EagleSpeculator:
             prev_s = self._cycle_head + tail + now - self.engine.step_started
             prev = self.controller.detach_cycle()
             self._cycle_head = None
-        # requests that produced a token this step and decode next step
-        candidates = [s.req for s in plan.scheduled
-                      if s.samples and not s.req.is_finished and s.req.num_tokens - s.req.num_computed_tokens == 1]
+        # requests that produced a token this step and decode next step (r.is_finished and r.num_tokens
+        # spelt out: a third of the time, every step, at 64-256 requests)
+        candidates = [r for s in plan.scheduled if s.samples and (r := s.req).status is not Status.FINISHED
+                      and len(r.all_token_ids) - r.num_computed_tokens == 1]
         if not candidates:
             self.controller.finish_cycle(prev, prev_s)
             return
