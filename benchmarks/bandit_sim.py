@@ -72,6 +72,10 @@ class Scenario:
     # over what its verify committed, which a drafting successor runs and plain decoding does not (the
     # drafter charged none before session 39, EagleSpeculator._unpaid_catch_up)
     unpaid_catch_up: float = 0.0
+    # seconds an exploration's first decision takes on the host outside any cycle's measure (a full
+    # decision after the verify's sync: ~0.5-0.7 ms at 1-16 requests on the H200, session 37's cycle logs;
+    # the second cycle's is taken before the sync, while the device computes)
+    explore_overhead_s: float = 0.0
 
     def tokens_per_request(self, d: int) -> float:
         return 1.0 + sum(math.prod(self.alpha[:j]) for j in range(1, d + 1))
@@ -109,6 +113,11 @@ SCENARIOS = {
                  alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=16.0),
         # ... at 64 and 256 requests plain decoding wins: chain 3 0.90x / 0.85x none, chain 5 0.91x / 0.86x
         # (depths 1, 2, 4 by guess); a catch-up ~1.4 ms + 0.5 us a token (its fit there): 1.5 us a token
+        # ... at 16 requests drafting pays a little (chain 3 1.025x, chain 5 1.015x none; depths 1, 2, 4 by
+        # guess), and an exploration's decision costs ~0.7 ms of host time outside the cycles' measures
+        Scenario("gpu_c16_s38", 16, 0.00201, (1.0, 0.96, 1.0, 1.025, 1.02, 1.015),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=14.0,
+                 explore_overhead_s=0.0007),
         Scenario("gpu_c64_s38", 64, 0.00344, (1.0, 0.93, 0.91, 0.90, 0.905, 0.91),
                  alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=1.5e-6, seconds=14.0),
         Scenario("gpu_c256_s38", 256, 0.00973, (1.0, 0.90, 0.87, 0.85, 0.855, 0.86),
@@ -162,7 +171,12 @@ def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int 
         switch_s = sc.catch_per_token * behind
         exploring = False
         if bandit.full_decision_due(key, full_every):  # as SpecController.quick_arm decides
+            second = bandit.second_cycle_due(key)  # (decided before the sync, overlapped: no overhead)
             arm, exploring = bandit.choose(key, priors, sc.batch, switch_s)
+            if exploring and not second and sc.explore_overhead_s > 0:  # (SpecController.observe_decide)
+                clock += sc.explore_overhead_s
+                loss["exploring"] += sc.explore_overhead_s
+                bandit.charge_overhead(key, sc.explore_overhead_s)
         else:  # the pick kept
             arm = bandit.chosen[key]
             bandit.visits[key] += 1

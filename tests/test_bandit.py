@@ -674,3 +674,35 @@ def test_a_depth_explored_now_and_then_is_known_by_what_its_last_drafts_added():
         errors[nested] = abs(b.token_estimates(priors, B)[5][0] - truth5)
     # (what is left with nested tokens: the fifth drafts' 40 requests, shrunk a little towards the model)
     assert errors[True] < 0.25 and errors[False] > 0.4, errors
+
+
+def test_an_explorations_decision_time_counts_against_the_exploration_budget():
+    # each exploration's first decision costs 5 ms of host time that no cycle's measure holds (10-12 ms
+    # cycles): charged, explorations keep to the budget's share of the time; uncharged, the decisions
+    # alone take several times that share
+    priors = {0: (4.0, 0.010), 1: (6.0, 0.010), 2: (7.2, 0.012)}
+    true_ratio = {0: 1.0, 1: 1.0, 2: 1.0}
+
+    def share(charge: bool) -> tuple[float, int]:
+        b = GoodputBandit(charge_decisions=charge)
+        rng = np.random.default_rng(0)
+        total = overhead = 0.0
+        explorations = 0
+        for _ in range(3000):
+            second = b.second_cycle_due(6)
+            arm, exploring = b.choose(6, priors)
+            if exploring and not second:
+                explorations += 1
+                overhead += 0.005
+                total += 0.005
+                b.charge_overhead(6, 0.005)
+            tok, sec = priors[arm]
+            t = sec * true_ratio[arm] * rng.lognormal(0, 0.1)
+            b.observe(6, arm, sec, tok, t)
+            total += t
+        return overhead / total, explorations
+
+    charged, n_charged = share(True)
+    free, n_free = share(False)
+    assert charged < 0.012 and free > 0.02
+    assert n_charged * 3 < n_free

@@ -222,6 +222,12 @@ class GoodputBandit:
     # not on the few exploration cycles they get: at one request on the H200 depths 3, 4 and 5 (2.06x,
     # 2.14x, 2.20x no-spec) took 21 %, 28 % and 48 % of the decisions on the noise of those (0.948)
     nested_tokens: bool = True
+    # the host time of an exploration's decision (taken after the verify's sync, with nothing queued on
+    # the device) counts against the exploration budget (``charge_overhead``): no cycle's measure holds
+    # it (a full decision's host time is no arm's), yet the engine spends it only to explore. At 16
+    # requests on the H200 it was ~0.7 ms an exploration, about as much as the explored cycles lost
+    # (session 37's cycle logs), so the budget let explorations take ~2x its share. False: for A/Bs
+    charge_decisions: bool = True
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     # depth e -> what drafting e rather than e - 1 added to the committed tokens, on every cycle of depth
@@ -567,6 +573,15 @@ class GoodputBandit:
         was an exploration, still counts against the exploration budget."""
         if seconds > 0:
             self._account(key, arm, tokens, seconds)
+
+    def charge_overhead(self, key: int, seconds: float) -> None:
+        """Host seconds an exploration in bucket ``key`` cost outside any cycle's measure (its decision):
+        spent against the budget, and expected of the next exploration (with its cycles' losses)."""
+        if seconds <= 0 or not self.charge_decisions:
+            return
+        self.spent[key] = self.spent.get(key, 0.0) + seconds
+        self.elapsed[key] = self.elapsed.get(key, 0.0) + seconds
+        self._last_loss[key] = self._last_loss.get(key, 0.0) + seconds
 
     def _account(self, key: int, arm: int, tokens: float, seconds: float) -> None:
         f = self.budget_decay

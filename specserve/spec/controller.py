@@ -376,8 +376,12 @@ class SpecController:
         return 1 << (max(self.full_every, min(need, 64)) - 1).bit_length()
 
     def observe_decide(self, seconds: float) -> None:
-        """Host seconds one full decision (``decide``) took: the caller's clock."""
+        """Host seconds one full decision (``decide``, just taken) took: the caller's clock. An exploration's
+        is charged to its bucket's exploration budget (GoodputBandit.charge_overhead)."""
         self._decide_s = seconds if self._decide_s <= 0 else 0.9 * self._decide_s + 0.1 * seconds
+        c = self._cycle
+        if c is not None and c.exploring:
+            self._later(self.bandit.charge_overhead, c.key, seconds)
 
     def speculation_off(self, batch: int) -> bool:
         """Whether a request admitted now, into a batch of ``batch`` requests, will plain-decode for a
