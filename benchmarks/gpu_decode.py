@@ -13,6 +13,7 @@ intermediate 14336, vocab 128256) gets random bf16 weights built on the GPU. Eve
 
     python benchmarks/gpu_decode.py --out benchmarks/results/gpu_decode.json
     python benchmarks/gpu_decode.py --tiny   # a small model, for a dry run anywhere
+    python benchmarks/gpu_decode.py --kv-cache-dtype fp8 --out ...   # 8-bit K/V (scale 1.0)
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.base import AttentionMetadata
-from specserve.config import EngineConfig, ModelConfig
+from specserve.attention.base import AttentionMetadata, to_cache_dtype
+from specserve.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from specserve.engine.runner import ModelRunner, StepInputs
 from specserve.loader import dummy_weights
 from specserve.models import build_model
@@ -159,6 +160,8 @@ def main() -> None:
     ap.add_argument("--verify-tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--tiny", action="store_true", help="small model (dry run)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                    help="the engine's --kv-cache-dtype (fp8: half the K/V bytes attention reads)")
     ap.add_argument("--no-unfused", dest="unfused", action="store_false",
                     help="skip the decode A/B with the torch elementwise ops instead of the fused Triton kernels")
     args = ap.parse_args()
@@ -189,11 +192,12 @@ def main() -> None:
     need += [sum(-(-(args.context + q) // bs) for q in spread(T, n)) for n in (1, 16) for T in verify]
     num_blocks = max(need) + 16
     cfg = EngineConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max(max_req, 64), block_size=bs,
-                       num_kv_blocks=num_blocks, max_model_len=args.context + max_tokens)
+                       num_kv_blocks=num_blocks, max_model_len=args.context + max_tokens,
+                       kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(model, mc, cfg, num_blocks, dev, dtype)
     for kc, vc in runner.kv_caches:  # random context K/V (never time on zeros)
-        kc.normal_()
-        vc.normal_()
+        for c in (kc, vc):
+            c.copy_(to_cache_dtype(torch.randn(c.shape, device=dev, dtype=dtype), c.dtype))
     t0 = time.perf_counter()
     runner.capture_graphs()
     capture = {"seconds": round(time.perf_counter() - t0, 3)}
@@ -226,6 +230,7 @@ def main() -> None:
                                       "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")},
         "dtype": str(dtype).replace("torch.", ""),
         "context": args.context,
+        "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
         "attention_backend": runner.backend_name,
         "notes": ("forward_ms: ModelRunner.forward (plan + graph replay), back-to-back steps, device events; "
                   "step_ms: forward + LM head + greedy argmax + host sync, median wall time; floor_ms: the 128 "
@@ -327,7 +332,7 @@ def main() -> None:
             inputs = decode_inputs(B)
             q = torch.randn(B, H, D, device=dev, dtype=dtype)
             k = torch.randn(B, KVH, D, device=dev, dtype=dtype)
-            kv_bytes = 2 * B * (args.context + 1) * KVH * D * torch.empty((), dtype=dtype).element_size()
+            kv_bytes = 2 * B * (args.context + 1) * KVH * D * runner.kv_dtype.itemsize
             for name, over in variants:
                 a = fresh.get(name, attn)
                 try:

@@ -125,6 +125,9 @@ class SpeculativeConfig:
         return self.eagle_topk == 1
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; field names match the CLI flags (dashes -> underscores)."""
@@ -156,6 +159,10 @@ class EngineConfig:
     # None: on, unless SPECSERVE_EXACT_TREES=0
     exact_tree_attention: bool | None = None
     cpu_weight_packing: bool = True  # CPU: linear weights pre-packed for oneDNN (flat cost in tokens per step)
+    # the target's KV cache: "auto" (the model's dtype) or 8-bit floats ("fp8" = "fp8_e4m3", "fp8_e5m2"),
+    # stored with scale 1.0 and saturated at the format's largest value, as vLLM does without
+    # calibrated scales: half the memory and half the bytes attention reads per key
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -172,6 +179,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     @property
     def graph_token_limit(self) -> int:

@@ -15,7 +15,7 @@ from triton_interpreter import triton_tests_device  # noqa: E402
 DEVICE = triton_tests_device()
 CUDA = DEVICE.type == "cuda"
 
-from specserve.attention.base import write_kv  # noqa: E402
+from specserve.attention.base import to_cache_dtype, write_kv  # noqa: E402
 from specserve.models import triton_ops  # noqa: E402
 from specserve.models.layers import RotaryEmbedding, apply_rotary  # noqa: E402
 
@@ -82,8 +82,42 @@ def test_rope_and_cache_matches_rotary_then_write(dtype, heads, kv_heads, head_d
     assert caches[0][0].view(-1, kv_heads, head_dim)[untouched.to(DEVICE)].abs().sum() == 0
 
 
+FP8_STORES = pytest.mark.skipif(not CUDA, reason="Triton 3.6's interpreter rounds into 8-bit floats without carrying "
+                                "into the exponent (7.8 -> 4.0, 1.96 -> 1.0; checked on the GPU)")
+
+
+@FP8_STORES
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_rope_and_cache_into_an_fp8_cache_saturates_as_the_torch_write(cache_dtype):
+    """--kv-cache-dtype fp8: the fused kernel rounds k and v into 8-bit floats as write_kv does
+    (clamped at the format's largest value, where a cast would give inf or NaN)."""
+    heads, kv_heads, head_dim, T, blocks, bs = 4, 2, 32, 5, 6, 4
+    g = torch.Generator().manual_seed(11)
+    big = torch.finfo(cache_dtype).max
+    rope = RotaryEmbedding(head_dim, 256, 10000.0, None)
+    cos, sin = rope(torch.tensor([0, 7, 3, 100, 255], device=DEVICE), torch.float32)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g) * 4
+    qkv[:, -3:] = torch.tensor([3 * big, -3 * big, 0.01])  # v values past the format on either side
+    qkv = qkv.to(DEVICE)
+    slots = torch.tensor([5, 0, 23, 12, 13], device=DEVICE)
+    caches = [tuple(torch.zeros(blocks, bs, kv_heads, head_dim, dtype=torch.uint8, device=DEVICE).view(cache_dtype)
+                    for _ in range(2)) for _ in range(2)]
+    triton_ops.rope_and_cache(qkv, cos, sin, caches[0], slots, heads, kv_heads, head_dim)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(T, heads + kv_heads, head_dim)
+    _, k_ref = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)
+    write_kv(caches[1], slots, k_ref, qkv[:, (heads + kv_heads) * head_dim :].view(T, kv_heads, head_dim))
+    v = caches[0][1].view(-1, kv_heads, head_dim)[slots].float()
+    assert torch.isfinite(v).all() and (v[:, -1, -3] == big).all() and (v[:, -1, -2] == -big).all()
+    assert torch.equal(caches[0][1].view(torch.uint8), caches[1][1].view(torch.uint8))  # v: the same rounding
+    k, k_ref = caches[0][0].float(), caches[1][0].float()
+    # k: the rotation's fp32 products may differ by an ulp, which can move a rounding by one 8-bit step
+    assert (k == k_ref).float().mean() > 0.98
+    torch.testing.assert_close(k, k_ref, rtol=2.0 ** -torch.finfo(cache_dtype).nmant, atol=1e-2)
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # interpreter
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16,
+                                         pytest.param(torch.float8_e4m3fn, marks=FP8_STORES)])
 def test_backend_forward_rope_matches_rotary_then_forward(cache_dtype):
     """TritonBackend.forward_rope (the fused kernel, or rotary + forward where qkv is not in the
     cache dtype) against rotary by the torch ops and the backend's plain forward."""
@@ -104,7 +138,7 @@ def test_backend_forward_rope_matches_rotary_then_forward(cache_dtype):
     qkv = torch.randn(4, (H + 2 * KVH) * D, generator=g).to(DEVICE)
 
     def backend():
-        caches = [(base.clone().to(DEVICE, cache_dtype), base.clone().to(DEVICE, cache_dtype))]
+        caches = [(to_cache_dtype(base.clone(), cache_dtype).to(DEVICE), to_cache_dtype(base.clone(), cache_dtype).to(DEVICE))]
         b = TritonBackend(caches, bs, D**-0.5, num_heads=H, max_num_tokens=8, max_num_seqs=4, max_blocks_per_seq=4)
         b.plan(meta)
         return b
@@ -116,11 +150,11 @@ def test_backend_forward_rope_matches_rotary_then_forward(cache_dtype):
     qk = apply_rotary(qkv[:, : (H + KVH) * D].view(4, H + KVH, D), cos, sin)
     q, k = qk.split((H, KVH), dim=1)
     out_ref = ref.forward(0, q, k, qkv[:, (H + KVH) * D :].view(4, KVH, D))
-    tol = 1e-5 if cache_dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.float8_e4m3fn: 0.07}[cache_dtype]  # (fp8: an 8-bit step)
     torch.testing.assert_close(out.float(), out_ref.float(), atol=tol, rtol=tol)
     for a, b in zip(fused.kv_caches[0], ref.kv_caches[0]):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
-    assert not torch.equal(fused.kv_caches[0][0], base.to(DEVICE, cache_dtype))  # this step's K was written
+    assert not torch.equal(fused.kv_caches[0][0].float(), to_cache_dtype(base, cache_dtype).to(DEVICE).float())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -92,6 +92,17 @@ def forward_context(attn: AttentionBackend) -> Iterator[ForwardContext]:
         _CONTEXT = prev
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: 8-bit floats saturate at the format's largest value, explicitly (a
+    cast's overflow is inf for e5m2 and, where not saturating, NaN for e4m3)."""
+    if x.dtype == dtype:
+        return x
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        big = torch.finfo(dtype).max
+        return x.clamp(-big, big).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Store this step's k, v [T, KVH, D] at their flat cache slots; returns both caches viewed
@@ -100,6 +111,11 @@ def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k
     kvh, d = k_cache.shape[-2:]
     k_flat = k_cache.view(-1, kvh, d)
     v_flat = v_cache.view(-1, kvh, d)
-    k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
+    k_new, v_new = to_cache_dtype(k, k_flat.dtype), to_cache_dtype(v, v_flat.dtype)
+    if k_flat.element_size() == 1:  # 8-bit floats, moved as bytes (the CPU's index_copy_ has no fp8 kernel)
+        k_flat.view(torch.uint8).index_copy_(0, slots, k_new.view(torch.uint8))
+        v_flat.view(torch.uint8).index_copy_(0, slots, v_new.view(torch.uint8))
+    else:
+        k_flat.index_copy_(0, slots, k_new)
+        v_flat.index_copy_(0, slots, v_new)
     return k_flat, v_flat

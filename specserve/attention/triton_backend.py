@@ -136,7 +136,8 @@ def _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, 
     blk = tl.load(block_table + req * bt_stride + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
     kv_off = blk * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
     kv_mask = j_ok[:, None] & d_ok[None, :]
-    k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    # (an 8-bit float cache is widened to the queries' dtype: the same products as a bf16 cache's)
+    k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
 
     jj = j[None, :]
@@ -149,7 +150,7 @@ def _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -716,7 +717,7 @@ class TritonBackend(AttentionBackend):
         from specserve.models.triton_ops import rope_and_cache
 
         kv = self.kv_caches[layer]
-        if qkv.dtype != kv[0].dtype:  # the kernel stores k, v as they are: rotary and write apart
+        if qkv.dtype != kv[0].dtype and kv[0].element_size() > 1:  # rotary and write apart
             if positions is not None:
                 raise ValueError(f"the draft rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
             from specserve.models.layers import rotary_qkv
@@ -735,7 +736,7 @@ class TritonBackend(AttentionBackend):
         """Attention of q [T, H, D] over the cache, this step's K/V already written."""
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        if q.dtype != k_cache.dtype:
+        if q.dtype != k_cache.dtype and k_cache.element_size() > 1:  # (8-bit caches: q's dtype)
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -830,7 +831,7 @@ class TritonDecodeAttention(AttentionBackend):
 
         assert self._slots is not None and self._seq32 is not None, "set_step() first"
         kv = self.kv_caches[layer]
-        if qkv.dtype != kv[0].dtype:
+        if qkv.dtype != kv[0].dtype and kv[0].element_size() > 1:
             raise ValueError(f"the fused rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
         q = rope_and_cache(qkv, cos, sin, kv, self._slots, num_heads, self.num_kv_heads, self.head_dim, positions)
         return self._attend(layer, q)
@@ -844,7 +845,7 @@ class TritonDecodeAttention(AttentionBackend):
         """Attention of q [B, H, D] over the cache, this step's K/V already written."""
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        if q.dtype != k_cache.dtype:
+        if q.dtype != k_cache.dtype and k_cache.element_size() > 1:  # (8-bit caches: q's dtype)
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specserve.config import EngineConfig
+from specserve.config import KV_CACHE_DTYPES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3) / fp8_e5m2, stored with "
+                        "scale 1.0: half the cache memory; the draft head's cache keeps the head's dtype")
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV cache size on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -53,7 +56,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FIELDS = (
     "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
+    "block_size", "num_kv_blocks", "kv_cache_dtype", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
     "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
     "max_cudagraph_capture_size", "exact_tree_attention",
 )

@@ -73,9 +73,24 @@ class StepLists:
         return a
 
 
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The target's KV cache dtype for ``--kv-cache-dtype`` (auto: the model's)."""
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, {', '.join(FP8_KV_DTYPES)}, got {name!r}")
+    return FP8_KV_DTYPES[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
-    elt = torch.empty((), dtype=dtype).element_size()
-    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elt
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -83,31 +98,36 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]: views of one slab
     [num_layers * 2, num_blocks * block_size, ...] (``kv_slab``), so moving a token's KV in every
     layer is one indexing op."""
-    slab = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    # (fp8: zeroed as bytes; the CPU has no fill for 8-bit floats)
+    slab = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                       dtype=torch.uint8 if is_fp8(dtype) else dtype, device=device).view(dtype)
     return [(slab[i, 0], slab[i, 1]) for i in range(num_layers)]
 
 
 def kv_slab(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """[num_layers * 2, slots, num_kv_heads, head_dim]: every layer's K and V over one storage."""
+    """[num_layers * 2, slots, num_kv_heads, head_dim]: every layer's K and V over one storage, for
+    moving tokens' KV (8-bit float caches as bytes: indexing ops lack fp8 kernels on the CPU)."""
     k0 = kv_caches[0][0]
     slab = k0._base
     if slab is None or slab.shape[:2] != (len(kv_caches), 2):
         raise ValueError("KV caches not from allocate_kv_cache: no slab under them")
-    return slab.view(2 * len(kv_caches), -1, *k0.shape[2:])
+    flat = slab.view(2 * len(kv_caches), -1, *k0.shape[2:])
+    return flat.view(torch.uint8) if is_fp8(flat.dtype) else flat
 
 
 def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                       reserve_bytes: int = 0) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_token(mc, dtype) * config.block_size
+    per_block = kv_bytes_per_token(mc, kv_cache_dtype(config.kv_cache_dtype, dtype)) * config.block_size
     if config.speculative is not None:
-        # the draft head keeps one KV layer per block, shaped like the target's (EAGLE heads), and
-        # the drafter the target's features of every token (three layers' hidden states, EAGLE-3)
+        # the draft head keeps one KV layer per block, shaped like the target's (EAGLE heads) in the
+        # head's dtype, and the drafter the target's features of every token (three layers' hidden
+        # states, EAGLE-3)
         sc = config.speculative
-        head_size = dtype.itemsize if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype).itemsize
-        per_block = (per_block + per_block * head_size // (mc.num_hidden_layers * dtype.itemsize)
-                     + 3 * mc.hidden_size * dtype.itemsize * config.block_size)
+        head_dtype = dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
+        per_block += (kv_bytes_per_token(mc, head_dtype) // mc.num_hidden_layers
+                      + 3 * mc.hidden_size * dtype.itemsize) * config.block_size
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total - reserve_bytes
@@ -148,6 +168,7 @@ class ModelRunner:
         self.backend_name = resolve_attention_backend(config.attention_backend, device)
         mc, bs = model_config, config.block_size
         scale = mc.head_dim**-0.5
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.graphs: CUDAGraphRunner | None = None
         self.attn: AttentionBackend
         if self.backend_name == "triton":
@@ -155,7 +176,7 @@ class ModelRunner:
 
             # one block beyond the block manager's: padded (graph) tokens write their K/V there
             self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, bs, mc.num_key_value_heads,
-                                               mc.head_dim, dtype, device)
+                                               mc.head_dim, self.kv_dtype, device)
             max_len = config.max_model_len or mc.max_position_embeddings
             self.attn = TritonBackend(
                 self.kv_caches, bs, scale, num_heads=mc.num_attention_heads,
@@ -168,7 +189,7 @@ class ModelRunner:
                 self.graphs = CUDAGraphRunner(model, self.attn, capture_sizes(config.graph_token_limit), device)
         else:  # (the same spare block: the drafter's device-side moves send their no-ops there)
             self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, bs, mc.num_key_value_heads,
-                                               mc.head_dim, dtype, device)
+                                               mc.head_dim, self.kv_dtype, device)
             self.attn = TorchNativeBackend(self.kv_caches, bs, scale)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         # forwards per path ("target:graph" / "target:eager"): benchmarks check no step fell back

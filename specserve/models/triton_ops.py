@@ -96,7 +96,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rope_cache_kernel(QKV, Cos, Sin, Q, K_cache, V_cache, Slots, Pos, P,
                        stride_qkv, stride_cos, stride_qt, stride_qh, stride_slot,
                        HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DRAFT: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DRAFT: tl.constexpr, KV_MAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -130,8 +130,18 @@ def _rope_cache_kernel(QKV, Cos, Sin, Q, K_cache, V_cache, Slots, Pos, P,
     slot = tl.load(Slots + t).to(tl.int64)
     kv_head = tl.where(is_k, h - HQ, h - HQ - HK)
     dst = slot * stride_slot + kv_head[:, None] * D + d[None, :]
-    tl.store(K_cache + dst, rot.to(K_cache.dtype.element_ty), mask=ok & is_k[:, None])
-    tl.store(V_cache + dst, x.to(V_cache.dtype.element_ty), mask=ok & is_v[:, None])
+    k = rot
+    v = x
+    if KV_MAX > 0:  # an 8-bit float cache: saturated, as attention.base.to_cache_dtype
+        k = tl.minimum(tl.maximum(rot.to(tl.float32), -KV_MAX), KV_MAX)
+        v = tl.minimum(tl.maximum(x.to(tl.float32), -KV_MAX), KV_MAX)
+    tl.store(K_cache + dst, k.to(K_cache.dtype.element_ty), mask=ok & is_k[:, None])
+    tl.store(V_cache + dst, v.to(V_cache.dtype.element_ty), mask=ok & is_v[:, None])
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    """The largest value of an 8-bit float cache dtype; 0.0 for any other (no saturation)."""
+    return float(torch.finfo(dtype).max) if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 0.0
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -140,7 +150,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (HQ + 2 HK) * D] (q, k, v heads side by side, last dim contiguous), cos/sin [T, 1, D]
     or [T, D] -> rotated q [T, HQ, D]; rotated k and v written at ``slots`` [T] of the paged caches
-    [blocks, block_size, HK, D] (contiguous).
+    [blocks, block_size, HK, D] (contiguous; 8-bit float caches saturate at the format's largest value).
 
     With ``positions`` [T] (the draft head's, eagle3.DraftAttention.build_rope_tables): cos/sin are
     fp32 tables [P, D/2] read at each token's position (clamped to [0, P - 1]), and the rotation is
@@ -165,7 +175,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             qkv, cos2, sin2, q, k_cache, v_cache, slots, pos, cos2.shape[0],
             qkv.stride(0), cos2.stride(0), q.stride(0), q.stride(1), num_kv_heads * head_dim,
             HQ=num_heads, HK=num_kv_heads, D=head_dim, BLOCK_H=block_h, BLOCK_D=_pow2(head_dim),
-            DRAFT=table, num_warps=4, enable_fp_fusion=not table,
+            DRAFT=table, KV_MAX=_fp8_max(k_cache.dtype), num_warps=4, enable_fp_fusion=not table,
         )
     return q
 
