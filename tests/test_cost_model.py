@@ -197,6 +197,8 @@ def test_cost_profile_key_follows_cpu_packing(monkeypatch) -> None:
     unpacked = drafter.cost_profile_key(eng, head, 4, False)
     assert len({two, four, unpacked}) == 3
     assert drafter.cost_profile_key(eng, head, 4, True) != unpacked  # graphs change the kernels too
+    eng.config.kv_cache_dtype = "fp8"  # and an 8-bit K/V cache what attention reads
+    assert drafter.cost_profile_key(eng, head, 4, False) != unpacked
 
 
 def test_linear_cost_separates_a_fixed_part_from_the_rate_per_unit():

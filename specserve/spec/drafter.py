@@ -81,7 +81,7 @@ def default_draft_path() -> str:
 def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bool) -> str:
     """What a cached cost profile is valid for: the engine's model, shapes, device and step limits,
     the head's shape (not its path: a retrained head of the same shape costs the same), and what
-    changes a step's kernels (CUDA graphs; on the CPU the weight packing and the row count from which
+    changes a step's kernels (CUDA graphs, the K/V cache's dtype; on the CPU the weight packing and the row count from which
     the packed kernel runs, measured per process: a profile cached under another threshold put
     2-3-token verifies at 1.5-2x a decode step where they cost less than one)."""
     import dataclasses
@@ -98,7 +98,9 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
     return (f"v{FORMAT_VERSION}|{e.model_name}|{e.model_config}|{head_shape}|{dev_name}|{e.dtype}|"
             f"{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|{e.config.max_num_seqs}|"
             f"{num_draft_tokens}|graphs={graphs}|{packing}"
-            + ("" if draft_dtype == "auto" else f"|draft={draft_dtype}"))
+            + ("" if draft_dtype == "auto" else f"|draft={draft_dtype}")
+            # an 8-bit K/V cache halves what attention reads: other verify costs
+            + ("" if getattr(e.config, "kv_cache_dtype", "auto") == "auto" else f"|kv={e.config.kv_cache_dtype}"))
 
 
 @dataclass
