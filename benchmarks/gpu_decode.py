@@ -13,7 +13,7 @@ intermediate 14336, vocab 128256) gets random bf16 weights built on the GPU. Eve
 
     python benchmarks/gpu_decode.py --out benchmarks/results/gpu_decode.json
     python benchmarks/gpu_decode.py --tiny   # a small model, for a dry run anywhere
-    python benchmarks/gpu_decode.py --kv-cache-dtype fp8 --out ...   # 8-bit K/V (scale 1.0)
+    python benchmarks/gpu_decode.py --also-kv-cache-dtype fp8 --out ...   # and decode over 8-bit K/V (scale 1.0)
 """
 
 from __future__ import annotations
@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small model (dry run)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                     help="the engine's --kv-cache-dtype (fp8: half the K/V bytes attention reads)")
+    ap.add_argument("--also-kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                    help="after the other sections, decode again (and one layer's attention) with a second runner "
+                         "whose cache has this dtype, over the same model, against the floor measured alongside")
     ap.add_argument("--no-unfused", dest="unfused", action="store_false",
                     help="skip the decode A/B with the torch elementwise ops instead of the fused Triton kernels")
     args = ap.parse_args()
@@ -191,13 +194,17 @@ def main() -> None:
     need = [b * -(-(args.context + 1) // bs) for b in batches]
     need += [sum(-(-(args.context + q) // bs) for q in spread(T, n)) for n in (1, 16) for T in verify]
     num_blocks = max(need) + 16
-    cfg = EngineConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max(max_req, 64), block_size=bs,
-                       num_kv_blocks=num_blocks, max_model_len=args.context + max_tokens,
-                       kv_cache_dtype=args.kv_cache_dtype)
-    runner = ModelRunner(model, mc, cfg, num_blocks, dev, dtype)
-    for kc, vc in runner.kv_caches:  # random context K/V (never time on zeros)
-        for c in (kc, vc):
-            c.copy_(to_cache_dtype(torch.randn(c.shape, device=dev, dtype=dtype), c.dtype))
+    def make_runner(kv_cache_dtype: str) -> ModelRunner:
+        cfg = EngineConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max(max_req, 64), block_size=bs,
+                           num_kv_blocks=num_blocks, max_model_len=args.context + max_tokens,
+                           kv_cache_dtype=kv_cache_dtype)
+        r = ModelRunner(model, mc, cfg, num_blocks, dev, dtype)
+        for kc, vc in r.kv_caches:  # random context K/V (never time on zeros)
+            for c in (kc, vc):
+                c.copy_(to_cache_dtype(torch.randn(c.shape, device=dev, dtype=dtype), c.dtype))
+        return r
+
+    runner = make_runner(args.kv_cache_dtype)
     t0 = time.perf_counter()
     runner.capture_graphs()
     capture = {"seconds": round(time.perf_counter() - t0, 3)}
@@ -301,7 +308,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 save()
 
-    def attention_layer() -> None:
+    def attention_layer(key: str = "attention_layer", only_default: bool = False) -> None:
         """KV write + attention of one layer per decode batch, graph-captured (GPU time only); bytes =
         the K and V it must read. On the Triton backend also other launch settings, to tune the default."""
         attn = runner.attn
@@ -309,7 +316,8 @@ def main() -> None:
         variants: list[tuple[str, dict]] = [("default", {})]
         fresh: dict[str, object] = {}  # variants that size the backend differently get their own
         knobs = ("split_kv", "block_n", "num_warps", "num_stages", "min_split_keys")
-        if runner.backend_name == "triton":
+        saved = {k: getattr(attn, k, None) for k in knobs}
+        if runner.backend_name == "triton" and not only_default:
             variants += [("no_split", {"split_kv": False}), ("block_n=32", {"block_n": 32}),
                          ("block_n=128", {"block_n": 128}), ("warps=8", {"num_warps": 8}),
                          ("stages=3", {"num_stages": 3}), ("no_split,block_n=128,warps=8",
@@ -326,8 +334,7 @@ def main() -> None:
                     max_blocks_per_seq=attn.max_blocks_per_seq, scratch_slot=attn.scratch_slot,
                     target_programs=mult * torch.cuda.get_device_properties(dev).multi_processor_count)
                 variants.append((name, {}))
-            saved = {k: getattr(attn, k) for k in knobs}
-        results["attention_layer"] = []
+        results[key] = []
         for B in batches:
             inputs = decode_inputs(B)
             q = torch.randn(B, H, D, device=dev, dtype=dtype)
@@ -359,7 +366,7 @@ def main() -> None:
                         for key in over:  # fresh backends take no overrides
                             setattr(a, key, saved[key])
                         a.graph_min_tokens = 1
-                results["attention_layer"].append(row)
+                results[key].append(row)
                 print(json.dumps(row), flush=True)
 
     def decode_without_split() -> None:
@@ -420,6 +427,28 @@ def main() -> None:
             layers.FUSED_OPS = True
             runner.capture_graphs()
 
+    def other_kv_dtype() -> None:
+        """Decode with a second runner whose K/V cache has --also-kv-cache-dtype (graphs of its own), each
+        batch's floor measured alongside; and one layer's attention (default launch) per batch."""
+        nonlocal runner
+        main_runner = runner
+        runner = make_runner(args.also_kv_cache_dtype)
+        try:
+            runner.capture_graphs()
+            rows = []
+            for B in batches:
+                fwd = gpu_time_ms(forward_fn(decode_inputs(B)), it)
+                fl = gpu_time_ms(floor.get(B), it)
+                main_fwd = gpu_time_ms(lambda r=main_runner, i=decode_inputs(B): r.forward(i), it)
+                rows.append({"batch": B, "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
+                             "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3), "forward_over_floor": round(fwd / fl, 3),
+                             "main_forward_ms": round(main_fwd, 3), "main_forward_over_floor": round(main_fwd / fl, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+            results["decode_other_kv_dtype"] = rows
+            attention_layer(key="attention_layer_other_kv_dtype", only_default=True)
+        finally:
+            runner = main_runner
+
     section("decode", decode)
     section("verify_curve", verify_curve)
     section("attention_layer", attention_layer)
@@ -429,6 +458,8 @@ def main() -> None:
         section("kernel_profile", kernel_profile)
         if args.unfused:
             section("unfused", unfused)
+    if args.also_kv_cache_dtype:
+        section("other_kv_dtype", other_kv_dtype)
 
     print(f"\n{results['device']}, {results['dtype']}, context {args.context}, graphs: {capture}")
     print(f"{'batch':>6} {'forward':>9} {'step':>9} {'floor':>9} {'lm_head':>8} {'fwd/floor':>10} {'step/(floor+lm)':>16}")
@@ -453,6 +484,9 @@ def main() -> None:
               f"{kp['eager_forward_kernel_us']:.0f} us of kernel time")
         for r in kp["top"][:15]:
             print(f"  {r['total_us']:>9.1f} us {r['count']:>5}x  {r['kernel']}")
+    if "decode_other_kv_dtype" in results:
+        print(f"\ndecode with a {args.also_kv_cache_dtype} K/V cache: {json.dumps(results['decode_other_kv_dtype'])}")
+        print(f"its attention layer: {json.dumps(results.get('attention_layer_other_kv_dtype'))}")
     if "decode_unfused" in results:
         print(f"\ndecode with the torch elementwise ops (not fused): {json.dumps(results['decode_unfused'])}")
     if results["errors"]:
