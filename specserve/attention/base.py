@@ -92,12 +92,15 @@ def forward_context(attn: AttentionBackend) -> Iterator[ForwardContext]:
         _CONTEXT = prev
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # what --kv-cache-dtype fp8 / fp8_e5m2 store
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as the cache stores it: 8-bit floats saturate at the format's largest value, explicitly (a
     cast's overflow is inf for e5m2 and, where not saturating, NaN for e4m3)."""
     if x.dtype == dtype:
         return x
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if dtype in FP8_DTYPES:
         big = torch.finfo(dtype).max
         return x.clamp(-big, big).to(dtype)
     return x.to(dtype)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from specserve.attention.base import FP8_DTYPES, AttentionBackend, AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine import sampler
@@ -86,7 +86,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return dtype in FP8_DTYPES
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
