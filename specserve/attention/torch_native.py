@@ -102,11 +102,15 @@ class TorchNativeBackend(AttentionBackend):
         h = q.shape[1]
         q_ext = torch.cat([q, q.new_zeros(1, h, d)], 0)
         outs = []
+        if k_flat.element_size() == 1:  # 8-bit floats, gathered as bytes (indexing kernels may lack fp8)
+            k_src, v_src = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+        else:
+            k_src, v_src = k_flat, v_flat
         for g in self._groups:
             B, max_q, max_kv = g.shape
             qp = q_ext[g.q_index].transpose(1, 2)  # [B, H, max_q, D]
-            kp = k_flat[g.kv_slots].transpose(1, 2)  # [B, KVH, max_kv, D]
-            vp = v_flat[g.kv_slots].transpose(1, 2)
+            kp = k_src[g.kv_slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv, D]
+            vp = v_src[g.kv_slots].view(v_flat.dtype).transpose(1, 2)
             out = F.scaled_dot_product_attention(
                 qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=h != kvh
             )
