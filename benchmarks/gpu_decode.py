@@ -407,6 +407,12 @@ def main() -> None:
         results["kernel_profile"] = {"batch": B, "eager_forward_kernel_us": round(sum(r["total_us"] for r in rows), 1),
                                      "num_kernels": sum(r["count"] for r in rows), "top": rows[:25]}
 
+    def forward_against_floor(B: int) -> dict:
+        """The current runner's decode forward at batch B and the linear-layers floor, measured together."""
+        fwd = gpu_time_ms(forward_fn(decode_inputs(B)), it)
+        fl = gpu_time_ms(floor.get(B), it)
+        return {"batch": B, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3), "forward_over_floor": round(fwd / fl, 3)}
+
     def unfused() -> None:
         """Decode again with the torch ops for norm, SiLU*mul, rotary and the cache write (re-captured
         graphs), in this run: what the fused Triton kernels (models/triton_ops.py) save."""
@@ -417,10 +423,7 @@ def main() -> None:
             runner.capture_graphs()
             rows = []
             for B in batches:
-                fwd = gpu_time_ms(forward_fn(decode_inputs(B)), it)
-                fl = gpu_time_ms(floor.get(B), it)
-                rows.append({"batch": B, "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3),
-                             "forward_over_floor": round(fwd / fl, 3)})
+                rows.append(forward_against_floor(B))
                 print(json.dumps(rows[-1]), flush=True)
             results["decode_unfused"] = rows
         finally:
@@ -437,12 +440,11 @@ def main() -> None:
             runner.capture_graphs()
             rows = []
             for B in batches:
-                fwd = gpu_time_ms(forward_fn(decode_inputs(B)), it)
-                fl = gpu_time_ms(floor.get(B), it)
+                row = forward_against_floor(B)
                 main_fwd = gpu_time_ms(lambda r=main_runner, i=decode_inputs(B): r.forward(i), it)
-                rows.append({"batch": B, "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
-                             "forward_ms": round(fwd, 3), "floor_ms": round(fl, 3), "forward_over_floor": round(fwd / fl, 3),
-                             "main_forward_ms": round(main_fwd, 3), "main_forward_over_floor": round(main_fwd / fl, 3)})
+                rows.append({**row, "kv_cache_dtype": str(runner.kv_dtype).replace("torch.", ""),
+                             "main_forward_ms": round(main_fwd, 3),
+                             "main_forward_over_floor": round(main_fwd / row["floor_ms"], 3)})
                 print(json.dumps(rows[-1]), flush=True)
             results["decode_other_kv_dtype"] = rows
             attention_layer(key="attention_layer_other_kv_dtype", only_default=True)
