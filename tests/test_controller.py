@@ -745,3 +745,38 @@ def test_shallower_depths_tokens_at_any_batch(batch):
     ctl.observe_many([r.request_id for r in reqs], [4] * batch, [min(a, 4) for a in accepted])
     want = {e: float(sum(min(a, e) + 1 for a in accepted)) for e in range(1, 4)}
     assert ctl._cycle.tokens_at == want
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_an_explorations_decision_time_is_charged_to_its_buckets_budget(defer):
+    """observe_decide after an exploring full decision charges its host seconds to the bucket's exploration
+    budget (after the next flush when deferring, as the drafter does); after a decision that exploits, not."""
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE), defer=defer)
+    reqs = [R("a")]
+    exploring = exploiting = 0
+    for _ in range(200):
+        arm = ctl.quick_arm(1)
+        if arm is None:
+            ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
+            c = ctl._cycle
+            key = c.key
+            spent = ctl.bandit.spent.get(key, 0.0)
+            ctl.observe_decide(0.004)
+            ctl.flush()
+            charged = ctl.bandit.spent.get(key, 0.0) - spent
+            if c.exploring:
+                exploring += 1
+                assert charged == pytest.approx(0.004)
+            else:
+                exploiting += 1
+                assert charged == 0.0
+        elif arm:
+            ks = ctl.uniform(reqs, arm, [3])
+        else:
+            ctl.count_off(1)
+            ks = [0]
+        ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
+        ctl.observe("a", ks[0], min(ks[0], 2))
+        ctl.end_cycle(true_ms(1 + ks[0]) * 1e-3)
+        ctl.flush()
+    assert exploring and exploiting
