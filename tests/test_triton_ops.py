@@ -115,6 +115,34 @@ def test_rope_and_cache_into_an_fp8_cache_saturates_as_the_torch_write(cache_dty
     torch.testing.assert_close(k, k_ref, rtol=2.0 ** -torch.finfo(cache_dtype).nmant, atol=1e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_rope_and_cache_stores_8_bit_values_where_write_kv_does(cache_dtype):
+    """The fused kernel's fp8 path where no rounding happens (so the interpreter checks it too): values the
+    format holds exactly, at position 0 (no rotation), land bit for bit as write_kv stores them; values past
+    the format's largest saturate; q is left in qkv's dtype."""
+    heads, kv_heads, head_dim, T, blocks, bs = 4, 2, 32, 3, 4, 4
+    g = torch.Generator().manual_seed(12)
+    big = torch.finfo(cache_dtype).max
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    cos, sin = rope(torch.zeros(T, dtype=torch.long, device=DEVICE), torch.float32)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(T, width, generator=g) * 8).to(cache_dtype).float()  # exactly representable
+    qkv[:, -2:] = torch.tensor([5 * big, -5 * big])
+    qkv[:, heads * head_dim] = 3 * big  # a key past the format too
+    qkv = qkv.to(DEVICE)
+    slots = torch.tensor([6, 1, 12], device=DEVICE)
+    caches = [tuple(torch.zeros(blocks, bs, kv_heads, head_dim, dtype=torch.uint8, device=DEVICE).view(cache_dtype)
+                    for _ in range(2)) for _ in range(2)]
+    q = triton_ops.rope_and_cache(qkv, cos, sin, caches[0], slots, heads, kv_heads, head_dim)
+    assert q.dtype == torch.float32 and torch.equal(q, qkv[:, : heads * head_dim].view(T, heads, head_dim))
+    kv = qkv[:, heads * head_dim :].view(T, 2 * kv_heads, head_dim)
+    write_kv(caches[1], slots, kv[:, :kv_heads], kv[:, kv_heads:])
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    k, v = (c.view(-1, kv_heads, head_dim)[slots].float() for c in caches[0])
+    assert (k[:, 0, 0] == big).all() and (v[:, -1, -2] == big).all() and (v[:, -1, -1] == -big).all()
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # interpreter
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16,
                                          pytest.param(torch.float8_e4m3fn, marks=FP8_STORES)])
