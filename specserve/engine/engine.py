@@ -121,9 +121,9 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.after_capture()  # its cost profile measures the graphs
         self.load_time_s = time.perf_counter() - t0
-        log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d, max_model_len %d",
+        log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d (%s), max_model_len %d",
                  self.load_time_s, self.model_name, self.device, self.dtype, num_blocks, config.block_size,
-                 self.max_model_len)
+                 str(self.runner.kv_dtype).replace("torch.", ""), self.max_model_len)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
