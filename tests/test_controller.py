@@ -359,29 +359,36 @@ def test_observe_many_is_observe_per_request():
     assert many.overall.drafted[0] == pytest.approx(5, rel=1e-2)
 
 
+def one_request_cycles(ctl: SpecController, n: int, after_full, cycle_s: float | None = None) -> list:
+    """``n`` cycles of one request (cap 3, accepting up to 2 drafts) through the controller's quick and full
+    decisions, as the drafter drives it; ``after_full()`` right after each full decision (what it returns is
+    listed). Each cycle takes ``cycle_s``, or the steps' true time."""
+    reqs = [R("a")]
+    out = []
+    for _ in range(n):
+        arm = ctl.quick_arm(1)
+        if arm is None:
+            ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
+            out.append(after_full())
+        elif arm:
+            ks = ctl.uniform(reqs, arm, [3])
+        else:
+            ctl.count_off(1)
+            ks = [0]
+        ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
+        ctl.observe("a", ks[0], min(ks[0], 2))
+        ctl.end_cycle(cycle_s if cycle_s is not None else true_ms(1 + ks[0]) * 1e-3)
+        ctl.flush()
+    return out
+
+
 def test_full_decisions_spread_out_when_they_cost_a_share_of_short_cycles():
     """On a GPU a cycle at one request is ~2.5 ms and a full decision ~0.3 ms of host time: the
     bucket's arms are weighed less often there (within decide_budget), on the CPU as before."""
 
     def full_decisions(decide_s: float, cycle_s: float, n: int = 256) -> int:
         ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
-        reqs = [R("a")]
-        full = 0
-        for _ in range(n):
-            arm = ctl.quick_arm(1)
-            if arm is None:
-                full += 1
-                ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
-                ctl.observe_decide(decide_s)
-            elif arm:
-                ks = ctl.uniform(reqs, arm, [3])
-            else:
-                ctl.count_off(1)
-                ks = [0]
-            ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-            ctl.observe("a", ks[0], min(ks[0], 2))
-            ctl.end_cycle(cycle_s)
-        return full
+        return len(one_request_cycles(ctl, n, lambda: ctl.observe_decide(decide_s), cycle_s))
 
     gpu = full_decisions(0.3e-3, 2.5e-3)  # every 12th, as 16th: on the explorations' turns
     cpu = full_decisions(1e-3, 100e-3)  # a decision is 1 % of a cycle: every 4th, as before
@@ -752,31 +759,15 @@ def test_an_explorations_decision_time_is_charged_to_its_buckets_budget(defer):
     """observe_decide after an exploring full decision charges its host seconds to the bucket's exploration
     budget (after the next flush when deferring, as the drafter does); after a decision that exploits, not."""
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE), defer=defer)
-    reqs = [R("a")]
-    exploring = exploiting = 0
-    for _ in range(200):
-        arm = ctl.quick_arm(1)
-        if arm is None:
-            ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
-            c = ctl._cycle
-            key = c.key
-            spent = ctl.bandit.spent.get(key, 0.0)
-            ctl.observe_decide(0.004)
-            ctl.flush()
-            charged = ctl.bandit.spent.get(key, 0.0) - spent
-            if c.exploring:
-                exploring += 1
-                assert charged == pytest.approx(0.004)
-            else:
-                exploiting += 1
-                assert charged == 0.0
-        elif arm:
-            ks = ctl.uniform(reqs, arm, [3])
-        else:
-            ctl.count_off(1)
-            ks = [0]
-        ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-        ctl.observe("a", ks[0], min(ks[0], 2))
-        ctl.end_cycle(true_ms(1 + ks[0]) * 1e-3)
+
+    def charge() -> tuple[bool, float]:
+        c = ctl._cycle
+        spent = ctl.bandit.spent.get(c.key, 0.0)
+        ctl.observe_decide(0.004)
         ctl.flush()
-    assert exploring and exploiting
+        return c.exploring, ctl.bandit.spent.get(c.key, 0.0) - spent
+
+    charged = one_request_cycles(ctl, 200, charge)
+    assert any(e for e, _ in charged) and not all(e for e, _ in charged)
+    for exploring, seconds in charged:
+        assert seconds == (pytest.approx(0.004) if exploring else 0.0)
