@@ -95,12 +95,16 @@ def forward_context(attn: AttentionBackend) -> Iterator[ForwardContext]:
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # what --kv-cache-dtype fp8 / fp8_e5m2 store
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as the cache stores it: 8-bit floats saturate at the format's largest value, explicitly (a
     cast's overflow is inf for e5m2 and, where not saturating, NaN for e4m3)."""
     if x.dtype == dtype:
         return x
-    if dtype in FP8_DTYPES:
+    if is_fp8(dtype):
         big = torch.finfo(dtype).max
         return x.clamp(-big, big).to(dtype)
     return x.to(dtype)
@@ -115,7 +119,7 @@ def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k
     k_flat = k_cache.view(-1, kvh, d)
     v_flat = v_cache.view(-1, kvh, d)
     k_new, v_new = to_cache_dtype(k, k_flat.dtype), to_cache_dtype(v, v_flat.dtype)
-    if k_flat.element_size() == 1:  # 8-bit floats, moved as bytes (the CPU's index_copy_ has no fp8 kernel)
+    if is_fp8(k_flat.dtype):  # moved as bytes (the CPU's index_copy_ has no fp8 kernel)
         k_flat.view(torch.uint8).index_copy_(0, slots, k_new.view(torch.uint8))
         v_flat.view(torch.uint8).index_copy_(0, slots, v_new.view(torch.uint8))
     else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, write_kv
 
 
 @dataclass
@@ -102,7 +102,7 @@ class TorchNativeBackend(AttentionBackend):
         h = q.shape[1]
         q_ext = torch.cat([q, q.new_zeros(1, h, d)], 0)
         outs = []
-        if k_flat.element_size() == 1:  # 8-bit floats, gathered as bytes (indexing kernels may lack fp8)
+        if is_fp8(k_flat.dtype):  # gathered as bytes (indexing kernels may lack fp8)
             k_src, v_src = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
         else:
             k_src, v_src = k_flat, v_flat

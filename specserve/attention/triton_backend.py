@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, write_kv
 from specserve.engine.host_copy import host_buffer, host_to_device
 
 MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
@@ -717,7 +717,7 @@ class TritonBackend(AttentionBackend):
         from specserve.models.triton_ops import rope_and_cache
 
         kv = self.kv_caches[layer]
-        if qkv.dtype != kv[0].dtype and kv[0].element_size() > 1:  # rotary and write apart
+        if qkv.dtype != kv[0].dtype and not is_fp8(kv[0].dtype):  # rotary and write apart
             if positions is not None:
                 raise ValueError(f"the draft rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
             from specserve.models.layers import rotary_qkv
@@ -736,7 +736,7 @@ class TritonBackend(AttentionBackend):
         """Attention of q [T, H, D] over the cache, this step's K/V already written."""
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        if q.dtype != k_cache.dtype and k_cache.element_size() > 1:  # (8-bit caches: q's dtype)
+        if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):  # (8-bit caches: q's dtype)
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -831,7 +831,7 @@ class TritonDecodeAttention(AttentionBackend):
 
         assert self._slots is not None and self._seq32 is not None, "set_step() first"
         kv = self.kv_caches[layer]
-        if qkv.dtype != kv[0].dtype and kv[0].element_size() > 1:
+        if qkv.dtype != kv[0].dtype and not is_fp8(kv[0].dtype):
             raise ValueError(f"the fused rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
         q = rope_and_cache(qkv, cos, sin, kv, self._slots, num_heads, self.num_kv_heads, self.head_dim, positions)
         return self._attend(layer, q)
@@ -845,7 +845,7 @@ class TritonDecodeAttention(AttentionBackend):
         """Attention of q [B, H, D] over the cache, this step's K/V already written."""
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        if q.dtype != k_cache.dtype and k_cache.element_size() > 1:  # (8-bit caches: q's dtype)
+        if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):  # (8-bit caches: q's dtype)
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()

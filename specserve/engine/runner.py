@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention.base import FP8_DTYPES, AttentionBackend, AttentionMetadata, forward_context
+from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, is_fp8
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine import sampler
@@ -77,16 +77,8 @@ FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "f
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The target's KV cache dtype for ``--kv-cache-dtype`` (auto: the model's)."""
-    if name == "auto":
-        return model_dtype
-    if name not in FP8_KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto, {', '.join(FP8_KV_DTYPES)}, got {name!r}")
-    return FP8_KV_DTYPES[name]
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
+    """The target's KV cache dtype for ``--kv-cache-dtype`` (auto: the model's; EngineConfig checks the name)."""
+    return model_dtype if name == "auto" else FP8_KV_DTYPES[name]
 
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -106,13 +98,13 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 def kv_slab(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """[num_layers * 2, slots, num_kv_heads, head_dim]: every layer's K and V over one storage, for
-    moving tokens' KV (8-bit float caches as bytes: indexing ops lack fp8 kernels on the CPU)."""
+    moving tokens' KV (8-bit float caches as their bytes, the storage allocate_kv_cache made: indexing
+    ops lack fp8 kernels on the CPU)."""
     k0 = kv_caches[0][0]
     slab = k0._base
     if slab is None or slab.shape[:2] != (len(kv_caches), 2):
         raise ValueError("KV caches not from allocate_kv_cache: no slab under them")
-    flat = slab.view(2 * len(kv_caches), -1, *k0.shape[2:])
-    return flat.view(torch.uint8) if is_fp8(flat.dtype) else flat
+    return slab.view(2 * len(kv_caches), -1, *k0.shape[2:])
 
 
 def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,

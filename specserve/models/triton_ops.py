@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.base import FP8_DTYPES
+from specserve.attention.base import is_fp8
 
 
 def _pow2(n: int) -> int:
@@ -143,7 +143,7 @@ def _rope_cache_kernel(QKV, Cos, Sin, Q, K_cache, V_cache, Slots, Pos, P,
 
 def _fp8_max(dtype: torch.dtype) -> float:
     """The largest value of an 8-bit float cache dtype; 0.0 for any other (no saturation)."""
-    return float(torch.finfo(dtype).max) if dtype in FP8_DTYPES else 0.0
+    return float(torch.finfo(dtype).max) if is_fp8(dtype) else 0.0
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1439,7 +1439,7 @@ class EagleSpeculator:
             # it did: an exploration's second cycle, decided early, ran the pick instead)
             arm = self.controller.quick_arm(len(candidates), len(sched.running))
         if arm == 0:  # plain decoding again: nothing per request
-            if prev is not None and self._drafted_last and self.controller.charge_unpaid_catch_up:
+            if prev is not None:
                 prev_s += self._unpaid_catch_up(candidates)  # (a drafting successor runs it: shift below)
             self.controller.count_off(len(candidates))
             self.controller.finish_cycle(prev, prev_s)
@@ -1519,7 +1519,7 @@ class EagleSpeculator:
                 # does not have, left out of the comparison where prompts come most often (a closed
                 # loop at 16-32 requests on a CPU prefills one about every other cycle)
                 shift = catch_up_s * steady_share(caught_up, prompt_rows)
-        if not todo and prev is not None and self._drafted_last and self.controller.charge_unpaid_catch_up:
+        if not todo and prev is not None:
             prev_s += self._unpaid_catch_up(candidates)  # a full decision for plain decoding, as above
         self.controller.finish_cycle(prev, prev_s + shift)
         self._drafted_last = bool(todo)
@@ -1534,7 +1534,10 @@ class EagleSpeculator:
         plain decoding next does not run: a drafting cycle followed by another pays it (moved back to it,
         ``shift`` in draft_step), so one followed by plain decoding is charged the same. Without it a
         depth explored out of plain decoding (two cycles, then the pick again: the busy buckets' every
-        exploration) was measured without that cost, which its exploited cycles pay."""
+        exploration) was measured without that cost, which its exploited cycles pay. 0 after a plain cycle
+        (nothing to catch up for it) or with the controller's ``charge_unpaid_catch_up`` off."""
+        if not self._drafted_last or not self.controller.charge_unpaid_catch_up:
+            return 0.0
         rows = 0
         for r in candidates:
             st = self.states.get(r.request_id)
