@@ -41,6 +41,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "nospec": {},
     # a second plain engine: how far two identical engines in one process differ (the noise floor)
     "nospec_b": {},
+    # plain decoding step by step / overlap scheduled (--overlap-schedule; "nospec" is auto: on for CUDA)
+    "nospec_sync": {"overlap_schedule": "off"},
+    "nospec_overlap": {"overlap_schedule": "on"},
     # the head loaded, speculation never on: what plain decoding costs in a spec engine
     "spec_off": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0},
     # adaptive, held at plain decoding (its quick decisions), features kept for a later catch-up
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in names:
         kw = dict(CONFIGS[n])
         forced = kw.pop("forced_arm", None)
-        if kw:
+        if any(k.startswith("speculative_") for k in kw):
             kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
         engines[n] = LLM(model_dir, device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs or args.concurrency,
                          num_kv_blocks=args.concurrency * blocks_per_request, max_num_batched_tokens=4096, **kw)

@@ -163,6 +163,12 @@ class EngineConfig:
     # stored with scale 1.0 and saturated at the format's largest value, as vLLM does without
     # calibrated scales: half the memory and half the bytes attention reads per key
     kv_cache_dtype: str = "auto"
+    # overlap scheduling of plain decoding: step n + 1 is scheduled and queued on the device before step
+    # n's tokens are read back (the next step's inputs read them there), so the host's scheduling,
+    # commit and detokenizing run while the device computes. "auto": on for CUDA without speculation
+    # (a speculating engine launches its next verify before the sync in the drafter); "on" also on the
+    # CPU, where a forward returns when done and nothing overlaps (tests)
+    overlap_schedule: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -179,6 +185,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
+        if self.overlap_schedule == "on" and self.speculative is not None:
+            raise ValueError("overlap_schedule=on is for plain decoding: with speculation the drafter launches "
+                             "each verify before the last step's sync (use auto or off)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

@@ -271,6 +271,28 @@ def test_engine_greedy_same_with_and_without_graphs(smollm2_dummy_dir):
     assert all(len(t) == 32 for t in with_graphs)
 
 
+def test_overlap_scheduling_on_the_gpu_gives_step_by_step_tokens(smollm2_dummy_dir):
+    """Plain decoding overlap scheduled (on by default on CUDA without speculation): the next step's
+    inputs read the last step's samples on the device, through graph replay; requests end at different
+    lengths (rows for finished requests are computed and dropped), seeded sampling beside greedy."""
+    from specserve import LLM, SamplingParams
+
+    prompts = _prompts(8)
+    params = [SamplingParams(temperature=0 if i % 3 else 0.9, seed=i, max_tokens=8 + 5 * i, ignore_eos=True)
+              for i in range(8)]
+    got = {}
+    for mode in ("auto", "off"):
+        llm = LLM(smollm2_dummy_dir, load_format="dummy", device="cuda", dtype="bfloat16", num_kv_blocks=512,
+                  max_num_batched_tokens=128, max_num_seqs=6, overlap_schedule=mode)
+        assert llm.engine.overlap == (mode == "auto")
+        got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if mode == "auto":
+            counts = llm.engine.runner.path_counts
+            assert counts["launch:ahead"] > 0.8 * llm.engine.stats.steps and counts["target:eager"] == 0
+    assert got["auto"] == got["off"]
+    assert [len(t) for t in got["auto"]] == [8 + 5 * i for i in range(8)]
+
+
 def test_engine_fp8_kv_cache_with_graphs(smollm2_dummy_dir):
     """--kv-cache-dtype fp8 on the GPU: the fused rotary kernel stores 8-bit K/V and attention widens them;
     graph replay gives the eager engine's tokens (how often 8-bit K/V flips a random model's pick is printed)."""

@@ -120,3 +120,58 @@ def test_prefix_blocks_without_draft_kv_are_reused_only_by_requests_that_will_no
     assert n == 1 and b.metrics.num_cached_tokens == 8 and b.no_draft_kv
     n, b = served_then_same_prompt(lambda r: True, ready=True)  # the blocks have draft KV: it may draft
     assert n == 1 and not b.no_draft_kv
+
+
+# -- overlap scheduling: the next step planned before this one's tokens are back ------------------
+def test_advance_lets_the_next_step_be_planned_over_pending_tokens():
+    from specserve.engine.request import PENDING_TOKEN
+
+    s = _sched(budget=100, block_size=4)
+    a, b = _req(0, 4, max_tokens=3), _req(1, 5, max_tokens=1)
+    s.add(a), s.add(b)
+    plan = s.schedule()
+    s.advance(plan)
+    # both computed their prompts; each holds a placeholder for the token being sampled
+    assert a.num_computed_tokens == 4 and a.all_token_ids[-1] == PENDING_TOKEN and a.num_pending_tokens == 1
+    assert b.num_computed_tokens == 5 and b.num_pending_tokens == 1
+    nxt = s.schedule()
+    # a decodes its pending token; b's is its last (max_tokens=1): nothing to compute for it
+    assert [(x.req, x.num_new_tokens, x.samples) for x in nxt.scheduled] == [(a, 1, True)]
+    # a's pending token is at position 4: the next step needed a second block, which commit keeps
+    assert len(a.kv.block_table) == 2
+    s.commit(plan, CommitResult(token_ids=[[7], [8]]), lambda r: None)
+    assert a.all_token_ids == [1, 2, 3, 4, 7] and a.num_pending_tokens == 0 and len(a.kv.block_table) == 2
+    assert a.num_computed_tokens == 4
+    assert b.is_finished and b.finish_reason == "length" and b.output_token_ids == [8]
+    s.advance(nxt)
+    assert a.num_computed_tokens == 5 and a.all_token_ids[-1] == PENDING_TOKEN
+    s.commit(nxt, CommitResult(token_ids=[[0]]), lambda r: None)  # EOS
+    assert a.is_finished and a.output_token_ids == [7, 0]
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks
+
+
+def test_a_request_aborted_after_its_step_was_launched_is_skipped_at_commit():
+    s = _sched(budget=100)
+    a, b = _req(0, 3), _req(1, 3)
+    s.add(a), s.add(b)
+    plan = s.schedule()
+    s.advance(plan)
+    nxt = s.schedule()
+    s.commit(plan, CommitResult(token_ids=[[5], [6]]), lambda r: None)
+    s.finish(a, "abort")  # between the launch of nxt and its commit
+    s.advance(nxt)
+    touched = s.commit(nxt, CommitResult(token_ids=[[9], [10]]), lambda r: None)
+    assert touched == [b] and b.output_token_ids == [6, 10] and a.output_token_ids == [5]
+
+
+def test_a_step_with_drafts_cannot_be_advanced():
+    import pytest
+
+    s = _sched(budget=100)
+    a = _req(0, 3)
+    s.add(a)
+    _commit(s, s.schedule())
+    a.draft_token_ids = [4, 4]
+    plan = s.schedule()
+    with pytest.raises(ValueError, match="drafts"):
+        s.advance(plan)

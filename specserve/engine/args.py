@@ -36,6 +36,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Triton: tree verifies compute each token bit for bit as plain decoding will, so greedy "
                         "tree speculation matches plain decoding in bf16 (default on; off: faster verifies "
                         "whose bf16 roundings may flip near-ties)")
+    g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
+                   help="plain decoding: schedule and queue step n+1 on the device before step n's tokens are "
+                        "read back (auto: on for CUDA without speculation)")
+    g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
+                   help="the same as --overlap-schedule off (SGLang's flag)")
     g.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                    help="CPU: plain F.linear instead of oneDNN-packed weights")
     s = parser.add_argument_group("speculative decoding (named like SGLang's flags)")
@@ -58,7 +63,7 @@ ENGINE_FIELDS = (
     "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_kv_blocks", "kv_cache_dtype", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
     "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
-    "max_cudagraph_capture_size", "exact_tree_attention",
+    "max_cudagraph_capture_size", "exact_tree_attention", "overlap_schedule",
 )
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",

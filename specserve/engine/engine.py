@@ -17,8 +17,8 @@ from specserve.config import EngineConfig
 from specserve.engine import gc_pauses
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.request import Request, Status
-from specserve.engine.runner import ModelRunner, num_kv_blocks_for
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.runner import LaunchedStep, ModelRunner, num_kv_blocks_for
+from specserve.engine.scheduler import Scheduler, StepPlan
 from specserve.loader.tokenizer import IncrementalDetokenizer
 from specserve.models.cpu_packing import pack_for_cpu
 from specserve.outputs import CompletionOutput, RequestOutput
@@ -112,6 +112,10 @@ class LLMEngine:
         self.step_started = 0.0  # gc_pauses.clock() at the start of the current step()
         self.step_ended = 0.0  # ... and at the end of the last step() that served requests
         self.stats = EngineStats()
+        self.overlap = config.overlap_schedule == "on" or (
+            config.overlap_schedule == "auto" and self.device.type == "cuda" and config.speculative is None)
+        # overlap scheduling: the step launched ahead, its plan advanced (Scheduler.advance) at commit
+        self._ahead: tuple[StepPlan, LaunchedStep] | None = None
         self.drafter = None
         if config.speculative is not None:
             from specserve.spec.drafter import build_speculator
@@ -121,9 +125,10 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.after_capture()  # its cost profile measures the graphs
         self.load_time_s = time.perf_counter() - t0
-        log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d (%s), max_model_len %d",
+        log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d (%s), max_model_len %d%s",
                  self.load_time_s, self.model_name, self.device, self.dtype, num_blocks, config.block_size,
-                 str(self.runner.kv_dtype).replace("torch.", ""), self.max_model_len)
+                 str(self.runner.kv_dtype).replace("torch.", ""), self.max_model_len,
+                 ", overlap scheduling" if self.overlap else "")
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -170,6 +175,8 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.step_started = gc_pauses.clock()
+        if self.overlap:
+            return self._overlapped_step()
         plan = self.scheduler.schedule()  # who runs, how many tokens each (drafts included)
         if self.drafter is not None:
             for req in plan.preempted:
@@ -185,6 +192,33 @@ class LLMEngine:
         self.stats.generation_tokens += sum(s.req.num_output_tokens for s in plan.scheduled) - n_out
         if self.drafter is not None:
             self.drafter.draft_step(plan, result)  # decide k, propose drafts for the next step
+        self._account(plan)
+        outputs = [self._output(r) for r in touched]
+        self.step_ended = gc_pauses.clock()
+        return outputs
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        """Plain decoding, overlap scheduled: this step's forward and sampling are on the device already
+        (launched by the last step) or go there now; then the next step is scheduled over this one's
+        pending tokens and launched, and only then are this step's tokens read back and committed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and all(s.req.is_finished for s in ahead[0].scheduled):
+            ahead = None  # every request in it ended or was aborted since: nothing to read
+        if ahead is None:
+            plan = self.scheduler.schedule()
+            if not plan.scheduled:
+                return []
+            launched = self.runner.launch(plan)
+        else:
+            plan, launched = ahead
+        self.scheduler.advance(plan)
+        nxt = self.scheduler.schedule()
+        if nxt.scheduled:
+            self._ahead = (nxt, self.runner.launch(nxt, launched))
+        result = launched.result()  # the step's host sync: the next step is queued behind it
+        n_out = sum(s.req.num_output_tokens for s in plan.scheduled)
+        touched = self.scheduler.commit(plan, result, self._detokenize)
+        self.stats.generation_tokens += sum(s.req.num_output_tokens for s in plan.scheduled) - n_out
         self._account(plan)
         outputs = [self._output(r) for r in touched]
         self.step_ended = gc_pauses.clock()

@@ -13,6 +13,11 @@ from specserve.outputs import RequestMetrics
 from specserve.sampling_params import SamplingParams
 
 
+# an output token sampled on the device and not read back yet (overlap scheduling: the next step is
+# scheduled, and reads it on the device, before the host knows it)
+PENDING_TOKEN = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -47,6 +52,8 @@ class Request:
     # KV slots up to this many tokens are written by a forward already launched for the next step
     # (the drafter's early verify): commit keeps their blocks, which it would free as unused
     kv_hold_tokens: int = 0
+    # trailing PENDING_TOKENs in all_token_ids (0 or 1: overlap scheduling, Scheduler.advance)
+    num_pending_tokens: int = 0
     # tokens already handed to the caller (for deltas)
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0

@@ -28,6 +28,7 @@ from specserve.engine.scheduler import CommitResult, StepPlan
 
 if TYPE_CHECKING:
     from specserve.engine.cuda_graph import CUDAGraphRunner
+    from specserve.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,30 @@ class StepInputs:
     meta: AttentionMetadata
     # rows of the flat batch whose logits are needed, per sampling request: (start, count)
     sample_spans: list[tuple[int, int]]
+    # (row, request) where the input is the request's PENDING_TOKEN, read on the device from the
+    # step before (overlap scheduling: ModelRunner.launch's ``prev``)
+    pending_rows: list[tuple[int, "Request"]] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedStep:
+    """A plain step's forward and sampling, queued on the device; ``result`` reads its tokens back
+    (the step's one host sync)."""
+
+    tokens: torch.Tensor | None  # [N] one token per sampling request, on the device
+    index: dict["Request", int]  # sampling request -> its row in ``tokens``
+    logprobs_wanted: list[int | None] = field(default_factory=list)
+    logprobs: "sampler.TopLogprobs | None" = None
+
+    def result(self) -> CommitResult:
+        if self.tokens is None:
+            return CommitResult(token_ids=[])
+        toks = self.tokens.tolist()
+        lps = None
+        if self.logprobs is not None:
+            all_lps = self.logprobs.dicts(toks)
+            lps = [[all_lps[i]] if w is not None else None for i, w in enumerate(self.logprobs_wanted)]
+        return CommitResult(token_ids=[[t] for t in toks], logprobs=lps)
 
 
 @dataclass
@@ -216,6 +241,7 @@ class ModelRunner:
     # -- inputs ------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> StepInputs:
         lists = StepLists(self.block_size)
+        pending: list[tuple[int, Request]] = []
         for b, s in enumerate(plan.scheduled):
             r = s.req
             nc = r.num_computed_tokens
@@ -225,8 +251,12 @@ class ModelRunner:
             if s.tree is not None:
                 positions = [nc + d for d in s.tree.depths[:n]]
                 lists.tree_masks[b] = s.tree.mask()[:n, :n]
-            lists.add(toks, nc, r.kv.block_table, positions, len(s.draft_token_ids) + 1 if s.samples else 0)
-        return self.upload(lists)
+            a = lists.add(toks, nc, r.kv.block_table, positions, len(s.draft_token_ids) + 1 if s.samples else 0)
+            if r.num_pending_tokens and nc + n == r.num_tokens:  # (its input is its pending token)
+                pending.append((a + n - 1, r))
+        inputs = self.upload(lists)
+        inputs.pending_rows = pending
+        return inputs
 
     def upload(self, lists: "StepLists") -> StepInputs:
         """A step's inputs from its host lists (``prepare``'s, or a caller's that knows a step before it
@@ -272,17 +302,36 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> CommitResult:
         """Plain decode / prefill step (no drafts): one sampled token per finishing request."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """A plain step's forward and sampling queued on the device, nothing read back. With
+        ``prev`` (overlap scheduling), the inputs that are pending tokens are ``prev``'s samples."""
         inputs = self.prepare(plan)
+        if prev is not None:
+            self.path_counts["launch:ahead"] += 1
+        if inputs.pending_rows:
+            if prev is None or any(r not in prev.index for _, r in inputs.pending_rows):
+                raise RuntimeError("a step reads pending tokens that no launched step samples")
+            assert prev.tokens is not None
+            dst = host_to_device([row for row, _ in inputs.pending_rows], self.device)
+            src = host_to_device([prev.index[r] for _, r in inputs.pending_rows], self.device)
+            inputs.input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
         hidden = self.forward(inputs, copy=False)  # sampled from right away
         if isinstance(hidden, tuple):
             hidden = hidden[0]
-        return self.sample(plan, inputs, hidden)
+        return self.launch_sampling(plan, inputs, hidden)
 
     def sample(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> CommitResult:
         """One token for each request that finishes its scheduled tokens this step (no drafts)."""
+        return self.launch_sampling(plan, inputs, hidden).result()
+
+    def launch_sampling(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> LaunchedStep:
+        """``sample``'s work queued on the device: logits, tokens and log-probabilities stay there."""
         sampling = [s for s in plan.scheduled if s.samples]
         if not sampling:
-            return CommitResult(token_ids=[])
+            return LaunchedStep(None, {})
         rows = host_to_device([a for a, _ in inputs.sample_spans], self.device)
         logits = self.model.compute_logits(hidden[rows])
         if all(s.req.params.greedy for s in sampling):
@@ -291,9 +340,9 @@ class ModelRunner:
             sb = sampler.SamplingBatch.build([s.req.params for s in sampling],
                                              [s.req.generator for s in sampling], self.device)
             tokens = sampler.sample(logits, sb, self.generator)
-        lps = None
+        launched = LaunchedStep(tokens, {s.req: j for j, s in enumerate(sampling)})
         want = [s.req.params.logprobs for s in sampling]
         if any(w is not None for w in want):
-            all_lps = sampler.top_logprobs(logits, tokens, max(w or 0 for w in want))
-            lps = [[all_lps[i]] if w is not None else None for i, w in enumerate(want)]
-        return CommitResult(token_ids=[[t] for t in tokens.tolist()], logprobs=lps)
+            launched.logprobs = sampler.top_logprobs_on_device(logits, tokens, max(w or 0 for w in want))
+            launched.logprobs_wanted = want
+        return launched

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.host_copy import host_to_device
 from specserve.sampling_params import SamplingParams
 
 
@@ -33,11 +34,11 @@ class SamplingBatch:
         top_k = [max(p.top_k, 0) for p in params]
         top_p = [float(p.top_p) for p in params]
         min_p = [float(p.min_p) for p in params]
-        return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+        return cls(  # (copies without a host sync: the device may still run the forward they follow)
+            temperature=host_to_device(temps, device, torch.float32),
+            top_k=host_to_device(top_k, device, torch.long),
+            top_p=host_to_device(top_p, device, torch.float32),
+            min_p=host_to_device(min_p, device, torch.float32),
             generators=generators,
             all_greedy=all(t == 0.0 for t in temps),
             any_top_k=any(k > 0 for k in top_k),
@@ -110,18 +111,39 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator | No
     return draw(processed_probs(logits, sb), sb, shared)
 
 
-def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:
-    """Log-probabilities of the model's raw distribution: the chosen token plus the top ``n``."""
+@dataclass
+class TopLogprobs:
+    """``top_logprobs_on_device``'s tensors, read back by ``dicts``."""
+
+    chosen: torch.Tensor  # [N] the chosen tokens' log-probabilities
+    vals: torch.Tensor | None  # [N, n] the top n, or None for n = 0
+    ids: torch.Tensor | None
+
+    def dicts(self, tokens: list[int]) -> list[dict[int, float]]:
+        chosen = self.chosen.tolist()
+        vals_l = self.vals.tolist() if self.vals is not None else None
+        ids_l = self.ids.tolist() if self.ids is not None else None
+        out: list[dict[int, float]] = []
+        for r, tok in enumerate(tokens):
+            d = {tok: chosen[r]}
+            if vals_l is not None and ids_l is not None:
+                for i, v in zip(ids_l[r], vals_l[r]):
+                    d.setdefault(i, v)
+            out.append(d)
+        return out
+
+
+def top_logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> TopLogprobs:
+    """Log-probabilities of the model's raw distribution, the chosen token's and the top ``n``, left on
+    the device (no host sync)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()
-    out: list[dict[int, float]] = []
+    chosen = lp.gather(-1, tokens[:, None])[:, 0]
     if n > 0:
         vals, ids = lp.topk(n, dim=-1)
-        vals_l, ids_l = vals.tolist(), ids.tolist()
-    for r, tok in enumerate(tokens.tolist()):
-        d = {tok: chosen[r]}
-        if n > 0:
-            for i, v in zip(ids_l[r], vals_l[r]):
-                d.setdefault(i, v)
-        out.append(d)
-    return out
+        return TopLogprobs(chosen, vals, ids)
+    return TopLogprobs(chosen, None, None)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> list[dict[int, float]]:
+    """Log-probabilities of the model's raw distribution: the chosen token plus the top ``n``."""
+    return top_logprobs_on_device(logits, tokens, n).dicts(tokens.tolist())

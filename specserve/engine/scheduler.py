@@ -16,7 +16,7 @@ from typing import Callable
 
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache import BlockManager, KVSlots
-from specserve.engine.request import Request, Status
+from specserve.engine.request import PENDING_TOKEN, Request, Status
 from specserve.engine.stop import check_stop
 
 
@@ -42,6 +42,8 @@ class ScheduledRequest:
 class StepPlan:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
+    # Scheduler.advance ran: computed counts moved and sampled tokens are placeholders until commit
+    advanced: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +100,12 @@ class Scheduler:
             self.waiting.remove(req)
 
     # -- scheduling ----------------------------------------------------------------------------
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether the request stops at its pending token whatever it is (max_tokens, context)."""
+        p = req.params
+        return ((p.max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= p.max_tokens)
+                or req.num_tokens >= self.max_model_len)
+
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         """Grow req's block table to hold ``num_tokens`` tokens; False if blocks ran out."""
         need = self.blocks.blocks_needed(num_tokens) - len(req.kv.block_table)
@@ -133,6 +141,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending_tokens and self._ends_by_length(req):
+                i += 1  # its pending token is its last: nothing left to compute
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             n_new = min(remaining, budget)
             drafts = req.draft_token_ids[: max(0, budget - n_new)] if n_new == remaining else []
@@ -187,16 +198,44 @@ class Scheduler:
         return StepPlan(scheduled, preempted)
 
     # -- commit -------------------------------------------------------------------------------
+    def advance(self, plan: StepPlan) -> None:
+        """Overlap scheduling: before ``plan``'s tokens are read back, move its requests past the tokens
+        it computes and give each sampling request a placeholder (PENDING_TOKEN) for the token it
+        samples, so that ``schedule`` can plan the next step, whose forward reads that token on the
+        device. ``commit`` then puts the real tokens in. Plain steps only (no drafts)."""
+        for s in plan.scheduled:
+            req = s.req
+            if req.is_finished:  # aborted after the step was launched
+                continue
+            if s.draft_token_ids:
+                raise ValueError("a step that verifies drafts cannot be scheduled past")
+            req.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                req.all_token_ids.append(PENDING_TOKEN)
+                req.num_pending_tokens += 1
+        plan.advanced = True
+
     def commit(self, plan: StepPlan, result: CommitResult, detokenize) -> list[Request]:
-        """Advance computed counts, append sampled/accepted tokens, apply stops. Returns touched requests."""
+        """Advance computed counts (unless ``advance`` did), append sampled/accepted tokens, apply stops.
+        Returns touched requests."""
         touched: list[Request] = []
         now = time.time()
         j = 0
         for s in plan.scheduled:
             req = s.req
-            req.num_computed_tokens += s.num_new_tokens
+            if plan.advanced:
+                if req.is_finished:  # aborted after the step was launched: its token is dropped
+                    j += s.samples
+                    continue
+            else:
+                req.num_computed_tokens += s.num_new_tokens
             if not s.samples:
                 continue
+            if plan.advanced:
+                if req.num_pending_tokens != 1 or req.all_token_ids[-1] != PENDING_TOKEN:
+                    raise RuntimeError(f"request {req.request_id} has no pending token to commit")
+                req.all_token_ids.pop()
+                req.num_pending_tokens = 0
             tokens = result.token_ids[j]
             lps = result.logprobs[j] if result.logprobs is not None else None
             n_acc = result.num_accepted_drafts[j] if result.num_accepted_drafts is not None else 0
@@ -231,6 +270,8 @@ class Scheduler:
             if not req.is_finished:
                 self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids,
                                          req.num_computed_tokens)
+                if plan.advanced:  # no drafts; blocks past its tokens are the next step's, launched already
+                    continue
                 # release blocks reserved for drafts that were rejected
                 keep = self.blocks.blocks_needed(max(req.num_computed_tokens, req.kv_hold_tokens))
                 if len(req.kv.block_table) > keep:

@@ -1,0 +1,97 @@
+"""Overlap scheduling of plain decoding (``--overlap-schedule``), end to end on the real SmolLM2.
+
+On the CPU a forward returns when it is done, so nothing overlaps here; what these tests check is
+the bookkeeping: the next step is planned and launched over tokens not yet read back (read on the
+device), and what comes out is what the step-by-step engine gives, with admissions, chunked
+prefill, stops, preemption and aborts in between."""
+
+import pytest
+
+from specserve import LLM, SamplingParams
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40),  # may stop at EOS
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20),
+        SamplingParams(temperature=0, max_tokens=16, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=30, stop=[" the"]),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=1),
+    ]
+
+
+def _run(chat_prompts, overlap: str, **kw):
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, overlap_schedule=overlap, **kw)
+    outs = llm.chat(chat_prompts[:8], _params())
+    eng = llm.engine
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # nothing leaked
+    return outs, eng
+
+
+@pytest.mark.parametrize("kv", ["roomy", "tight"])
+def test_overlapped_steps_give_what_step_by_step_decoding_gives(chat_prompts, kv):
+    """8 requests through 4 sequence slots (admissions while others decode), prompts chunked by a
+    64-token budget, greedy / seeded sampling / logprobs / stop strings / EOS / max_tokens 1; "tight":
+    a KV cache too small for 4 requests at once, so requests are preempted and recomputed."""
+    kw = {"num_kv_blocks": 20, "enable_prefix_caching": False} if kv == "tight" else {"kv_cache_memory_gb": 0.25}
+    plain, eng_plain = _run(chat_prompts, "off", **kw)
+    over, eng = _run(chat_prompts, "on", **kw)
+    assert eng.overlap and not eng_plain.overlap
+    if kv == "tight":
+        assert eng.scheduler.num_preemptions > 0
+    for a, b in zip(plain, over):
+        oa, ob = a.outputs[0], b.outputs[0]
+        assert (ob.token_ids, ob.text, ob.finish_reason, ob.stop_reason) == (
+            oa.token_ids, oa.text, oa.finish_reason, oa.stop_reason)
+        if oa.logprobs is not None:
+            assert [list(d) for d in ob.logprobs] == [list(d) for d in oa.logprobs]
+            assert all(abs(ob.logprobs[i][t] - v) < 1e-4 for i, d in enumerate(oa.logprobs) for t, v in d.items())
+    assert [len(o.outputs[0].token_ids) for o in over][2] == 9 and len(over[7].outputs[0].token_ids) == 1
+    # most steps were launched before the one before them was read back
+    ahead = eng.runner.path_counts["launch:ahead"]
+    assert ahead >= 0.8 * eng.stats.steps, (ahead, eng.stats.steps)
+    assert eng.stats.generation_tokens == sum(len(o.outputs[0].token_ids) for o in over)
+
+
+def test_an_abort_while_the_next_step_is_on_the_device(chat_prompts):
+    llm = LLM(kv_cache_memory_gb=0.25, overlap_schedule="on")
+    eng = llm.engine
+    eng.add_request("a", "Tell me a long story about a dragon.", SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.add_request("b", "Count to ten.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng._ahead is not None and any(s.req.request_id == "a" for s in eng._ahead[0].scheduled)
+    eng.abort_request("a")  # its next token is being computed: dropped at commit
+    done = []
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        assert all(o.request_id == "b" for o in outs)
+        done += [o for o in outs if o.finished]
+    assert [o.request_id for o in done] == ["b"] and len(done[0].outputs[0].token_ids) == 8
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    # a later request is served normally (the step launched for finished requests is dropped)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_overlap_schedule_flag():
+    from specserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="overlap_schedule"):
+        EngineConfig(overlap_schedule="sometimes")
+    with pytest.raises(ValueError, match="plain decoding"):
+        EngineConfig.from_kwargs(overlap_schedule="on", speculative_algorithm="EAGLE3")
+    import argparse
+
+    from specserve.engine.args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).overlap_schedule == "auto"
+    assert engine_config_from_args(p.parse_args(["--disable-overlap-schedule"])).overlap_schedule == "off"
+    assert engine_config_from_args(p.parse_args(["--overlap-schedule", "on"])).overlap_schedule == "on"
+    # auto: off on the CPU (nothing to overlap there)
+    assert not LLM(kv_cache_memory_gb=0.05).engine.overlap
