@@ -51,6 +51,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "static_chain1": {"speculative_policy": "static", "speculative_num_steps": 1},
     # adaptive with every decision forced to plain decoding: its plain path without explorations
     "adaptive_forced0": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 0},
+    # the same two step by step / overlap scheduled (auto: overlapped on CUDA only)
+    "spec_off_sync": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0,
+                      "overlap_schedule": "off"},
+    "spec_off_overlap": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0,
+                         "overlap_schedule": "on"},
+    "adaptive_forced0_overlap": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 0,
+                                 "overlap_schedule": "on"},
     # a drafting depth, fixed (static) against the adaptive engine held at it: the adaptive policy's own cost
     "static_chain3": {"speculative_policy": "static", "speculative_num_steps": 3},
     "adaptive_forced3": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 3},

@@ -165,9 +165,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # overlap scheduling of plain decoding: step n + 1 is scheduled and queued on the device before step
     # n's tokens are read back (the next step's inputs read them there), so the host's scheduling,
-    # commit and detokenizing run while the device computes. "auto": on for CUDA without speculation
-    # (a speculating engine launches its next verify before the sync in the drafter); "on" also on the
-    # CPU, where a forward returns when done and nothing overlaps (tests)
+    # commit and detokenizing run while the device computes; with speculation, the plain steps whose
+    # successor is known before the sync to be plain (the policy's quick decisions; drafting steps
+    # launch their next verify early in the drafter). "auto": on for CUDA; "on" also on the CPU, where
+    # a forward returns when done and nothing overlaps (tests)
     overlap_schedule: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
@@ -187,9 +188,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
-        if self.overlap_schedule == "on" and self.speculative is not None:
-            raise ValueError("overlap_schedule=on is for plain decoding: with speculation the drafter launches "
-                             "each verify before the last step's sync (use auto or off)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

@@ -421,7 +421,7 @@ def _timed_drafter(monkeypatch, clock: list[float]):
     d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1))
     d.controller.forced_arm = 1
     d.max_k, d.states, d._time_catch_up, d._drafted_last, d._cycle_head = 1, {}, False, False, None
-    d._finished, d._reuse_lost, d._fused, d._pre_arm, d._pre_ks = [], 0.0, None, None, None
+    d._finished, d._reuse_lost, d._fused, d._pre_arm, d._pre_ks, d._ahead = [], 0.0, None, None, None, None
     d.device, d._steady_s, d._steady_count = SimpleNamespace(type="cpu"), {}, 0
     d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], _reserve=lambda r, n: True),
                                step_started=0.0, step_ended=0.0, max_model_len=10**6)

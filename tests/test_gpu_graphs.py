@@ -282,7 +282,7 @@ def test_overlap_scheduling_on_the_gpu_gives_step_by_step_tokens(smollm2_dummy_d
               for i in range(8)]
     got = {}
     for mode in ("auto", "off"):
-        llm = LLM(smollm2_dummy_dir, load_format="dummy", device="cuda", dtype="bfloat16", num_kv_blocks=512,
+        llm = LLM(smollm2_dummy_dir, load_format="dummy", device="cuda", dtype="float32", num_kv_blocks=512,
                   max_num_batched_tokens=128, max_num_seqs=6, overlap_schedule=mode)
         assert llm.engine.overlap == (mode == "auto")
         got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -357,3 +357,29 @@ def test_adaptive_times_few_steady_catch_ups_and_stays_lossless(smollm2_dummy_di
     # switches (the first draft of each batch) and new row buckets are timed too: a few more than 1 in 8
     assert d.catch_ups_timed <= d._steady_count / CATCH_UP_TIMING_EVERY + 12
     assert d.catch_ups_timed >= 1
+
+
+def test_spec_engine_overlaps_its_plain_steps_on_the_gpu(smollm2_dummy_dir, tmp_path):
+    """A spec engine's plain steps overlap scheduled on the GPU (auto): the threshold policy off above 3
+    running requests, on again at 2 as requests of different lengths finish; greedy tokens are plain
+    decoding's, every step replays a graph."""
+    from specserve import LLM, SamplingParams
+    from specserve.loader import load_model_source
+    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    mc = load_model_source(smollm2_dummy_dir).config
+    torch.manual_seed(3)
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=mc.vocab_size))
+    head.save_pretrained(str(tmp_path / "head"))
+    prompts = _prompts(8, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=12 + 8 * i, ignore_eos=True) for i in range(8)]
+    kw = dict(load_format="dummy", device="cuda", dtype="float32", num_kv_blocks=512, max_num_batched_tokens=128)
+    plain = [o.outputs[0].token_ids for o in LLM(smollm2_dummy_dir, overlap_schedule="off", **kw).generate(prompts, params)]
+    llm = LLM(smollm2_dummy_dir, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "head"),
+              speculative_num_steps=3, speculative_policy="threshold", speculative_disable_batch_threshold=3, **kw)
+    assert llm.engine.overlap
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert spec == plain
+    counts = llm.engine.drafter.path_counts
+    assert counts["plain_ahead"] > 20 and llm.engine.stats.spec_steps > 0, (dict(counts), llm.engine.stats.spec_steps)
+    assert llm.engine.runner.path_counts["target:eager"] == 0

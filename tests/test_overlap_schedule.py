@@ -82,8 +82,7 @@ def test_overlap_schedule_flag():
 
     with pytest.raises(ValueError, match="overlap_schedule"):
         EngineConfig(overlap_schedule="sometimes")
-    with pytest.raises(ValueError, match="plain decoding"):
-        EngineConfig.from_kwargs(overlap_schedule="on", speculative_algorithm="EAGLE3")
+    assert EngineConfig.from_kwargs(overlap_schedule="on", speculative_algorithm="EAGLE3").overlap_schedule == "on"
     import argparse
 
     from specserve.engine.args import add_engine_args, engine_config_from_args
@@ -95,3 +94,21 @@ def test_overlap_schedule_flag():
     assert engine_config_from_args(p.parse_args(["--overlap-schedule", "on"])).overlap_schedule == "on"
     # auto: off on the CPU (nothing to overlap there)
     assert not LLM(kv_cache_memory_gb=0.05).engine.overlap
+
+
+def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts):
+    """With speculation, a plain step whose successor is known before its sync to be plain (here the
+    threshold policy: off above 2 running requests, on again at 1) launches that successor before the
+    sync; drafting resumes as requests finish. Greedy tokens are plain decoding's."""
+    convs = chat_prompts[:6]
+    params = [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(6)]
+    base = LLM(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25).chat(convs, params)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, overlap_schedule="on",
+              speculative_algorithm="EAGLE3", speculative_policy="threshold", speculative_disable_batch_threshold=2)
+    outs = llm.chat(convs, params)
+    for a, b in zip(base, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    eng = llm.engine
+    counts = eng.drafter.path_counts
+    assert counts["plain_ahead"] > 10 and eng.stats.spec_steps > 0, (counts, eng.stats.spec_steps)
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks

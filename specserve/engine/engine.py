@@ -112,8 +112,7 @@ class LLMEngine:
         self.step_started = 0.0  # gc_pauses.clock() at the start of the current step()
         self.step_ended = 0.0  # ... and at the end of the last step() that served requests
         self.stats = EngineStats()
-        self.overlap = config.overlap_schedule == "on" or (
-            config.overlap_schedule == "auto" and self.device.type == "cuda" and config.speculative is None)
+        self.overlap = config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and self.device.type == "cuda")
         # overlap scheduling: the step launched ahead, its plan advanced (Scheduler.advance) at commit
         self._ahead: tuple[StepPlan, LaunchedStep] | None = None
         self.drafter = None
@@ -175,9 +174,10 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.step_started = gc_pauses.clock()
-        if self.overlap:
+        if self.overlap and self.drafter is None:
             return self._overlapped_step()
-        plan = self.scheduler.schedule()  # who runs, how many tokens each (drafts included)
+        # who runs, how many tokens each (drafts included); or the plain step the drafter launched ahead
+        plan = (self.drafter.take_ahead() if self.drafter is not None else None) or self.scheduler.schedule()
         if self.drafter is not None:
             for req in plan.preempted:
                 self.drafter.release(req)

@@ -308,6 +308,16 @@ class ModelRunner:
     def launch(self, plan: StepPlan, prev: LaunchedStep | None = None) -> LaunchedStep:
         """A plain step's forward and sampling queued on the device, nothing read back. With
         ``prev`` (overlap scheduling), the inputs that are pending tokens are ``prev``'s samples."""
+        inputs, hidden = self.launch_forward(plan, prev)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        return self.launch_sampling(plan, inputs, hidden)
+
+    @torch.inference_mode()
+    def launch_forward(self, plan: StepPlan, prev: LaunchedStep | None = None
+                       ) -> tuple[StepInputs, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """``launch``'s inputs and forward (outputs as ``forward(copy=False)``: read them before the
+        next forward is launched)."""
         inputs = self.prepare(plan)
         if prev is not None:
             self.path_counts["launch:ahead"] += 1
@@ -318,10 +328,7 @@ class ModelRunner:
             dst = host_to_device([row for row, _ in inputs.pending_rows], self.device)
             src = host_to_device([prev.index[r] for _, r in inputs.pending_rows], self.device)
             inputs.input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
-        hidden = self.forward(inputs, copy=False)  # sampled from right away
-        if isinstance(hidden, tuple):
-            hidden = hidden[0]
-        return self.launch_sampling(plan, inputs, hidden)
+        return inputs, self.forward(inputs, copy=False)
 
     def sample(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> CommitResult:
         """One token for each request that finishes its scheduled tokens this step (no drafts)."""

@@ -42,7 +42,7 @@ from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.kv_cache import KVSlots
 from specserve.engine.request import Request, Status
-from specserve.engine.runner import StepLists, allocate_kv_cache, kv_slab
+from specserve.engine.runner import LaunchedStep, StepLists, allocate_kv_cache, kv_slab
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
 from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
@@ -135,6 +135,16 @@ class EarlyVerify:
     draft_rows: torch.Tensor  # input rows holding drafts, in request order
     toks: torch.Tensor  # the drafts it read (the fused launch's: chains [B, K], or packed trees)
     tree_extra: torch.Tensor | None = None  # trees: their parents and depths, read back with the picks
+
+
+@dataclass
+class PlainAhead:
+    """A plain step scheduled and launched before the last step's tokens were read back (overlap
+    scheduling, _launch_plain_ahead): its features kept and its sampling queued already."""
+
+    plan: StepPlan
+    inputs: Any  # StepInputs
+    launched: LaunchedStep
 
 
 # finished requests' catch-up (Drafter._catch_up_finished): memory per step of the tokens it weighs,
@@ -231,6 +241,7 @@ class EagleSpeculator:
         self._pre_arm: tuple[int, int] | None = None  # (batch, depth) of a quick decision taken early
         self._pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
         self._early: EarlyVerify | None = None  # the next step's verify, launched already
+        self._ahead: PlainAhead | None = None  # the next step, plain, launched already (overlap scheduling)
         # ... launched before this step's sync (trees): its requests (with drafts verified now and next),
         # their block tables at the launch, and the verify (its plan and blocks filled after the sync)
         self._presync: tuple[list[tuple[Request, int, int]], list[list[int]], EarlyVerify] | None = None
@@ -603,6 +614,15 @@ class EagleSpeculator:
         return st
 
     # -- target forward + verification ---------------------------------------------------------
+    def take_ahead(self) -> StepPlan | None:
+        """The plain step launched ahead (_launch_plain_ahead) for the engine to run next, or None (then
+        it schedules one); dropped where every request in it ended or was aborted since."""
+        a = self._ahead
+        if a is not None and all(s.req.is_finished for s in a.plan.scheduled):
+            self._ahead = a = None
+            self.path_counts["plain_ahead:dropped"] += 1
+        return None if a is None else a.plan
+
     @torch.inference_mode()
     def verify_step(self, plan: StepPlan) -> CommitResult:
         t0 = clock()
@@ -616,11 +636,17 @@ class EagleSpeculator:
             else:
                 self.path_counts["early_verify:discarded"] += 1
                 early = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.plan is not plan:
+            raise RuntimeError("the engine ran another step than the one launched ahead")
         drafted = any(s.draft_token_ids for s in plan.scheduled)
         tree_extra = None
+        out = None
         if early is not None:  # this step's forward was launched with the last step's sync
             inputs, out = early.inputs, early.out
             pending, pending_rows, tree_extra = list(plan.scheduled), early.draft_rows, early.tree_extra
+        elif ahead is not None:  # ... or before it (plain decoding), with its features kept and sampling
+            inputs = ahead.inputs
         else:
             inputs = self.runner.prepare(plan)
             pending, pending_rows, tree_extra = self._fill_drafts(plan, inputs) if drafted else ([], None, None)
@@ -637,14 +663,22 @@ class EagleSpeculator:
             # Every row (one per computed token: no drafts) is kept as it is, queued before any other
             # replay can overwrite the graph's outputs
             T = inputs.input_ids.shape[0]
-            self._keep_all_features(plan, feats[:T], inputs.meta.slot_mapping)
-            result = self.runner.sample(plan, inputs, hidden)
+            if ahead is None:
+                self._keep_all_features(plan, feats[:T], inputs.meta.slot_mapping)
+                launched = self.runner.launch_sampling(plan, inputs, hidden)
+            else:
+                launched = ahead.launched
+            went_ahead = self._launch_plain_ahead(plan, launched)
+            result = launched.result()
             n_sampling = len(result.token_ids)  # one per request that samples
+            # (a step launched ahead, or one that launched the next before its sync, is not timed alone)
+            own_time = ahead is None and not went_ahead
             if self.controller.cycle_open:  # a drafting decision's requests, none of which drafted
                 sampling = [s for s in plan.scheduled if s.samples]
-                self._record(plan, sampling, [0] * n_sampling, clock() - t0)
+                self._record(plan, sampling, [0] * n_sampling, clock() - t0, own_time)
             else:  # nothing per request to record: only the step's time
-                self.controller.observe_step(T, len(plan.scheduled), clock() - t0, T - n_sampling, n_sampling)
+                self.controller.observe_step(T, len(plan.scheduled), clock() - t0, T - n_sampling, n_sampling,
+                                             own_time)
                 self._check_stale()
             return result
 
@@ -713,6 +747,42 @@ class EagleSpeculator:
         own_time = early is None and (not pending or self.device.type != "cuda")
         self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=token_ids, logprobs=lps, num_accepted_drafts=accepted)
+
+    def _launch_plain_ahead(self, plan: StepPlan, launched: LaunchedStep) -> bool:
+        """Overlap scheduling of plain decoding (the engine's ``overlap``): where the step after this plain
+        one is known before this one's sync to be plain for everyone (no one drafts: the policy's quick
+        decision of k = 0, taken here for draft_step to apply, or no request samples), it is scheduled
+        over this step's pending tokens (Scheduler.advance) and launched, its features kept and its
+        sampling queued, before the sync: the host's commit, outputs and decision then run while the
+        device computes. The next verify_step finds it (``_ahead``) and only reads its tokens back."""
+        e, ctl = self.engine, self.controller
+        if not e.overlap or ctl.cycle_open:
+            return False
+        sched = e.scheduler
+        if any(r.draft_token_ids for r in sched.running):
+            return False
+        found = sum(1 for s in plan.scheduled if s.samples)  # the next decision's batch, unless one stops
+        if found:
+            arm = ctl.forced_arm
+            if arm is None:
+                if ctl.after_exploration(found):
+                    return False
+                arm = ctl.quick_arm(found, len(sched.running))
+                if arm is None:  # a full decision is due: it waits for this step's tokens
+                    return False
+                self._pre_arm = (found, arm)  # quick_arm counted the decision: draft_step applies it
+            if arm != 0:
+                return False
+        sched.advance(plan)
+        nxt = sched.schedule()
+        if not nxt.scheduled:
+            return False  # (this step stays advanced: commit takes it so)
+        inputs, out = self.runner.launch_forward(nxt, launched)
+        hidden, feats = out if isinstance(out, tuple) else (out, out)
+        self._keep_all_features(nxt, feats[: inputs.input_ids.shape[0]], inputs.meta.slot_mapping)
+        self._ahead = PlainAhead(nxt, inputs, self.runner.launch_sampling(nxt, inputs, hidden))
+        self.path_counts["plain_ahead"] += 1
+        return True
 
     def _keep_verified_features(self, plan: StepPlan, inputs, feats: torch.Tensor,
                                 kept_rows: list[list[int]]) -> None:
@@ -1431,7 +1501,9 @@ class EagleSpeculator:
         pre, self._pre_arm = self._pre_arm, None
         pre_ks, self._pre_ks = self._pre_ks, None
         early = None if pre_ks is None else self._early_decision(candidates, *pre_ks)
-        if arm is None and pre is not None and pre[0] == len(candidates):
+        if self._ahead is not None:
+            arm = 0  # the next step went to the device as plain decoding (_launch_plain_ahead)
+        elif arm is None and pre is not None and pre[0] == len(candidates):
             arm = pre[1]  # the quick decision taken before the verify's sync (_early_ks)
         elif arm is None and early is None:
             # (with a full decision taken before the sync, a quick one here would replace it: the bandit
