@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_metadata, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from tiny_model import make_random_head, make_tiny_model  # noqa: E402
+from tiny_model import make_dummy_model_dir, make_random_head, make_tiny_model  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--model", default=None, help="a real model (GGUF or HF folder) with the shipped head; "
                     "default: the tiny random model and head")
+    ap.add_argument("--dummy-smollm2", action="store_true",
+                    help="SmolLM2-135M's shapes with random weights (--load-format dummy) and the shipped head: a "
+                         "real step's device time where the GGUF is not at hand")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the engines' max_num_seqs (default: --concurrency); the adaptive policy's start-up "
@@ -157,7 +160,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     tmp = tempfile.mkdtemp(prefix="host_overhead_")
     head_dir: str | None = None  # the shipped head, for a real model
-    if args.model is None:
+    load_format = "auto"
+    if args.dummy_smollm2:
+        model_dir, load_format = make_dummy_model_dir(os.path.join(tmp, "smollm2")), "dummy"
+    elif args.model is None:
         model_dir = make_tiny_model(os.path.join(tmp, "model"), vocab=VOCAB, layers=LAYERS, constant=args.agree)
         head_dir = make_random_head(model_dir, os.path.join(tmp, "head"), constant=args.agree)
     else:
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if any(k.startswith("speculative_") for k in kw):
             kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
         engines[n] = LLM(model_dir, device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs or args.concurrency,
-                         num_kv_blocks=args.concurrency * blocks_per_request, max_num_batched_tokens=4096, **kw)
+                         num_kv_blocks=args.concurrency * blocks_per_request, max_num_batched_tokens=4096, load_format=load_format, **kw)
         if forced is not None:
             engines[n].engine.drafter.controller.forced_arm = forced
         serve(engines[n], prompts[:16], 8, [8] * 16)  # warm-up
@@ -201,8 +207,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"benchmark": "host_overhead", **run_metadata(),
                               "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                               "model": ({"vocab": VOCAB, "layers": LAYERS, "made_by": "tests/tiny_model.py", "agree": args.agree}
-                                                  if args.model is None
-                                        else {"path": args.model, "head": "shipped"}), "settings": vars(args), "configs": {}}
+                                                  if args.model is None and not args.dummy_smollm2
+                                        else {"path": args.model or "SmolLM2-135M shapes, random weights", "head": "shipped"}),
+                              "settings": vars(args), "configs": {}}
     base = min(timing[names[0]])
     for n in names:
         prof = cProfile.Profile()

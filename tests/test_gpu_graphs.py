@@ -7,39 +7,17 @@ is SmolLM2's config.json, a word-level tokenizer over its 49,152 ids and `--load
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-SMOLLM2_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 100000.0, "rope_scaling": None,
-    "max_position_embeddings": 8192, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
-}
+from tiny_model import SMOLLM2_CONFIG, make_dummy_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def smollm2_dummy_dir(tmp_path_factory) -> str:
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    path = str(tmp_path_factory.mktemp("smollm2_dummy"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(SMOLLM2_CONFIG, f)
-    save_file({"placeholder": torch.zeros(1)}, os.path.join(path, "model.safetensors"))  # dummy load reads none
-    vocab = SMOLLM2_CONFIG["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "t2", "bos_token": "t1"}, f)
-    return path
+    return make_dummy_model_dir(str(tmp_path_factory.mktemp("smollm2_dummy")))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -55,3 +55,33 @@ def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5,
                 p.normal_(0, std)
     head.save_pretrained(path)
     return path
+
+
+# SmolLM2-135M's shapes (its config.json), for engines with random weights (--load-format dummy) where
+# the GGUF is not at hand (the GPU machine)
+SMOLLM2_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 100000.0, "rope_scaling": None,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+def make_dummy_model_dir(path: str, config: dict = SMOLLM2_CONFIG) -> str:
+    """An HF model directory with ``config`` and a word-level tokenizer over its ids (t0, t1, ...), and no
+    weights: load it with load_format="dummy"."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({"placeholder": torch.zeros(1)}, os.path.join(path, "model.safetensors"))  # dummy load reads none
+    vocab = config["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": f"t{config['eos_token_id']}", "bos_token": f"t{config['bos_token_id']}"}, f)
+    return path
