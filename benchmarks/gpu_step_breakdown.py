@@ -85,11 +85,12 @@ def instrument(llm: LLM, sync: bool) -> tuple[dict[str, list[float]], Wrapped]:
         for name in ("quick_arm", "uniform", "count_off", "finish_cycle", "observe_many", "observe_step", "flush"):
             wrap(d.controller, name, f"controller.{name}", acc, sync, wrapped)
     else:
-        wrap(eng.runner, "execute", "forward + sample", acc, sync, wrapped)
+        # (overlap scheduled, the engine launches steps itself: timed with a sync, they no longer overlap)
+        wrap(eng.runner, "launch" if eng.overlap else "execute", "forward + sample", acc, sync, wrapped)
     # the runner's parts, in both kinds of engine (inside the phases above)
     wrap(eng.runner, "prepare", "runner.prepare", acc, sync, wrapped)
     wrap(eng.runner, "forward", "runner.forward", acc, sync, wrapped)
-    wrap(eng.runner, "sample", "runner.sample", acc, sync, wrapped)
+    wrap(eng.runner, "launch_sampling", "runner.sample", acc, sync, wrapped)
     return acc, wrapped
 
 

@@ -39,7 +39,8 @@ from specserve import LLM, SamplingParams  # noqa: E402
 
 # (object path from the engine, method): the phases labelled on the timeline
 PHASES = [("", "step"), ("scheduler", "schedule"), ("scheduler", "commit"), ("", "_output"),
-          ("runner", "prepare"), ("runner", "forward"), ("runner", "sample"), ("runner", "execute"),
+          ("runner", "prepare"), ("runner", "forward"), ("runner", "launch_sampling"), ("runner", "execute"),
+          ("runner", "launch"),
           ("drafter", "verify_step"), ("drafter", "draft_step"), ("drafter", "_catch_up"),
           ("drafter", "_draft_chain_static"), ("drafter", "_draft_tree_static"), ("drafter", "_verify_all"),
           ("drafter", "_record"), ("drafter", "_keep_all_features"), ("drafter", "_draft"),

@@ -330,12 +330,9 @@ class ModelRunner:
             inputs.input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
         return inputs, self.forward(inputs, copy=False)
 
-    def sample(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> CommitResult:
-        """One token for each request that finishes its scheduled tokens this step (no drafts)."""
-        return self.launch_sampling(plan, inputs, hidden).result()
-
     def launch_sampling(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> LaunchedStep:
-        """``sample``'s work queued on the device: logits, tokens and log-probabilities stay there."""
+        """One token for each request that finishes its scheduled tokens this step (no drafts), queued on
+        the device: logits, tokens and log-probabilities stay there until ``result``."""
         sampling = [s for s in plan.scheduled if s.samples]
         if not sampling:
             return LaunchedStep(None, {})
