@@ -45,6 +45,13 @@ class StepInputs:
     pending_rows: list[tuple[int, "Request"]] = field(default_factory=list)
 
 
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy into pinned host memory, queued (read it once the stream has passed it)."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
+
+
 @dataclass
 class LaunchedStep:
     """A plain step's forward and sampling, queued on the device; ``result`` reads its tokens back
@@ -54,11 +61,27 @@ class LaunchedStep:
     index: dict["Request", int]  # sampling request -> its row in ``tokens``
     logprobs_wanted: list[int | None] = field(default_factory=list)
     logprobs: "sampler.TopLogprobs | None" = None
+    # on CUDA: the tokens (and log-probabilities) copied to pinned host memory, and an event after the
+    # copies. ``result`` waits for that event, not for the stream, which by then may hold the next step
+    host_tokens: torch.Tensor | None = None
+    done: "torch.cuda.Event | None" = None
+
+    def read_back_later(self) -> None:
+        """Queue the copies ``result`` reads (CUDA; elsewhere ``result`` reads the tensors themselves)."""
+        if self.tokens is None or self.tokens.device.type != "cuda":
+            return
+        self.host_tokens = pinned_copy(self.tokens)
+        if self.logprobs is not None:
+            self.logprobs = self.logprobs.map(pinned_copy)
+        self.done = torch.cuda.Event()
+        self.done.record()
 
     def result(self) -> CommitResult:
         if self.tokens is None:
             return CommitResult(token_ids=[])
-        toks = self.tokens.tolist()
+        if self.done is not None:
+            self.done.synchronize()
+        toks = (self.host_tokens if self.host_tokens is not None else self.tokens).tolist()
         lps = None
         if self.logprobs is not None:
             all_lps = self.logprobs.dicts(toks)
@@ -349,4 +372,5 @@ class ModelRunner:
         if any(w is not None for w in want):
             launched.logprobs = sampler.top_logprobs_on_device(logits, tokens, max(w or 0 for w in want))
             launched.logprobs_wanted = want
+        launched.read_back_later()
         return launched

@@ -119,6 +119,10 @@ class TopLogprobs:
     vals: torch.Tensor | None  # [N, n] the top n, or None for n = 0
     ids: torch.Tensor | None
 
+    def map(self, fn) -> "TopLogprobs":
+        return TopLogprobs(fn(self.chosen), None if self.vals is None else fn(self.vals),
+                           None if self.ids is None else fn(self.ids))
+
     def dicts(self, tokens: list[int]) -> list[dict[int, float]]:
         chosen = self.chosen.tolist()
         vals_l = self.vals.tolist() if self.vals is not None else None
