@@ -18,7 +18,7 @@ from specserve.engine import gc_pauses
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.request import Request, Status
 from specserve.engine.runner import LaunchedStep, ModelRunner, num_kv_blocks_for
-from specserve.engine.scheduler import Scheduler, StepPlan
+from specserve.engine.scheduler import CommitResult, Scheduler, StepPlan
 from specserve.loader.tokenizer import IncrementalDetokenizer
 from specserve.models.cpu_packing import pack_for_cpu
 from specserve.outputs import CompletionOutput, RequestOutput
@@ -175,18 +175,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.step_started = gc_pauses.clock()
         if self.overlap and self.drafter is None:
-            return self._overlapped_step()
-        # who runs, how many tokens each (drafts included); or the plain step the drafter launched ahead
-        plan = (self.drafter.take_ahead() if self.drafter is not None else None) or self.scheduler.schedule()
-        if self.drafter is not None:
-            for req in plan.preempted:
-                self.drafter.release(req)
-        if not plan.scheduled:
-            return []
-        if self.drafter is not None:
-            result = self.drafter.verify_step(plan)  # forward over drafts + verify
+            plan, result = self._overlapped_forward()  # forward + sample, the next step launched meanwhile
         else:
-            result = self.runner.execute(plan)  # forward + sample
+            # who runs, how many tokens each (drafts included); or the plain step the drafter launched ahead
+            plan = (self.drafter.take_ahead() if self.drafter is not None else None) or self.scheduler.schedule()
+            if self.drafter is not None:
+                for req in plan.preempted:
+                    self.drafter.release(req)
+            result = None
+            if plan.scheduled:
+                if self.drafter is not None:
+                    result = self.drafter.verify_step(plan)  # forward over drafts + verify
+                else:
+                    result = self.runner.execute(plan)  # forward + sample
+        if result is None:
+            return []
         n_out = sum(s.req.num_output_tokens for s in plan.scheduled)
         touched = self.scheduler.commit(plan, result, self._detokenize)  # append tokens, stops, free
         self.stats.generation_tokens += sum(s.req.num_output_tokens for s in plan.scheduled) - n_out
@@ -197,17 +200,17 @@ class LLMEngine:
         self.step_ended = gc_pauses.clock()
         return outputs
 
-    def _overlapped_step(self) -> list[RequestOutput]:
+    def _overlapped_forward(self) -> tuple[StepPlan, CommitResult | None]:
         """Plain decoding, overlap scheduled: this step's forward and sampling are on the device already
         (launched by the last step) or go there now; then the next step is scheduled over this one's
-        pending tokens and launched, and only then are this step's tokens read back and committed."""
+        pending tokens and launched, and only then are this step's tokens read back (None: nothing ran)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and all(s.req.is_finished for s in ahead[0].scheduled):
-            ahead = None  # every request in it ended or was aborted since: nothing to read
+        if ahead is not None and ahead[0].all_finished:
+            ahead = None  # nothing to read
         if ahead is None:
             plan = self.scheduler.schedule()
             if not plan.scheduled:
-                return []
+                return plan, None
             launched = self.runner.launch(plan)
         else:
             plan, launched = ahead
@@ -215,14 +218,7 @@ class LLMEngine:
         nxt = self.scheduler.schedule()
         if nxt.scheduled:
             self._ahead = (nxt, self.runner.launch(nxt, launched))
-        result = launched.result()  # the step's host sync: the next step is queued behind it
-        n_out = sum(s.req.num_output_tokens for s in plan.scheduled)
-        touched = self.scheduler.commit(plan, result, self._detokenize)
-        self.stats.generation_tokens += sum(s.req.num_output_tokens for s in plan.scheduled) - n_out
-        self._account(plan)
-        outputs = [self._output(r) for r in touched]
-        self.step_ended = gc_pauses.clock()
-        return outputs
+        return plan, launched.result()  # the step's host sync: the next step is queued behind it
 
     # -- helpers -----------------------------------------------------------------------------
     def _detokenize(self, req: Request) -> None:

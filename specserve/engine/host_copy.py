@@ -88,6 +88,14 @@ def host_to_device(values: list[int] | list[float] | list[list[int]] | np.ndarra
     return t.to(device, non_blocking=True)
 
 
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy into pinned host memory, queued (read it once the stream has passed it:
+    an event recorded after the copy; ``tolist()`` on the device tensor would wait for the whole stream)."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
+
+
 def host_buffer(n: int, dtype: torch.dtype, device: torch.device) -> tuple[np.ndarray, torch.Tensor]:
     """A zeroed host tensor of n elements to fill through its numpy view and copy to ``device``
     asynchronously (pinned on CUDA)."""

@@ -52,8 +52,6 @@ class Request:
     # KV slots up to this many tokens are written by a forward already launched for the next step
     # (the drafter's early verify): commit keeps their blocks, which it would free as unused
     kv_hold_tokens: int = 0
-    # trailing PENDING_TOKENs in all_token_ids (0 or 1: overlap scheduling, Scheduler.advance)
-    num_pending_tokens: int = 0
     # tokens already handed to the caller (for deltas)
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
@@ -67,6 +65,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Trailing PENDING_TOKENs in all_token_ids (0 or 1: overlap scheduling, Scheduler.advance)."""
+        ids = self.all_token_ids
+        return 1 if ids and ids[-1] == PENDING_TOKEN else 0
 
     @property
     def num_prompt_tokens(self) -> int:

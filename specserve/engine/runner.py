@@ -23,7 +23,7 @@ from specserve.attention.base import AttentionBackend, AttentionMetadata, forwar
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine import sampler
-from specserve.engine.host_copy import host_buffer, host_to_device
+from specserve.engine.host_copy import host_buffer, host_to_device, pinned_copy
 from specserve.engine.scheduler import CommitResult, StepPlan
 
 if TYPE_CHECKING:
@@ -43,13 +43,6 @@ class StepInputs:
     # (row, request) where the input is the request's PENDING_TOKEN, read on the device from the
     # step before (overlap scheduling: ModelRunner.launch's ``prev``)
     pending_rows: list[tuple[int, "Request"]] = field(default_factory=list)
-
-
-def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy into pinned host memory, queued (read it once the stream has passed it)."""
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    h.copy_(t, non_blocking=True)
-    return h
 
 
 @dataclass
@@ -345,12 +338,11 @@ class ModelRunner:
         if prev is not None:
             self.path_counts["launch:ahead"] += 1
         if inputs.pending_rows:
-            if prev is None or any(r not in prev.index for _, r in inputs.pending_rows):
+            src = [prev.index.get(r) for _, r in inputs.pending_rows] if prev is not None else [None]
+            if None in src or prev is None or prev.tokens is None:
                 raise RuntimeError("a step reads pending tokens that no launched step samples")
-            assert prev.tokens is not None
             dst = host_to_device([row for row, _ in inputs.pending_rows], self.device)
-            src = host_to_device([prev.index[r] for _, r in inputs.pending_rows], self.device)
-            inputs.input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
+            inputs.input_ids.index_copy_(0, dst, prev.tokens.index_select(0, host_to_device(src, self.device)))
         return inputs, self.forward(inputs, copy=False)
 
     def launch_sampling(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor) -> LaunchedStep:

@@ -50,6 +50,11 @@ class StepPlan:
         return sum(s.num_query_tokens for s in self.scheduled)
 
     @property
+    def all_finished(self) -> bool:
+        """Every request in it ended or was aborted (a step launched ahead then has nothing to read)."""
+        return all(s.req.is_finished for s in self.scheduled)
+
+    @property
     def num_decode_requests(self) -> int:
         return sum(1 for s in self.scheduled if s.samples and s.num_new_tokens == 1)
 
@@ -212,7 +217,6 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             if s.samples:
                 req.all_token_ids.append(PENDING_TOKEN)
-                req.num_pending_tokens += 1
         plan.advanced = True
 
     def commit(self, plan: StepPlan, result: CommitResult, detokenize) -> list[Request]:
@@ -223,19 +227,17 @@ class Scheduler:
         j = 0
         for s in plan.scheduled:
             req = s.req
-            if plan.advanced:
-                if req.is_finished:  # aborted after the step was launched: its token is dropped
-                    j += s.samples
-                    continue
-            else:
+            if plan.advanced and req.is_finished:  # aborted after the step was launched: its token is dropped
+                j += s.samples
+                continue
+            if not plan.advanced:
                 req.num_computed_tokens += s.num_new_tokens
             if not s.samples:
                 continue
             if plan.advanced:
-                if req.num_pending_tokens != 1 or req.all_token_ids[-1] != PENDING_TOKEN:
+                if not req.num_pending_tokens:
                     raise RuntimeError(f"request {req.request_id} has no pending token to commit")
                 req.all_token_ids.pop()
-                req.num_pending_tokens = 0
             tokens = result.token_ids[j]
             lps = result.logprobs[j] if result.logprobs is not None else None
             n_acc = result.num_accepted_drafts[j] if result.num_accepted_drafts is not None else 0

@@ -618,7 +618,7 @@ class EagleSpeculator:
         """The plain step launched ahead (_launch_plain_ahead) for the engine to run next, or None (then
         it schedules one); dropped where every request in it ended or was aborted since."""
         a = self._ahead
-        if a is not None and all(s.req.is_finished for s in a.plan.scheduled):
+        if a is not None and a.plan.all_finished:
             self._ahead = a = None
             self.path_counts["plain_ahead:dropped"] += 1
         return None if a is None else a.plan
@@ -663,11 +663,7 @@ class EagleSpeculator:
             # Every row (one per computed token: no drafts) is kept as it is, queued before any other
             # replay can overwrite the graph's outputs
             T = inputs.input_ids.shape[0]
-            if ahead is None:
-                self._keep_all_features(plan, feats[:T], inputs.meta.slot_mapping)
-                launched = self.runner.launch_sampling(plan, inputs, hidden)
-            else:
-                launched = ahead.launched
+            launched = self._launch_plain(plan, inputs, out) if ahead is None else ahead.launched
             went_ahead = self._launch_plain_ahead(plan, launched)
             result = launched.result()
             n_sampling = len(result.token_ids)  # one per request that samples
@@ -778,11 +774,15 @@ class EagleSpeculator:
         if not nxt.scheduled:
             return False  # (this step stays advanced: commit takes it so)
         inputs, out = self.runner.launch_forward(nxt, launched)
-        hidden, feats = out if isinstance(out, tuple) else (out, out)
-        self._keep_all_features(nxt, feats[: inputs.input_ids.shape[0]], inputs.meta.slot_mapping)
-        self._ahead = PlainAhead(nxt, inputs, self.runner.launch_sampling(nxt, inputs, hidden))
+        self._ahead = PlainAhead(nxt, inputs, self._launch_plain(nxt, inputs, out))
         self.path_counts["plain_ahead"] += 1
         return True
+
+    def _launch_plain(self, plan: StepPlan, inputs, out) -> LaunchedStep:
+        """A plain step's features kept (every row) and its sampling queued, after its forward ``out``."""
+        hidden, feats = out if isinstance(out, tuple) else (out, out)
+        self._keep_all_features(plan, feats[: inputs.input_ids.shape[0]], inputs.meta.slot_mapping)
+        return self.runner.launch_sampling(plan, inputs, hidden)
 
     def _keep_verified_features(self, plan: StepPlan, inputs, feats: torch.Tensor,
                                 kept_rows: list[list[int]]) -> None:
