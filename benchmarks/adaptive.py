@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import parse_variant, OtherCpu, chat_prompt_ids, run_metadata, wait_for_quiet, write_json  # noqa: E402
 from cycle_log import CycleLog  # noqa: E402
 
-from specserve import LLM, SamplingParams  # noqa: E402
+from specserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 
 STATIC = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static"}
@@ -136,7 +136,8 @@ class Client:
         while len(self.live) < c and (limit is None or self.issued < limit):
             prompt, out_len = source(self.issued)
             rid = f"{self.name}-{id(self)}-{self.issued}-{time.monotonic_ns()}"
-            self.llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+            self.llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True,
+                                                                     output_kind=RequestOutputKind.DELTA))
             self.live[rid] = Req(rid, out_len, self.clock + time.perf_counter() - t0)
             self.issued += 1
         self.clock += time.perf_counter() - t0

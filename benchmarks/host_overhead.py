@@ -32,7 +32,7 @@ from common import run_metadata, write_json  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from tiny_model import make_dummy_model_dir, make_random_head, make_tiny_model  # noqa: E402
 
-from specserve import LLM, SamplingParams  # noqa: E402
+from specserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from specserve.engine.heap import freeze_startup_heap  # noqa: E402
 from specserve.loader import load_model_source  # noqa: E402
 
@@ -98,7 +98,8 @@ class GCTimer:
         gc.callbacks.remove(self._cb)
 
 
-def serve(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int]) -> tuple[float, int]:
+def serve(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int],
+          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> tuple[float, int]:
     """Closed loop: seconds and engine steps to serve every prompt (``lens``: its output tokens) with
     ``concurrency`` in flight."""
     eng = llm.engine
@@ -111,7 +112,8 @@ def serve(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int])
         while queue and len(live) < concurrency:
             rid = f"h{n}"
             n += 1
-            eng.add_request(rid, queue.pop(), SamplingParams(temperature=0.0, max_tokens=lens[len(queue)], ignore_eos=True))
+            eng.add_request(rid, queue.pop(), SamplingParams(temperature=0.0, max_tokens=lens[len(queue)], ignore_eos=True,
+                                                          output_kind=output_kind))
             live.add(rid)
         for out in eng.step():
             if out.finished:
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "ops and kernels per step, and where the engines' counts differ from the first one's")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the engines in reach of full garbage collections (the server freezes them)")
+    ap.add_argument("--output-kind", default="cumulative", choices=[k.name.lower() for k in RequestOutputKind],
+                    help="what each step's outputs hold (final_only: LLM.generate's; delta: a streaming client's)")
     ap.add_argument("--output-file", required=True)
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -190,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         serve(engines[n], prompts[:16], 8, [8] * 16)  # warm-up
     if not args.no_gc_freeze:
         freeze_startup_heap()
+    kind = RequestOutputKind[args.output_kind.upper()]
     gc_timer = GCTimer()
     timing: dict[str, list[float]] = {n: [] for n in names}
     seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in range(args.rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
             gc_timer.take()
-            s, steps = serve(engines[n], prompts, args.concurrency, lens)
+            s, steps = serve(engines[n], prompts, args.concurrency, lens, kind)
             timing[n].append(1000 * s / steps)
             seconds[n].append(s)
             gc_ms[n].append([round(1000 * x / steps, 3) for x in gc_timer.take()])
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in names:
         prof = cProfile.Profile()
         prof.enable()
-        serve(engines[n], prompts, args.concurrency, lens)
+        serve(engines[n], prompts, args.concurrency, lens, kind)
         prof.disable()
         buf = io.StringIO()
         st = pstats.Stats(prof, stream=buf)

@@ -1,6 +1,6 @@
 """specserve: a PyTorch LLM serving engine with load-adaptive EAGLE-3 speculative decoding."""
 
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -14,4 +14,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams"]

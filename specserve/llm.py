@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence
 
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.outputs import RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, str]
 
@@ -35,6 +36,9 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        # generate returns each request's last output: the engine builds no others (as vLLM's LLM)
+        final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in plist}
+        plist = [final[id(sp)] for sp in plist]
         ids = []
         try:
             for p, sp in zip(prompts, plist):

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (as vLLM's): everything so far, what is new since the
+    last output, or one output when it finishes. FINAL_ONLY builds nothing per step (``LLM.generate``);
+    DELTA copies only the new tokens (a streaming client that keeps its own text)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -20,6 +31,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0: just the sampled one)
     max_spec_tokens: int | None = None  # per-request cap on drafted tokens; 0 disables speculation
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_list: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -57,6 +69,8 @@ class SamplingParams:
             bad(f"max_spec_tokens must be >= 0, got {self.max_spec_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specserve import LLM, SamplingParams
+from specserve import LLM, RequestOutputKind, SamplingParams
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine, QueueFullError
 from specserve.engine.runner import num_kv_blocks_for
@@ -108,6 +108,42 @@ def test_abort_frees_blocks_mid_generation(llm):
         done += [o for o in eng.step() if o.finished]
     assert [o.request_id for o in done] == ["b"]
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_output_kinds_cumulative_delta_and_final_only(llm):
+    """Three copies of each request, one per output kind, stepped together: FINAL_ONLY hands back one
+    output (the finished one, whole); DELTA's outputs add up to CUMULATIVE's last (text, tokens,
+    logprobs); LLM.generate asks for FINAL_ONLY without touching the caller's params."""
+    eng = llm.engine
+    kinds = list(RequestOutputKind)
+    prompts = ["Count to ten.", "Name three colors and say why you like them."]
+    for i, p in enumerate(prompts):
+        for k in kinds:
+            eng.add_request(f"{k.name}-{i}", p, SamplingParams(temperature=0, max_tokens=12 + 6 * i, logprobs=1, ignore_eos=True,
+                                                               output_kind=k))
+    seen: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            seen.setdefault(o.request_id, []).append(o)
+    for i in range(len(prompts)):
+        cum, delta, final = (seen[f"{k.name}-{i}"] for k in kinds)
+        whole = cum[-1].outputs[0]
+        assert len(cum) > 1 and len(final) == 1 and final[0].finished and cum[-1].finished
+        assert final[0].outputs[0].text == whole.text and final[0].outputs[0].token_ids == whole.token_ids
+        assert len(delta) == len(cum) and delta[-1].finished
+        assert "".join(o.outputs[0].text for o in delta) == whole.text
+        assert [t for o in delta for t in o.outputs[0].token_ids] == whole.token_ids
+        delta_lps = [lp for o in delta for lp in o.outputs[0].logprobs]
+        assert [list(d) for d in delta_lps] == [list(d) for d in whole.logprobs]  # (values: another batch row)
+        assert [v for d in delta_lps for v in d.values()] == pytest.approx(
+            [v for d in whole.logprobs for v in d.values()], abs=1e-4)
+        assert all(len(o.outputs[0].token_ids) < len(whole.token_ids) for o in delta)
+        assert whole.finish_reason == delta[-1].outputs[0].finish_reason == final[0].outputs[0].finish_reason
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    out = llm.generate([prompts[0]], sp)[0]
+    assert sp.output_kind is RequestOutputKind.CUMULATIVE and len(out.outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
 
 
 def test_queue_full_error():

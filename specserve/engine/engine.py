@@ -22,7 +22,7 @@ from specserve.engine.scheduler import CommitResult, Scheduler, StepPlan
 from specserve.loader.tokenizer import IncrementalDetokenizer
 from specserve.models.cpu_packing import pack_for_cpu
 from specserve.outputs import CompletionOutput, RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +190,11 @@ class LLMEngine:
                     result = self.runner.execute(plan)  # forward + sample
         if result is None:
             return []
-        n_out = sum(s.req.num_output_tokens for s in plan.scheduled)
         touched = self.scheduler.commit(plan, result, self._detokenize)  # append tokens, stops, free
-        self.stats.generation_tokens += sum(s.req.num_output_tokens for s in plan.scheduled) - n_out
         if self.drafter is not None:
             self.drafter.draft_step(plan, result)  # decide k, propose drafts for the next step
         self._account(plan)
-        outputs = [self._output(r) for r in touched]
+        outputs = [out for r in touched if (out := self._output(r)) is not None]
         self.step_ended = gc_pauses.clock()
         return outputs
 
@@ -227,6 +225,7 @@ class LLMEngine:
     def _account(self, plan) -> None:
         s = self.stats
         s.steps += 1
+        s.generation_tokens = self.scheduler.num_generated_tokens
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_usage = self.blocks.usage
@@ -235,18 +234,28 @@ class LLMEngine:
         s.prefix_cache_hits = self.blocks.stats.prefix_hits
         s.prefix_cache_refused = self.blocks.stats.prefix_refused
 
-    def _output(self, req: Request) -> RequestOutput:
-        new_ids = req.output_token_ids[req.num_emitted_tokens :]
-        new_text = req.text[req.num_emitted_chars :]
-        req.num_emitted_tokens = req.num_output_tokens
-        req.num_emitted_chars = len(req.text)
+    def _output(self, req: Request) -> RequestOutput | None:
+        """The request's output after this step, as its params' output_kind asks (None: none now)."""
         finished = req.status == Status.FINISHED
+        kind = req.params.output_kind
         if finished:
             self.requests.pop(req.request_id, None)
             if self.drafter is not None:
                 self.drafter.release(req)
-        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
-                                list(req.logprobs) if req.logprobs is not None else None)
+        elif kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        first_new = req.num_emitted_tokens
+        new_ids = req.output_token_ids[first_new:]
+        new_text = req.text[req.num_emitted_chars :]
+        req.num_emitted_tokens = req.num_output_tokens
+        req.num_emitted_chars = len(req.text)
+        lps = req.logprobs
+        if kind is RequestOutputKind.DELTA:
+            comp = CompletionOutput(0, new_text, new_ids, req.finish_reason, req.stop_reason,
+                                    lps[first_new:] if lps is not None else None)
+        else:
+            comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
+                                    list(lps) if lps is not None else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, req.metrics,
                              new_token_ids=new_ids, new_text=new_text)
 

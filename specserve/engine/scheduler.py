@@ -78,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # output tokens committed, over the engine's life
         # set by the drafter: whether a waiting request may take cached blocks without draft KV
         self.reuse_without_draft_kv: Callable[[Request], bool] | None = None
         # called with a request that finished in commit, before its blocks are freed (the drafter
@@ -256,6 +257,7 @@ class Scheduler:
             req.metrics.last_token_time = now
             for t_i, tok in enumerate(tokens):
                 req.append_token(tok)
+                self.num_generated_tokens += 1
                 if lps is not None and req.logprobs is not None:
                     req.logprobs.append(lps[t_i])
                 text_start = len(req.text)
