@@ -1,11 +1,12 @@
 #!/bin/bash
 # Staging the SmolLM2 GGUF on the device machine, one git-ignored part per call (a call carries
-# at most 64 MiB, the working tree included: ~50 MB of it tracked in session 31, when six parts of
+# at most 64 MiB, the working tree included (counted as the disk blocks its files take): ~50 MB of it tracked in session 31, when six parts of
 # 16.4 MB no longer fitted beside it, and ~54 MB in session 32, when eight of 12.3 MB left no room for
-# untracked results; session 33: twelve of 8.2 MB beside 52 MB tracked): split -n 12 -d -a 2 <gguf> into
-# .stageg1/gguf.part0 .. .stageg12/gguf.part11 (part names without the leading zero), the gguf wheel into
+# untracked results; session 33: twelve of 8.2 MB beside 52 MB tracked; session 42: eighteen of 5.5 MB beside 58 MB,
+# 60.6 MB on disk): split -n 18 -d -a 2 <gguf> into
+# .stageg1/gguf.part0 .. .stageg18/gguf.part17 (part names without the leading zero), the gguf wheel into
 # .whl/, then per call (calls less than 30 s apart: an idle machine is taken back):
-# bash benchmarks/gpu_stage.sh .stageg<N> 12
+# bash benchmarks/gpu_stage.sh .stageg<N> 18
 # (carry .stageg<N>; .whl with the last); the last part leaves /tmp/m.gguf.
 # $1 = the part directory, $2 = how many parts there are (default 5).
 set -e
