@@ -13,3 +13,5 @@ time timeout 360 python3 benchmarks/adaptive.py --model /tmp/m.gguf --concurrenc
     --adaptive-steps 5 --output-len 128 --max-input-len 300 --num-kv-blocks 16384 --point-s 10 --threshold-n 0 \
     --off-s 0 --ramp '' --max-wait 2 --retry-noisy 0 --slice-s 0.5 --variant held5:forced_arm=5 --log-cycles \
     --output-dir $OUT/high 2>&1 | tail -30
+(cd $OUT/high && ls cycles_*.json >/dev/null 2>&1 && tar czf cycles.tgz cycles_*.json && rm cycles_*.json)
+ls -la $OUT $OUT/high
