@@ -103,9 +103,13 @@ class StepLists:
         default); its last ``sample_rows`` rows are sampled. Returns its first row."""
         a, n, bs = len(self.ids), len(toks), self.block_size
         self.ids.extend(toks)
-        kv = range(start, start + n)
-        self.pos.extend(kv if positions is None else positions)
-        self.slots.extend(table[i // bs] * bs + i % bs for i in kv)
+        if n == 1 and positions is None:  # a decode: most requests of a step
+            self.pos.append(start)
+            self.slots.append(table[start // bs] * bs + start % bs)
+        else:
+            kv = range(start, start + n)
+            self.pos.extend(kv if positions is None else positions)
+            self.slots.extend(table[i // bs] * bs + i % bs for i in kv)
         self.q_lens.append(n)
         self.seq_lens.append(start + n)
         self.tables.append(table)

@@ -44,6 +44,12 @@ class StepPlan:
     preempted: list[Request]
     # Scheduler.advance ran: computed counts moved and sampled tokens are placeholders until commit
     advanced: bool = False
+    # requests this step took from the waiting queue (new to the engine, or back after a preemption)
+    admitted: list[Request] = field(default_factory=list)
+    # scheduled requests that sample, and running requests the token budget left out (counted by
+    # ``schedule``; None: not known)
+    num_sampling: int | None = None
+    num_left_out: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +59,10 @@ class StepPlan:
     def all_finished(self) -> bool:
         """Every request in it ended or was aborted (a step launched ahead then has nothing to read)."""
         return all(s.req.is_finished for s in self.scheduled)
+
+    @property
+    def num_samples(self) -> int:
+        return self.num_sampling if self.num_sampling is not None else sum(1 for s in self.scheduled if s.samples)
 
     @property
     def num_decode_requests(self) -> int:
@@ -143,6 +153,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        admitted: list[Request] = []
+        num_sampling = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -168,9 +180,11 @@ class Scheduler:
                 req.draft_token_ids = drafts  # a tree's nodes are in depth order: any prefix is a tree
             tree = req.draft_tree if drafts else None
             scheduled.append(ScheduledRequest(req, n_new, list(drafts), tree))
+            num_sampling += n_new == remaining
             budget -= n_new + len(drafts)
             i += 1
 
+        num_left_out = len(self.running) - i
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
             if not req.kv.block_table:
@@ -199,9 +213,12 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.time()
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, n_new))
+            admitted.append(req)
+            scheduled.append(s := ScheduledRequest(req, n_new))
+            num_sampling += s.samples
             budget -= n_new
-        return StepPlan(scheduled, preempted)
+        return StepPlan(scheduled, preempted, admitted=admitted, num_sampling=num_sampling,
+                        num_left_out=num_left_out)
 
     # -- commit -------------------------------------------------------------------------------
     def advance(self, plan: StepPlan) -> None:

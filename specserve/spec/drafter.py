@@ -755,9 +755,10 @@ class EagleSpeculator:
         if not e.overlap or ctl.cycle_open:
             return False
         sched = e.scheduler
-        if any(r.draft_token_ids for r in sched.running):
+        # drafts left on a request the budget did not schedule (a plain plan's own requests hold none)
+        if plan.num_left_out != 0 and any(r.draft_token_ids for r in sched.running):
             return False
-        found = sum(1 for s in plan.scheduled if s.samples)  # the next decision's batch, unless one stops
+        found = plan.num_samples  # the next decision's batch, unless one stops
         if found:
             arm = ctl.forced_arm
             if arm is None:
@@ -1394,12 +1395,12 @@ class EagleSpeculator:
 
     def _keep_all_features(self, plan: StepPlan, feats: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Keep a plain step's target features (every row: one per computed token, in slot order) at
-        their KV slots, and start the drafting state of requests new to the engine (their first
-        position without draft KV is where this step starts them: after a prefix-cache hit)."""
+        their KV slots, and start the drafting state of requests new to the engine or back after a
+        preemption (their first position without draft KV is where this step starts them: after a
+        prefix-cache hit). Every other running request has one since its first step."""
         self.features.index_copy_(0, slot_mapping, feats)
         states = self.states
-        for s in plan.scheduled:
-            r = s.req
+        for r in plan.admitted:
             if r.request_id not in states and not r.no_draft_kv:
                 states[r.request_id] = DraftState(draft_pos=r.num_computed_tokens)
 
