@@ -181,7 +181,7 @@ def test_tree_lanes_and_fused_tree_launch_triton_same_trees(tmp_path):
 
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
     head = make_random_head(model, str(tmp_path / "head"), std=0.3)
-    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(model=model, device="cpu", max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], sp)]
     runs = []
