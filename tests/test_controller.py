@@ -7,6 +7,7 @@ import pytest
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.request import Status
+from specserve.spec.bandit import batch_key
 from specserve.spec.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
 from specserve.spec.cost_model import CostModel, Curve
 
@@ -676,6 +677,36 @@ def test_an_explorations_first_cycle_holding_the_seconds_drafts_is_not_measured(
     other = ctl._cycle
     _, nxt = ctl.decide_early(reqs, [3], 1, 0)  # ... followed early by one of another depth
     assert other.measured and nxt is not None and nxt.arm == 3
+
+
+def test_a_plain_explorations_second_cycle_is_taken_before_the_sync_and_its_first_is_not_measured():
+    """An exploration of plain decoding: its first cycle (decided after a drafting verify's sync) is in
+    flight when the drafter asks, before the next sync, whether the next decision is plain decoding's
+    second cycle: it is (taken now, the visit counted, its cycle exploring), and the first cycle is
+    charged, not measured. Another arm's second cycle, or none due, takes nothing."""
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
+    b = ctl.bandit
+    picks = iter([(0, True)])
+    ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: next(picks)
+    reqs = [R("a"), R("b")]
+    key = batch_key(2)
+    b._explore_again[key] = 0  # choose (stubbed) would return plain decoding unweighed
+    ctl.decide(reqs, [3, 3], 2, 0)  # the exploration's first cycle
+    first = ctl._cycle
+    assert first.arm == 0 and first.exploring and first.measured
+    visits, explorations = b.visits.get(key, 0), ctl.explorations
+    assert ctl.plain_second_cycle(2)
+    assert not first.measured and key not in b._explore_again and b.visits[key] == visits + 1
+    assert b.exploration_in_flight(key) and ctl.explorations == explorations + 1
+    ctl.detach_cycle()
+    ctl.count_off(2)
+    second = ctl._cycle
+    assert second.exploring and second.measured and second.arm == 0 and second.key == key
+    assert not ctl.plain_second_cycle(2)  # nothing due any more
+    b._explore_again[key] = 2  # a drafting depth's second cycle: left to the full decision
+    assert not ctl.plain_second_cycle(2) and b._explore_again[key] == 2
+    ctl.count_off(2)
+    assert not ctl._cycle.exploring  # a quick decision of plain decoding explores nothing
 
 
 def test_full_decisions_before_the_sync_where_sure_or_a_second_cycle():

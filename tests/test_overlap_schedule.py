@@ -112,3 +112,51 @@ def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts)
     counts = eng.drafter.path_counts
     assert counts["plain_ahead"] > 10 and eng.stats.spec_steps > 0, (counts, eng.stats.spec_steps)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_an_adaptive_engines_plain_exploration_runs_its_measured_cycle_launched_ahead(chat_prompts):
+    """An exploration of plain decoding out of drafting (the bandit's choice, stubbed: drafting is picked,
+    plain decoding explored every 6th full decision): its second cycle is decided before the first
+    one's sync and launched ahead, overlapped as picked plain decoding runs; the first (a step after a
+    drafting verify) is charged, not measured. Greedy tokens stay plain decoding's."""
+    from specserve.spec.bandit import batch_key
+
+    convs = chat_prompts[:3]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in convs]
+    base = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
+              speculative_algorithm="EAGLE3", speculative_policy="adaptive", speculative_num_steps=2,
+              speculative_calibrate=False)
+    ctl = llm.engine.drafter.controller
+    b = ctl.bandit
+    turns = {"n": 0}
+    explored: list = []
+
+    def choose(key, priors, batch=1, switch_s=0.0):
+        again = b._explore_again.pop(key, None)
+        if again is not None:  # (a drafting exploration would come here; plain's is taken early)
+            return again, True
+        turns["n"] += 1
+        pick = b.chosen[key] = max(priors)  # the deepest arm left (near max_tokens the caps cut arms)
+        if turns["n"] % 6 == 0 and pick > 0:
+            b._explore_again[key] = 0
+            return 0, True
+        return pick, False
+
+    b.choose = choose
+    ctl.full_every = 1  # every decision in full (no quick turns): explorations come on choose's schedule
+    finished = []
+    orig = ctl._finish_cycle
+
+    def finish(c, seconds):
+        finished.append((c.arm, c.exploring, c.measured))
+        orig(c, seconds)
+
+    ctl._finish_cycle = finish
+    outs = llm.chat(convs, params)
+    for a, o in zip(base, outs):
+        assert o.outputs[0].token_ids == a.outputs[0].token_ids
+    plain = [(e, m) for arm, e, m in finished if arm == 0]
+    assert (True, False) in plain and (True, True) in plain, finished  # first charged, second measured
+    assert llm.engine.drafter.path_counts["plain_ahead"] >= plain.count((True, True)) > 0
+    assert batch_key(3) not in b._explore_again or b._explore_again[batch_key(3)] != 0

@@ -472,6 +472,18 @@ class GoodputBandit:
         depth known already: the first one's)."""
         return key in self._explore_again
 
+    def take_plain_second_cycle(self, key: int) -> bool:
+        """Take ``choose``'s next decision in bucket ``key`` now where it is the second cycle of an
+        exploration of plain decoding (arm 0: known without weighing the arms), counted as ``choose``
+        counts it; False (nothing taken) otherwise."""
+        if self._explore_again.get(key) != 0:
+            return False
+        visit = self.visits.get(key, 0)
+        self.visits[key] = visit + 1
+        del self._explore_again[key]
+        self._measured_at[key] = visit
+        return True
+
     def exploration_in_flight(self, key: int) -> bool:
         """Whether the last decision in bucket ``key`` was an exploration's second (measured) cycle."""
         return self._measured_at.get(key, -2) == self.visits.get(key, 0) - 1

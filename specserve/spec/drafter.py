@@ -764,10 +764,11 @@ class EagleSpeculator:
             if arm is None:
                 if ctl.after_exploration(found):
                     return False
-                arm = ctl.quick_arm(found, len(sched.running))
+                # an exploration of plain decoding runs its measured cycle overlapped, as the pick would
+                arm = 0 if ctl.plain_second_cycle(found) else ctl.quick_arm(found, len(sched.running))
                 if arm is None:  # a full decision is due: it waits for this step's tokens
                     return False
-                self._pre_arm = (found, arm)  # quick_arm counted the decision: draft_step applies it
+                self._pre_arm = (found, arm)  # the decision is counted: draft_step applies it
             if arm != 0:
                 return False
         sched.advance(plan)
