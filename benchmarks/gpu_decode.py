@@ -343,8 +343,8 @@ def main() -> None:
             for name, over in variants:
                 a = fresh.get(name, attn)
                 try:
-                    for key, val in over.items():
-                        setattr(a, key, val)
+                    for knob, val in over.items():
+                        setattr(a, knob, val)
                     a.plan(inputs.meta)
                     if cuda:
                         a.forward(0, q, k, k)  # compile outside the capture
@@ -363,8 +363,8 @@ def main() -> None:
                     row = {"batch": B, "variant": name, "error": repr(e)[:200]}
                 finally:
                     if runner.backend_name == "triton":
-                        for key in over:  # fresh backends take no overrides
-                            setattr(a, key, saved[key])
+                        for knob in over:  # fresh backends take no overrides
+                            setattr(a, knob, saved[knob])
                         a.graph_min_tokens = 1
                 results[key].append(row)
                 print(json.dumps(row), flush=True)
