@@ -162,6 +162,13 @@ class BlockManager:
         """Whether any of these blocks is missing the draft KV a speculating engine needs."""
         return self.require_draft_kv and not all(self.draft_ready[b] for b in block_ids)
 
+    def draft_ready_prefix(self, block_ids: Sequence[int]) -> int:
+        """How many leading blocks of these have draft KV."""
+        n = 0
+        while n < len(block_ids) and self.draft_ready[block_ids[n]]:
+            n += 1
+        return n
+
     def mark_draft_ready(self, block_ids: Sequence[int]) -> None:
         for bid in block_ids:
             if self.draft_ready[bid]:  # already marked (and its cached entry settled then)

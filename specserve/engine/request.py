@@ -47,8 +47,12 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_tree: object | None = None  # spec.tree.DraftTree when the drafts form a tree
     # its prompt prefix came from cached blocks whose draft KV was never computed (admitted while
-    # speculation was off): the head cannot catch up over them, so this request never drafts
+    # speculation was off, with the head's catch-up over such blocks turned off): it never drafts
     no_draft_kv: bool = False
+    # ... or, with that catch-up (the default), how many leading tokens of what it took from the prefix
+    # cache have draft KV: its drafting state starts there, and the head catches up over the rest from
+    # the target features kept at those blocks' slots (None: all it took has draft KV)
+    draft_kv_tokens: int | None = None
     # KV slots up to this many tokens are written by a forward already launched for the next step
     # (the drafter's early verify): commit keeps their blocks, which it would free as unused
     kv_hold_tokens: int = 0

@@ -198,6 +198,10 @@ class SpecController:
     # for it (EagleSpeculator._unpaid_catch_up): explorations out of plain decoding are measured as the
     # depth's exploited cycles are. False: for A/Bs
     charge_unpaid_catch_up: bool = True
+    # cached prompt blocks without draft KV are taken and the head catches up over them (the drafter's
+    # _catch_up_cached_prefix), not refused to drafting requests. False: for A/Bs (refused, as before
+    # session 42; then _catch_up_finished gives finishing requests draft KV where refusals pay for it)
+    catch_up_cached_prefix: bool = True
     # an exploration of plain decoding has its measured (second) cycle taken before the sync and launched
     # ahead, as the pick's plain steps are on a GPU (plain_second_cycle). False: for A/Bs
     overlap_plain_explorations: bool = True

@@ -162,6 +162,14 @@ def catch_up_end(r: Request) -> int:
     return min(r.num_computed_tokens, r.num_tokens - 1)
 
 
+def first_without_draft_kv(r: Request) -> int:
+    """Where a request new to drafting starts: past what it has computed, or at the first cached prompt
+    block it took that lacks draft KV (the head catches up from there)."""
+    if r.draft_kv_tokens is None:
+        return r.num_computed_tokens
+    return min(r.draft_kv_tokens, r.num_computed_tokens)
+
+
 def steady_share(caught_up: int, prompt_rows: int) -> float:
     """The part of a catch-up over ``caught_up`` rows that replays tokens the last verify committed
     (the rest, ``prompt_rows``, is the head's pass over prompts of requests new to drafting), by rows."""
@@ -219,6 +227,7 @@ class EagleSpeculator:
         self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         engine.blocks.require_draft_kv = True
         engine.scheduler.reuse_without_draft_kv = self._reuse_without_draft_kv
+        engine.scheduler.catch_up_cached_prefix = self._catch_up_cached_prefix
         self.states: dict[str, DraftState] = {}
         # its bookkeeping waits for the next target forward's launch (verify_step flushes it there)
         self.controller = SpecController(cfg, defer=True)
@@ -272,6 +281,14 @@ class EagleSpeculator:
         speculation is off (controller.speculation_off). Otherwise a stretch of plain decoding would cost
         the prefix cache: the blocks it fills never get draft KV, and no prompt could reuse them."""
         return req.params.max_spec_tokens == 0 or self.controller.speculation_off(len(self.engine.scheduler.running) + 1)
+
+    def _catch_up_cached_prefix(self) -> bool:
+        """Whether a waiting request takes cached prompt blocks that lack draft KV, its drafting state
+        starting at the first of them (``first_without_draft_kv``): the head's catch-up computes their
+        draft KV from the target features every step keeps at its KV slots (a cached block's slots are
+        not written again until it is evicted), a head pass where refusing them recomputed the prompt
+        through the target (controller flag ``catch_up_cached_prefix``)."""
+        return self.controller.catch_up_cached_prefix
 
     # -- start-up cost profile ------------------------------------------------------------------
     def after_capture(self) -> None:
@@ -610,7 +627,7 @@ class EagleSpeculator:
     def _state(self, req: Request) -> DraftState:
         st = self.states.get(req.request_id)
         if st is None:
-            st = self.states[req.request_id] = DraftState(draft_pos=req.num_computed_tokens)
+            st = self.states[req.request_id] = DraftState(draft_pos=first_without_draft_kv(req))
         return st
 
     # -- target forward + verification ---------------------------------------------------------
@@ -1403,7 +1420,7 @@ class EagleSpeculator:
         states = self.states
         for r in plan.admitted:
             if r.request_id not in states and not r.no_draft_kv:
-                states[r.request_id] = DraftState(draft_pos=r.num_computed_tokens)
+                states[r.request_id] = DraftState(draft_pos=first_without_draft_kv(r))
 
     def _compact(self, s, path: list[int]) -> None:
         """Move the target KV of accepted tree nodes to the slots right after the root."""
