@@ -213,6 +213,12 @@ class Scheduler:
                     break
                 n_new = budget
             if not self._reserve(req, req.num_computed_tokens + n_new):
+                # what it took from the prefix cache goes back (still cached): a waiting request holds no
+                # blocks, or requests that could not be admitted could pin the cache between them
+                self.blocks.free(req.kv.block_table)
+                req.kv = KVSlots()
+                req.num_computed_tokens = 0
+                req.no_draft_kv = False
                 if not self.running:
                     raise RuntimeError("KV cache too small for a single request; lower max_model_len")
                 break
