@@ -47,9 +47,9 @@ class StepPlan:
     # requests this step took from the waiting queue (new to the engine, or back after a preemption)
     admitted: list[Request] = field(default_factory=list)
     # scheduled requests that sample, and running requests the token budget left out (counted by
-    # ``schedule``; None: not known)
-    num_sampling: int | None = None
-    num_left_out: int | None = None
+    # ``schedule``, which builds every plan)
+    num_sampling: int = 0
+    num_left_out: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -59,10 +59,6 @@ class StepPlan:
     def all_finished(self) -> bool:
         """Every request in it ended or was aborted (a step launched ahead then has nothing to read)."""
         return all(s.req.is_finished for s in self.scheduled)
-
-    @property
-    def num_samples(self) -> int:
-        return self.num_sampling if self.num_sampling is not None else sum(1 for s in self.scheduled if s.samples)
 
     @property
     def num_decode_requests(self) -> int:

@@ -773,9 +773,9 @@ class EagleSpeculator:
             return False
         sched = e.scheduler
         # drafts left on a request the budget did not schedule (a plain plan's own requests hold none)
-        if plan.num_left_out != 0 and any(r.draft_token_ids for r in sched.running):
+        if plan.num_left_out and any(r.draft_token_ids for r in sched.running):
             return False
-        found = plan.num_samples  # the next decision's batch, unless one stops
+        found = plan.num_sampling  # the next decision's batch, unless one stops
         if found:
             arm = ctl.forced_arm
             if arm is None:
@@ -1417,10 +1417,9 @@ class EagleSpeculator:
         preemption (their first position without draft KV is where this step starts them: after a
         prefix-cache hit). Every other running request has one since its first step."""
         self.features.index_copy_(0, slot_mapping, feats)
-        states = self.states
         for r in plan.admitted:
-            if r.request_id not in states and not r.no_draft_kv:
-                states[r.request_id] = DraftState(draft_pos=first_without_draft_kv(r))
+            if not r.no_draft_kv:
+                self._state(r)
 
     def _compact(self, s, path: list[int]) -> None:
         """Move the target KV of accepted tree nodes to the slots right after the root."""
