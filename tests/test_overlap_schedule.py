@@ -160,3 +160,47 @@ def test_an_adaptive_engines_plain_exploration_runs_its_measured_cycle_launched_
     assert (True, False) in plain and (True, True) in plain, finished  # first charged, second measured
     assert llm.engine.drafter.path_counts["plain_ahead"] >= plain.count((True, True)) > 0
     assert batch_key(3) not in b._explore_again or b._explore_again[batch_key(3)] != 0
+
+
+def test_an_adaptive_engines_full_decisions_for_plain_decoding_are_taken_before_the_sync(chat_prompts):
+    """Full decisions that cannot explore, where the last step was plain, are taken before its sync: one
+    that keeps plain decoding lets the next step be launched ahead (before, each ran two steps step by
+    step), one that drafts is applied after the sync as taken. The bandit is stubbed to pick plain
+    decoding and depth 2 in turns of five full decisions (every decision full); tokens stay plain
+    decoding's and each decision is counted once."""
+    convs = chat_prompts[:3]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in convs]
+    base = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
+              speculative_algorithm="EAGLE3", speculative_policy="adaptive", speculative_num_steps=2,
+              speculative_calibrate=False)
+    ctl = llm.engine.drafter.controller
+    b = ctl.bandit
+    b.explore_every = 0  # no exploration turns: every full decision is sure not to explore
+    calls = {"n": 0}
+
+    def choose(key, priors, batch=1, switch_s=0.0):
+        calls["n"] += 1
+        pick = b.chosen[key] = min(max(priors), 2 if (calls["n"] // 5) % 2 else 0)
+        return pick, False
+
+    b.choose = choose
+    ctl.full_every = 1
+    finished = []
+    orig = ctl._finish_cycle
+
+    def finish(c, seconds):
+        finished.append((c.arm, c.tokens, c.requests))
+        orig(c, seconds)
+
+    ctl._finish_cycle = finish
+    outs = llm.chat(convs, params)
+    for a, o in zip(base, outs):
+        assert o.outputs[0].token_ids == a.outputs[0].token_ids
+    counts = llm.engine.drafter.path_counts
+    plain = ctl.k_histogram[0] // 3  # (batches of three requests, bar the prompt's step)
+    assert counts["plain_ahead"] >= plain // 2 > 5, (dict(counts), ctl.k_histogram)
+    assert ctl.k_histogram[2] > 0 and llm.engine.stats.spec_steps > 0
+    # every plain cycle counted its requests' tokens (one each), whether decided before the sync or after
+    plain_cycles = [(t, n) for arm, t, n in finished if arm == 0]
+    assert len(plain_cycles) > 10 and all(t == n > 0 for t, n in plain_cycles), plain_cycles

@@ -373,6 +373,12 @@ class SpecController:
         return ((self.fuse_exploit and self.bandit.cannot_explore(key))
                 or (self.fuse_explorations and self.bandit.second_cycle_due(key)))
 
+    def plain_full_early(self, batch: int) -> bool:
+        """Whether the full decision due for ``batch`` requests after a plain step may be taken before
+        that step's sync (fuse_exploit: it is sure not to explore), so that plain decoding again is
+        launched ahead (the drafter's _plain_full_early)."""
+        return self.cfg.policy == "adaptive" and self.fuse_exploit and self.bandit.cannot_explore(batch_key(batch))
+
     def full_decision_every(self) -> int:
         """``full_every``, or more decisions apart where a full one costs more than ``decide_budget``
         of the time between them (at most 64), rounded up to a power of two: its turns (the last
