@@ -205,6 +205,9 @@ class SpecController:
     # an exploration of plain decoding has its measured (second) cycle taken before the sync and launched
     # ahead, as the pick's plain steps are on a GPU (plain_second_cycle). False: for A/Bs
     overlap_plain_explorations: bool = True
+    # a full decision due after a plain step, sure not to explore, taken before that step's sync so that
+    # plain decoding again is launched ahead (plain_full_early). False: for A/Bs
+    fuse_plain_full: bool = True
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
     _plain_exploring: bool = False  # plain_second_cycle took the next decision: count_off's cycle explores
@@ -377,7 +380,8 @@ class SpecController:
         """Whether the full decision due for ``batch`` requests after a plain step may be taken before
         that step's sync (fuse_exploit: it is sure not to explore), so that plain decoding again is
         launched ahead (the drafter's _plain_full_early)."""
-        return self.cfg.policy == "adaptive" and self.fuse_exploit and self.bandit.cannot_explore(batch_key(batch))
+        return (self.cfg.policy == "adaptive" and self.fuse_plain_full and self.fuse_exploit
+                and self.bandit.cannot_explore(batch_key(batch)))
 
     def full_decision_every(self) -> int:
         """``full_every``, or more decisions apart where a full one costs more than ``decide_budget``
