@@ -84,6 +84,28 @@ def test_an_unmeasured_arm_borrows_the_bucket_excess_time():
     assert summary[8][0]["time_ratio"] == 2.0 and summary[8][0]["tok_per_s"] == 50.0
 
 
+def test_a_drafting_arm_borrows_the_excess_time_of_drafting_cycles_not_of_plain_ones():
+    # plain decoding is the pick and runs at its prediction (1 ms for 16 requests); depth 2's few cycles
+    # took 3 ms against 1.2 predicted (the draft loop's host time, which no profile has). Depth 3, never
+    # run, is judged with drafting's excess: 1.3 + 1.8 ms, below plain decoding. Borrowing the bucket's
+    # excess (plain decoding's cycles: ~0) it read 40 tokens / 1.33 ms, 1.9x plain decoding
+    priors = {0: (16.0, 0.0010), 2: (32.0, 0.0012), 3: (40.0, 0.0013)}
+    for drafting_excess, faster in ((True, False), (False, True)):
+        b = GoodputBandit(explore_every=0, drafting_excess=drafting_excess)
+        fill(b, 8, 2, 0.0012, 32.0, 0.0030, requests=16, cycles=4)
+        fill(b, 8, 0, 0.0010, 16.0, 0.0010, requests=16, cycles=200)
+        est = b.estimates(8, priors, batch=16)
+        assert (est[3][0] > est[0][0]) is faster, (drafting_excess, est)
+    assert np.isclose(est[0][0], 16 / 0.0010, rtol=1e-3)  # plain decoding: its own cycles either way
+    b = GoodputBandit(explore_every=0)
+    fill(b, 8, 2, 0.0012, 32.0, 0.0030, requests=16, cycles=4)
+    fill(b, 8, 0, 0.0010, 16.0, 0.0010, requests=16, cycles=200)
+    assert np.isclose(b.estimates(8, priors, batch=16)[3][0], 40 / (0.0013 + 0.0018), rtol=0.02)
+    # a new bucket borrows the drafting cycles' excess per request (1.8 ms / 16) times its batch
+    assert np.isclose(b.estimates(10, {0: (32.0, 0.002), 3: (80.0, 0.0026)}, batch=32)[3][0],
+                      80 / (0.0026 + 0.0036), rtol=0.02)
+
+
 def test_plain_decoding_never_run_borrows_no_time_the_profile_over_predicted():
     # a profile taken on a busy machine put 3-token cycles at 70 ms; they take 50 ms. Plain
     # decoding (45 ms predicted, never run here) is not credited with those 20 ms: borrowed whole

@@ -228,6 +228,14 @@ class GoodputBandit:
     # requests on the H200 it was ~0.7 ms an exploration, about as much as the explored cycles lost
     # (session 37's cycle logs), so the budget let explorations take ~2x its share. False: for A/Bs
     charge_decisions: bool = True
+    # a drafting arm borrows the excess time of the drafting arms' cycles (in its bucket, then in all of
+    # them), not of every arm's: the host time a profile lacks is much the same for every depth, but
+    # plain decoding's cycles lack the draft loop's. Where plain decoding is the pick its cycles are
+    # nearly all the bucket's, so depths whose own cycles had faded were put at plain decoding's
+    # excess: at 16 requests on an H100 (session 43) drafting cycles ran 1.6-1.9x their predictions and
+    # plain ones 0.96x, depths known by their priors read 12,000-13,000 tok/s against 7,700 served,
+    # and were picked in stretches (17 % of the time) where plain decoding served 8,800. False: for A/Bs
+    drafting_excess: bool = True
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     # depth e -> what drafting e rather than e - 1 added to the committed tokens, on every cycle of depth
@@ -251,6 +259,28 @@ class GoodputBandit:
                 num += st.seconds - st.predicted
                 den += st.requests
         return num / den if den > 0 else 0.0
+
+    def _drafting_excess(self, arms: dict[int, ArmStats], batch: int, bucket: float) -> float:
+        """The excess seconds per cycle a drafting arm of bucket ``arms`` borrows (``drafting_excess``):
+        its drafting arms' served cycles together, with the excess per request of every bucket's worth
+        ``borrow`` cycles; ``bucket`` (every arm's) where no drafting cycle was served anywhere. Start-up
+        seeds are left out: they stand in for their own arm alone, and fade (a machine that changed since
+        is followed as before)."""
+        if not self.drafting_excess:
+            return bucket
+        num = den = n = ex = 0.0
+        for key_arms in self.stats.values():
+            for arm, st in key_arms.items():
+                if arm:
+                    e = (st.seconds - st.seed_seconds) - (st.predicted - st.seed_predicted)
+                    num += e
+                    den += st.requests - st.seed_requests
+                    if key_arms is arms:
+                        n += served(st)
+                        ex += e
+        if den <= 1e-9:
+            return bucket
+        return (ex + self.borrow * num / den * batch) / (n + self.borrow) if n + self.borrow else 0.0
 
     def tokens_per_request(self, arm: int, tokens: float, batch: int = 1) -> float:
         """Tokens a request commits per cycle of ``arm``: measured in every bucket, with the acceptance
@@ -295,6 +325,7 @@ class GoodputBandit:
         excess = sum(st.seconds - st.predicted for st in arms.values())
         # this bucket's excess seconds per cycle, starting from every bucket's per request
         bucket = (excess + self.borrow * self.excess_per_request() * batch) / (n + self.borrow) if n + self.borrow else 0.0
+        drafting = self._drafting_excess(arms, batch, bucket)
         out: dict[int, tuple[float, float]] = {}
         # a drafting cycle does all a plain one does and more, so its goodput is at most plain
         # decoding's times its tokens per request: a head that is never right (1.0) cannot look
@@ -320,7 +351,7 @@ class GoodputBandit:
             # profile over-predicted: that is measured on drafting cycles (a profile taken on a busy
             # machine puts multi-token verifies and draft steps high), and taken whole it made plain
             # decoding, never run in the bucket, look faster than anything it was measured at
-            borrowed = max(bucket, 0.0) if arm == 0 else bucket
+            borrowed = max(bucket, 0.0) if arm == 0 else drafting
             if arm == 0 and self.plain_own_ratio and st.predicted > 0:
                 # once plain decoding has cycles here, its own excess, scaled to its predicted cycle.
                 # The bucket's excess is measured almost all on drafting cycles and is seconds per
