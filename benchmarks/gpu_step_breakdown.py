@@ -225,13 +225,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if logged is not None:
                 point["configs"][n].update(cycle_summary=logged.summary(), **logged.logs())
                 point["configs"][n]["controller"] = engines[n].engine.drafter.controller.snapshot()
-            if args.profile:
-                point["configs"][n]["profile"] = profile_run(engines[n], batch, c, lens)
             print(f"  paths: {point['configs'][n]['path_counts']}", flush=True)
             print(f"C={c} {n}: {got['tok_s']:.0f} tok/s (steady {got['steady_tok_s'] or 0:.0f}), {got['ms_per_step']:.2f} ms/step, {extra} | " + ", ".join(
                 f"{k} {v['ms_per_step']:.2f}" for k, v in phases.items()), flush=True)
         result["points"].append(point)
-    write_json(args.output_file, result)
+        write_json(args.output_file, result)  # (each point as it ends: a run cut short keeps what it has)
+    if args.profile:
+        # after every timed run: once torch.profiler has attached to the device, CUDA calls stay slower
+        # for the rest of the process (session 43 on an H100: a spec engine timed after no-spec's trace
+        # ran 2.13 ms a step, 1.60 in a run without --profile; graph launches ~210 us against ~40)
+        for point, c in zip(result["points"], cs):
+            batch = [prompts[i % len(prompts)] for i in range(args.requests_per_c * c)]
+            lens = output_lens(len(batch), args.output_len, args.length_spread)
+            for n in names:
+                point["configs"][n]["profile"] = profile_run(engines[n], batch, c, lens)
+                print(f"C={c} {n}: profiled, {point['configs'][n]['profile']['gpu_kernel_ms_per_step']} ms of kernels "
+                      "a step", flush=True)
+            write_json(args.output_file, result)
     return result
 
 
