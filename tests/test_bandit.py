@@ -633,6 +633,39 @@ def test_a_decision_sure_not_to_explore_never_explores():
     assert not fresh.cannot_explore(4)
 
 
+def test_an_exploration_turn_whose_budget_is_spent_is_a_quick_decision():
+    """Past the warm-up, an exploration turn that cannot explore (its bucket's budget spent) does not need
+    the arms weighed: with full decisions every 64th, the turns at 16, 32 and 48 stay quick; one that may
+    explore, and every 64th, are full. Without ``quick_turns_when_spent`` every turn was full. Here a head
+    that is never right, with a catch-up out of plain decoding, spends the budget."""
+    rng = np.random.default_rng(3)
+    priors = {0: (32.0, 0.30), 1: (48.0, 0.36), 2: (56.0, 0.42)}
+    for quick in (True, False):
+        b = GoodputBandit(explore_budget=0.01, quick_turns_when_spent=quick)
+        last, full_turns, spent_turns = 0, 0, 0
+        for _ in range(3000):
+            visit = b.visits.get(10, 0)
+            due = b.full_decision_due(10, 64)
+            turn = visit >= b.warm_visits and b.explores_at(10, visit) and visit % 64 != 63
+            if turn and b.cannot_explore(10):
+                spent_turns += 1
+                assert due is not quick, visit
+            full_turns += turn and due
+            if due:
+                arm, _ = b.choose(10, priors, 32, switch_s=0.3)
+            else:  # a quick decision: the pick again (SpecController.quick_arm)
+                b.visits[10] = visit + 1
+                arm = b.chosen[10]
+            sec = priors[arm][1] * rng.lognormal(0, 0.1)
+            if arm and last == 0:
+                b.charge(10, arm, 32.0, sec + 0.3)
+            else:
+                b.observe(10, arm, priors[arm][1], 32.0, sec, requests=32)
+            last = arm
+        assert spent_turns > 50
+        assert (full_turns < spent_turns) is quick, (full_turns, spent_turns)
+
+
 def test_an_explorations_measured_cycle_is_in_flight_until_the_next_decision():
     """exploration_in_flight: true right after choose returned an exploration's second cycle (the one
     measured), false once any later decision of the bucket is counted (a full one or a quick one)."""

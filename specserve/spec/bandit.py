@@ -236,6 +236,13 @@ class GoodputBandit:
     # plain ones 0.96x, depths known by their priors read 12,000-13,000 tok/s against 7,700 served,
     # and were picked in stretches (17 % of the time) where plain decoding served 8,800. False: for A/Bs
     drafting_excess: bool = True
+    # an exploration turn whose bucket's budget is spent (cannot_explore) is a quick decision, not a full
+    # one: it could only re-weigh the arms, which every ``every``-th decision does (the controller's
+    # full_decision_every keeps those within its host-time budget). A full decision took ~0.5-0.8 ms at 16
+    # requests on an H100 host (session 43: 0.83 ms in gpu_step_breakdown), and with plain decoding the
+    # pick (explorations budgeted by their catch-ups) nearly every turn, one decision in 16, was spent:
+    # ~3 % of a host-bound 1.6-ms step. False: for A/Bs
+    quick_turns_when_spent: bool = True
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     pooled: dict[int, ArmStats] = field(default_factory=dict)  # arm -> sums over every bucket
     # depth e -> what drafting e rather than e - 1 added to the committed tokens, on every cycle of depth
@@ -495,8 +502,10 @@ class GoodputBandit:
         """Whether the next decision in bucket ``key`` must weigh the arms (``choose``) rather than keep the
         pick: none yet, an exploration's second cycle, an exploration turn, or every ``every``-th decision."""
         visit = self.visits.get(key, 0)
-        return (key not in self.chosen or key in self._explore_again or visit % every == every - 1
-                or self.explores_at(key, visit))
+        if key not in self.chosen or key in self._explore_again or visit % every == every - 1:
+            return True
+        # an exploration turn weighs the arms only where it may explore (quick_turns_when_spent)
+        return self.explores_at(key, visit) and not (self.quick_turns_when_spent and self.cannot_explore(key))
 
     def second_cycle_due(self, key: int) -> bool:
         """Whether ``choose``'s next decision in bucket ``key`` is an exploration's second cycle (its
