@@ -7,7 +7,8 @@
 # .stageg1/gguf.part0 .. .stageg18/gguf.part17 (part names without the leading zero), the gguf wheel into
 # .whl/, then per call (calls less than 30 s apart: an idle machine is taken back):
 # bash benchmarks/gpu_stage.sh .stageg<N> 18
-# (carry .stageg<N>; .whl with the last); the last part leaves /tmp/m.gguf.
+# (carry .stageg<N>; .whl with the last); the last part leaves /tmp/m.gguf. Session 43: 62.8 MB tracked, no room
+# for a part: `bash benchmarks/gpu_lean.sh lean` before the calls, `... restore` after them.
 # $1 = the part directory, $2 = how many parts there are (default 5).
 set -e
 mkdir -p /tmp/st
