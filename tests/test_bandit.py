@@ -598,6 +598,16 @@ def test_a_new_buckets_warm_up_may_leave_plain_decoding_on_every_buckets_budget(
     assert warm_up(True, True) == []
 
 
+def serve_never_right(b: GoodputBandit, rng: np.random.Generator, priors: dict, arm: int, last: int) -> None:
+    """One cycle of ``arm`` at 32 requests (bucket 10) for a head that is never right: 32 tokens whatever
+    the depth, and a drafting cycle after plain decoding also pays a 0.3-s catch-up (charged, not measured)."""
+    sec = priors[arm][1] * rng.lognormal(0, 0.1)
+    if arm and last == 0:
+        b.charge(10, arm, 32.0, sec + 0.3)
+    else:
+        b.observe(10, arm, priors[arm][1], 32.0, sec, requests=32)
+
+
 def test_a_decision_sure_not_to_explore_never_explores():
     """``cannot_explore`` (what lets a full decision be taken before the cycle in flight is known)
     is never wrong, and is sure on more than the turns between explorations: on exploration turns
@@ -617,11 +627,7 @@ def test_a_decision_sure_not_to_explore_never_explores():
             assert sure
         turns += turn
         sure_turns += turn and sure
-        sec = priors[arm][1] * rng.lognormal(0, 0.1)
-        if arm and last == 0:
-            b.charge(10, arm, 32.0, sec + 0.3)
-        else:
-            b.observe(10, arm, priors[arm][1], 32.0, sec, requests=32)
+        serve_never_right(b, rng, priors, arm, last)
         last = arm
     assert 0 < sure_turns < turns, (sure_turns, turns)
     # an exploration's second cycle and a warm-up turn are never sure
@@ -656,11 +662,7 @@ def test_an_exploration_turn_whose_budget_is_spent_is_a_quick_decision():
             else:  # a quick decision: the pick again (SpecController.quick_arm)
                 b.visits[10] = visit + 1
                 arm = b.chosen[10]
-            sec = priors[arm][1] * rng.lognormal(0, 0.1)
-            if arm and last == 0:
-                b.charge(10, arm, 32.0, sec + 0.3)
-            else:
-                b.observe(10, arm, priors[arm][1], 32.0, sec, requests=32)
+            serve_never_right(b, rng, priors, arm, last)
             last = arm
         assert spent_turns > 50
         assert (full_turns < spent_turns) is quick, (full_turns, spent_turns)

@@ -114,6 +114,31 @@ def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
+def _plain_and_adaptive(chat_prompts):
+    """Three prompts of 40 greedy tokens: their plain decoding's outputs, and an overlapped adaptive engine
+    (depths 0-2, no start-up calibration) for a test to stub and run."""
+    convs = chat_prompts[:3]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in convs]
+    base = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
+              speculative_algorithm="EAGLE3", speculative_policy="adaptive", speculative_num_steps=2,
+              speculative_calibrate=False)
+    return convs, params, base, llm
+
+
+def _finished_cycles(ctl, row) -> list:
+    """``row(cycle)`` of every cycle the controller finishes from now on."""
+    finished: list = []
+    orig = ctl._finish_cycle
+
+    def finish(c, seconds):
+        finished.append(row(c))
+        orig(c, seconds)
+
+    ctl._finish_cycle = finish
+    return finished
+
+
 def test_an_adaptive_engines_plain_exploration_runs_its_measured_cycle_launched_ahead(chat_prompts):
     """An exploration of plain decoding out of drafting (the bandit's choice, stubbed: drafting is picked,
     plain decoding explored every 6th full decision): its second cycle is decided before the first
@@ -121,12 +146,7 @@ def test_an_adaptive_engines_plain_exploration_runs_its_measured_cycle_launched_
     drafting verify) is charged, not measured. Greedy tokens stay plain decoding's."""
     from specserve.spec.bandit import batch_key
 
-    convs = chat_prompts[:3]
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in convs]
-    base = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
-              speculative_algorithm="EAGLE3", speculative_policy="adaptive", speculative_num_steps=2,
-              speculative_calibrate=False)
+    convs, params, base, llm = _plain_and_adaptive(chat_prompts)
     ctl = llm.engine.drafter.controller
     b = ctl.bandit
     turns = {"n": 0}
@@ -145,14 +165,7 @@ def test_an_adaptive_engines_plain_exploration_runs_its_measured_cycle_launched_
 
     b.choose = choose
     ctl.full_every = 1  # every decision in full (no quick turns): explorations come on choose's schedule
-    finished = []
-    orig = ctl._finish_cycle
-
-    def finish(c, seconds):
-        finished.append((c.arm, c.exploring, c.measured))
-        orig(c, seconds)
-
-    ctl._finish_cycle = finish
+    finished = _finished_cycles(ctl, lambda c: (c.arm, c.exploring, c.measured))
     outs = llm.chat(convs, params)
     for a, o in zip(base, outs):
         assert o.outputs[0].token_ids == a.outputs[0].token_ids
@@ -168,12 +181,7 @@ def test_an_adaptive_engines_full_decisions_for_plain_decoding_are_taken_before_
     step), one that drafts is applied after the sync as taken. The bandit is stubbed to pick plain
     decoding and depth 2 in turns of five full decisions (every decision full); tokens stay plain
     decoding's and each decision is counted once."""
-    convs = chat_prompts[:3]
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in convs]
-    base = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
-              speculative_algorithm="EAGLE3", speculative_policy="adaptive", speculative_num_steps=2,
-              speculative_calibrate=False)
+    convs, params, base, llm = _plain_and_adaptive(chat_prompts)
     ctl = llm.engine.drafter.controller
     b = ctl.bandit
     b.explore_every = 0  # no exploration turns: every full decision is sure not to explore
@@ -186,14 +194,7 @@ def test_an_adaptive_engines_full_decisions_for_plain_decoding_are_taken_before_
 
     b.choose = choose
     ctl.full_every = 1
-    finished = []
-    orig = ctl._finish_cycle
-
-    def finish(c, seconds):
-        finished.append((c.arm, c.tokens, c.requests))
-        orig(c, seconds)
-
-    ctl._finish_cycle = finish
+    finished = _finished_cycles(ctl, lambda c: (c.arm, c.tokens, c.requests))
     outs = llm.chat(convs, params)
     for a, o in zip(base, outs):
         assert o.outputs[0].token_ids == a.outputs[0].token_ids
