@@ -197,9 +197,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for llm in engines.values():
         run_batch(llm, warm, 8, 16)
     result["gc_frozen_objects"] = freeze_startup_heap()  # as the server does once its engine is built
-    for c in cs:
+    def batch_of(c: int) -> tuple[list[list[int]], list[int]]:  # a point's prompts and output lengths
         batch = [prompts[i % len(prompts)] for i in range(args.requests_per_c * c)]
-        lens = output_lens(len(batch), args.output_len, args.length_spread)
+        return batch, output_lens(len(batch), args.output_len, args.length_spread)
+
+    for c in cs:
+        batch, lens = batch_of(c)
         point: dict[str, Any] = {"concurrency": c, "configs": {}}
         for n in names:
             paths_before = path_counts(engines[n])
@@ -235,8 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # for the rest of the process (session 43 on an H100: a spec engine timed after no-spec's trace
         # ran 2.13 ms a step, 1.60 in a run without --profile; graph launches ~210 us against ~40)
         for point, c in zip(result["points"], cs):
-            batch = [prompts[i % len(prompts)] for i in range(args.requests_per_c * c)]
-            lens = output_lens(len(batch), args.output_len, args.length_spread)
+            batch, lens = batch_of(c)
             for n in names:
                 point["configs"][n]["profile"] = profile_run(engines[n], batch, c, lens)
                 print(f"C={c} {n}: profiled, {point['configs'][n]['profile']['gpu_kernel_ms_per_step']} ms of kernels "

@@ -784,9 +784,10 @@ class EagleSpeculator:
                 # an exploration of plain decoding runs its measured cycle overlapped, as the pick would
                 arm = 0 if ctl.plain_second_cycle(found) else ctl.quick_arm(found, len(sched.running))
                 if arm is None:  # a full decision is due: taken now where it cannot explore, else after the sync
-                    if not self._plain_full_early(plan):
+                    ks = self._plain_full_early(plan)
+                    if ks is None:
                         return False
-                    arm = max(self._pre_ks[1], default=0)
+                    arm = max(ks, default=0)
                 else:
                     self._pre_arm = (found, arm)  # the decision is counted: draft_step applies it
             if arm != 0:
@@ -800,29 +801,36 @@ class EagleSpeculator:
         self.path_counts["plain_ahead"] += 1
         return True
 
-    def _plain_full_early(self, plan: StepPlan) -> bool:
+    def _plain_full_early(self, plan: StepPlan) -> list[int] | None:
         """The full decision due after plain step ``plan``, taken before its sync where it cannot explore
         (controller.plain_full_early) for draft_step to apply (_pre_ks), as _early_ks takes a drafting
         pick's: plain decoding again is then launched ahead too. Taken after the sync, each such decision
         (one in ~16 cycles at 16 requests) ran its own step and the next step by step: ~0.7 ms each on an
         H100 against an overlapped plain step's ~1.4. Each request's cap is its cap after this step's
-        one token; what drafting would catch up counts this step's tokens. False: not taken."""
-        reqs = [s.req for s in plan.scheduled if s.samples]
-        if not self.controller.plain_full_early(len(reqs)):
-            return False
-        caps, behind = [], 0
+        one token; what drafting would catch up counts this step's tokens. Its ks, or None: not taken."""
+        if not self.controller.plain_full_early(plan.num_sampling):
+            return None
+        reqs, caps, behind = [], [], 0
         for s in plan.scheduled:
-            if not s.samples:
-                continue
-            r = s.req
-            caps.append(0 if r.no_draft_kv else max(self._cap(r, 1), 0))
-            if caps[-1] > 0:
-                st = self.states.get(r.request_id)
-                behind += r.num_computed_tokens + s.num_new_tokens - (st.draft_pos if st is not None else 0)
+            if s.samples:
+                r = s.req
+                reqs.append(r)
+                caps.append(self._draft_cap(r, 1))
+                if caps[-1] > 0:
+                    behind += self._behind(r, r.num_computed_tokens + s.num_new_tokens)
         ks, cycle = self.controller.decide_early(reqs, caps, len(self.engine.scheduler.running),
                                                  self._prefill_tokens_next_step(), behind)
         self._pre_ks = ([r.request_id for r in reqs], ks, cycle)
-        return True
+        return ks
+
+    def _draft_cap(self, r: Request, committed: int = 0) -> int:
+        """The most ``r`` may draft once ``committed`` more tokens are committed (_cap; 0 without draft KV)."""
+        return 0 if r.no_draft_kv else max(self._cap(r, committed), 0)
+
+    def _behind(self, r: Request, computed: int) -> int:
+        """Tokens drafting ``r`` would first catch up once ``computed`` of its tokens are computed."""
+        st = self.states.get(r.request_id)
+        return computed - (st.draft_pos if st is not None else 0)
 
     def _launch_plain(self, plan: StepPlan, inputs, out) -> LaunchedStep:
         """A plain step's features kept (every row) and its sampling queued, after its forward ``out``."""
@@ -1570,7 +1578,7 @@ class EagleSpeculator:
         never = 0  # requests that cannot draft (cached blocks without draft KV)
         for r in candidates:
             never += r.no_draft_kv
-            caps.append(0 if r.no_draft_kv else max(self._cap(r), 0))
+            caps.append(self._draft_cap(r))
         decide_s = 0.0
         if arm is not None:
             ks = self.controller.uniform(candidates, arm, caps)
@@ -1579,11 +1587,7 @@ class EagleSpeculator:
             self.controller.install_cycle(early[1])
         else:
             t_decide = clock()
-            behind = 0
-            for r, cap in zip(candidates, caps):
-                st = self.states.get(r.request_id)
-                if cap > 0:
-                    behind += r.num_computed_tokens - (st.draft_pos if st is not None else 0)
+            behind = sum(self._behind(r, r.num_computed_tokens) for r, cap in zip(candidates, caps) if cap > 0)
             ks = self.controller.decide(candidates, caps, len(sched.running), self._prefill_tokens_next_step(), behind)
             decide_s = clock() - t_decide
             self.controller.observe_decide(decide_s)
