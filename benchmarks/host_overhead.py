@@ -56,6 +56,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                       "overlap_schedule": "off"},
     "spec_off_overlap": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0,
                          "overlap_schedule": "on"},
+    "adaptive_at_0_overlap": {"speculative_policy": "adaptive", "speculative_calibrate": False, "overlap_schedule": "on"},
     "adaptive_forced0_overlap": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 0,
                                  "overlap_schedule": "on"},
     # a drafting depth, fixed (static) against the adaptive engine held at it: the adaptive policy's own cost
@@ -216,13 +217,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         else {"path": args.model or "SmolLM2-135M shapes, random weights", "head": "shipped"}),
                               "settings": vars(args), "configs": {}}
     base = min(timing[names[0]])
+    own: dict[str, dict[str, tuple[float, float]]] = {}  # per engine: function -> (own us, calls) per step
     for n in names:
         prof = cProfile.Profile()
         prof.enable()
-        serve(engines[n], prompts, args.concurrency, lens, kind)
+        _, prof_steps = serve(engines[n], prompts, args.concurrency, lens, kind)
         prof.disable()
         buf = io.StringIO()
         st = pstats.Stats(prof, stream=buf)
+        own[n] = own_time_per_step(st, prof_steps)
         st.sort_stats(args.sort).print_stats(*([args.filter] if args.filter else []), args.top)
         ms = min(timing[n])
         result["configs"][n] = {"ms_per_step": round(ms, 3), "ms_per_step_rounds": [round(x, 3) for x in timing[n]],
@@ -234,6 +237,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps, tok/s "
               f"{result['configs'][n]['tok_s_over_first']:.3f}x {names[0]}; k {result['configs'][n].get('k_histogram')}; "
               f"collector ms/step per round (gen 0, 1, 2): {gc_ms[n]}", flush=True)
+    result["profile_differing"] = differing_functions(own, names[0], args.top)
+    for n, rows in result["profile_differing"].items():
+        print(f"cProfile, {n} against {names[0]} (own us / calls per step, under the profiler):", flush=True)
+        for r in rows[:12]:
+            print(f"  {r['function'][:90]:90s} {r['own_us']:+8.1f} {r['calls']:+7.2f}")
     if args.torch_profile:
         traced = {n: torch_ops_per_step(engines[n], prompts, args.concurrency, lens, args.device) for n in names}
         for n in names:
@@ -258,6 +266,31 @@ def decisions_of(llm: LLM) -> dict[str, Any]:
             "explorations": ctl.explorations,
             "accepted_per_verify": round(st.spec_accepted_tokens / st.spec_verify_steps, 3) if st.spec_verify_steps else None,
             "accepted_share": round(st.spec_accepted_tokens / st.spec_draft_tokens, 4) if st.spec_draft_tokens else None}
+
+
+def own_time_per_step(st: pstats.Stats, steps: int) -> dict[str, tuple[float, float]]:
+    """Per function (file:line(name)): its own time in microseconds and its calls, per engine step."""
+    out = {}
+    for (path, line, fn), (_, ncalls, tottime, _, _) in st.stats.items():  # type: ignore[attr-defined]
+        out[f"{os.path.basename(path)}:{line}({fn})"] = (1e6 * tottime / steps, ncalls / steps)
+    return out
+
+
+def differing_functions(own: dict[str, dict[str, tuple[float, float]]], first: str, top: int) -> dict[str, list[dict]]:
+    """Per engine after the first: the functions whose own time per step exceeds the first engine's the
+    most (what the engine adds on the host), as differences; with the sum of every difference first."""
+    out: dict[str, list[dict]] = {}
+    for n, funcs in own.items():
+        if n == first:
+            continue
+        base = own[first]
+        rows = [{"function": f, "own_us": round(funcs.get(f, (0.0, 0.0))[0] - base.get(f, (0.0, 0.0))[0], 2),
+                 "calls": round(funcs.get(f, (0.0, 0.0))[1] - base.get(f, (0.0, 0.0))[1], 2)}
+                for f in set(funcs) | set(base)]
+        total = round(sum(r["own_us"] for r in rows), 1)
+        rows.sort(key=lambda r: r["own_us"], reverse=True)
+        out[n] = [{"function": "(every function)", "own_us": total, "calls": 0.0}] + rows[:top]
+    return out
 
 
 def torch_ops_per_step(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int],

@@ -21,8 +21,22 @@ def test_host_overhead_times_and_profiles_every_engine(tmp_path):
         rows = [ln for ln in c["profile_top"] if ".py:" in ln or "{built-in" in ln]
         assert len(rows) == 5, (name, c["profile_top"])  # --top 5 functions by own time
     assert res["configs"]["nospec"]["over_first"] == 1.0
+    # what each spec engine adds on the host, per function, most first
+    for name in ("spec_off", "static_chain1"):
+        rows = res["profile_differing"][name]
+        assert rows[0]["function"] == "(every function)" and len(rows) == 6
+        assert [r["own_us"] for r in rows[1:]] == sorted((r["own_us"] for r in rows[1:]), reverse=True)
     # static chain 1 drafts: fewer engine steps than plain decoding for the same tokens, or as many
     assert res["configs"]["static_chain1"]["engine_steps"] <= res["configs"]["nospec"]["engine_steps"]
+
+
+def test_differing_functions_are_per_step_differences_against_the_first_engine():
+    own = {"plain": {"a.py:1(f)": (10.0, 1.0), "a.py:2(g)": (5.0, 2.0)},
+           "spec": {"a.py:1(f)": (12.0, 1.0), "a.py:2(g)": (4.0, 2.0), "d.py:9(verify)": (30.0, 1.0)}}
+    rows = host_overhead.differing_functions(own, "plain", 2)["spec"]
+    assert rows[0] == {"function": "(every function)", "own_us": 31.0, "calls": 0.0}  # 2 - 1 + 30
+    assert rows[1:] == [{"function": "d.py:9(verify)", "own_us": 30.0, "calls": 1.0},
+                        {"function": "a.py:1(f)", "own_us": 2.0, "calls": 0.0}]
 
 
 def test_torch_profile_lists_the_ops_a_drafting_engine_adds(tmp_path):
