@@ -22,7 +22,8 @@ import pstats
 import sys
 import tempfile
 import time
-from typing import Any
+import types
+from typing import Any, Callable
 
 import torch
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in range(args.rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
             gc_timer.take()
-            s, steps = serve(engines[n], prompts, args.concurrency, lens, kind)
+            s, steps = serve_as(n)(engines[n], prompts, args.concurrency, lens, kind)
             timing[n].append(1000 * s / steps)
             seconds[n].append(s)
             gc_ms[n].append([round(1000 * x / steps, 3) for x in gc_timer.take()])
@@ -253,6 +254,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  {r['name'][:70]:70s} {r['calls']:+7.2f} {r['cpu_us']:+8.1f} {r['device_us']:+8.1f}")
     write_json(args.output_file, result)
     return result
+
+
+def serve_as(name: str) -> Callable[..., tuple[float, int]]:
+    """``serve`` under the name ``timed[<name>]``: a sampling profiler run over this script (py-spy
+    record --idle -f raw, then benchmarks/pyspy_diff.py) then tells each engine's timed rounds apart."""
+    fn = types.FunctionType(serve.__code__.replace(co_name=f"timed[{name}]", co_qualname=f"timed[{name}]"),
+                            serve.__globals__, f"timed[{name}]", serve.__defaults__)
+    return fn
 
 
 def decisions_of(llm: LLM) -> dict[str, Any]:
