@@ -53,6 +53,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # adaptive with every decision forced to plain decoding: its plain path without explorations
     "adaptive_forced0": {"speculative_policy": "adaptive", "speculative_calibrate": False, "forced_arm": 0},
     # the same two step by step / overlap scheduled (auto: overlapped on CUDA only)
+    # the same, its features scattered after each forward (before session 44) instead of written by it
+    "spec_off_scattered": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0,
+                           "features_scattered": True},
     "spec_off_sync": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0,
                       "overlap_schedule": "off"},
     "spec_off_overlap": {"speculative_policy": "threshold", "speculative_disable_batch_threshold": 0,
@@ -187,12 +190,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in names:
         kw = dict(CONFIGS[n])
         forced = kw.pop("forced_arm", None)
+        scattered = kw.pop("features_scattered", False)
         if any(k.startswith("speculative_") for k in kw):
             kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir)
         engines[n] = LLM(model_dir, device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs or args.concurrency,
                          num_kv_blocks=args.concurrency * blocks_per_request, max_num_batched_tokens=4096, load_format=load_format, **kw)
         if forced is not None:
             engines[n].engine.drafter.controller.forced_arm = forced
+        if scattered:  # (its graphs are captured again at their next replay: what they write changed)
+            engines[n].engine.drafter.target.set_feature_sink(None)
+            engines[n].engine.drafter.features_in_forward = False
         serve(engines[n], prompts[:16], 8, [8] * 16)  # warm-up
     if not args.no_gc_freeze:
         freeze_startup_heap()

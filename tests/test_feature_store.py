@@ -50,8 +50,9 @@ def reference(model: str, head: str, tokens: list[int]) -> torch.Tensor:
     return outs[0][1][: len(tokens)]
 
 
+@pytest.mark.parametrize("in_forward", [True, False], ids=["written_by_the_forward", "scattered_after_it"])
 @pytest.mark.parametrize("policy", ["static", "tree", "off"])
-def test_kept_features_are_the_targets_at_each_position(tiny, policy):
+def test_kept_features_are_the_targets_at_each_position(tiny, policy, in_forward):
     model, head = tiny
     kw = {"static": dict(speculative_policy="static"),
           # trees: accepted nodes off the first branch move up to the slots after the root (_compact)
@@ -63,6 +64,10 @@ def test_kept_features_are_the_targets_at_each_position(tiny, policy):
     plain = LLM(model=model, device="cpu", max_num_seqs=4, block_size=4, kv_cache_memory_gb=KV_GB)
     future = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, sp))}
     d = llm.engine.drafter
+    assert d.features_in_forward and d.target.feature_sink is d.features  # EAGLE-3: the forward writes them
+    if not in_forward:  # the drafter's own scatter after each forward (EAGLE heads; before session 44)
+        d.target.set_feature_sink(None)
+        d.features_in_forward = False
     draft = d._draft
 
     def two_right_then_wrong(todo, **kw):

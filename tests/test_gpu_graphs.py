@@ -361,3 +361,40 @@ def test_spec_engine_overlaps_its_plain_steps_on_the_gpu(smollm2_dummy_dir, tmp_
     counts = llm.engine.drafter.path_counts
     assert counts["plain_ahead"] > 20 and llm.engine.stats.spec_steps > 0, (dict(counts), llm.engine.stats.spec_steps)
     assert llm.engine.runner.path_counts["target:eager"] == 0
+
+
+def test_plain_steps_keep_the_features_their_graph_wrote(smollm2_dummy_dir, tmp_path):
+    """EAGLE-3 features of plain steps are written by the target's forward itself (its CUDA graph reads the
+    step's slots from the attention backend's persistent buffer; padding rows go to the scratch slot), not
+    scattered after it: every slot a plain step computed holds that step's aux output row, exactly."""
+    from specserve import LLM, SamplingParams
+    from specserve.loader import load_model_source
+    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    mc = load_model_source(smollm2_dummy_dir).config
+    torch.manual_seed(4)
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=mc.vocab_size))
+    head.save_pretrained(str(tmp_path / "head"))
+    llm = LLM(smollm2_dummy_dir, load_format="dummy", device="cuda", num_kv_blocks=512, max_num_batched_tokens=128,
+              speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "head"),
+              speculative_num_steps=3, speculative_policy="threshold", speculative_disable_batch_threshold=0)
+    d, runner = llm.engine.drafter, llm.engine.runner
+    assert d.features_in_forward and d.target.feature_sink is d.features
+    forward, rows = runner.forward, {}
+
+    def keep_rows(inputs, copy=True):
+        out = forward(inputs, copy)
+        T = inputs.input_ids.shape[0]  # (queued before the next replay overwrites the graph's outputs)
+        rows[len(rows)] = (inputs.meta.slot_mapping.clone(), out[1][:T].clone())
+        return out
+
+    runner.forward = keep_rows
+    prompts = _prompts(6, seed=4)
+    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts))
+    assert runner.path_counts["target:graph"] > 20 and d.path_counts["plain_ahead"] > 10
+    last = {}  # slot -> the row of the last step that computed it
+    for slots, aux in rows.values():
+        for i, s in enumerate(slots.tolist()):
+            last[s] = aux[i]
+    got = d.features[torch.tensor(list(last), device="cuda")]
+    assert torch.equal(got, torch.stack(list(last.values())))

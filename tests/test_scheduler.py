@@ -175,3 +175,17 @@ def test_a_step_with_drafts_cannot_be_advanced():
     plan = s.schedule()
     with pytest.raises(ValueError, match="drafts"):
         s.advance(plan)
+
+
+def test_a_plan_counts_the_drafts_it_verifies_as_the_budget_leaves_them():
+    s = _sched(budget=6)
+    a, b = _req(0, 3), _req(1, 3)
+    s.add(a), s.add(b)
+    plan = s.schedule()
+    assert plan.num_drafts == 0  # prefills
+    _commit(s, plan)
+    a.draft_token_ids, b.draft_token_ids = [4, 4, 4], [4, 4, 4]
+    plan = s.schedule()
+    # a: 1 token + 3 drafts; b: 1 token + the 1 draft the budget of 6 leaves
+    assert [len(x.draft_token_ids) for x in plan.scheduled] == [3, 1]
+    assert plan.num_drafts == 4 == sum(len(x.draft_token_ids) for x in plan.scheduled)

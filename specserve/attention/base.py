@@ -61,6 +61,11 @@ class AttentionBackend(ABC):
     # backends that take the fused qkv projection and do rotary + the cache write in one kernel
     supports_fused_rope = False
 
+    def step_slots(self, num_tokens: int) -> torch.Tensor:
+        """The KV cache slots of the planned step's first ``num_tokens`` rows, on the device (a graph
+        replay's padding rows: the scratch slot), for writes that follow the KV (EAGLE-3 features)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its step's slots")
+
     def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      num_heads: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` from qkv [T, (H + 2 KVH) * D] before rotary: cos/sin of RotaryEmbedding, or

@@ -53,6 +53,9 @@ class TorchNativeBackend(AttentionBackend):
             self._order = torch.argsort(dest).to(device)
         self._slot_mapping = meta.slot_mapping
 
+    def step_slots(self, num_tokens: int) -> torch.Tensor:
+        return self._slot_mapping[:num_tokens]
+
     def _plan_group(self, meta: AttentionMetadata, members: list[int], starts: list[int], T: int,
                     bt_all: torch.Tensor, device: torch.device) -> _Group:
         B = len(members)

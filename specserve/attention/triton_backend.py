@@ -441,6 +441,9 @@ class TritonBackend(AttentionBackend):
         return (self.split_kv and num_tokens < self.split_tiles
                 and self.block_m_for(num_tokens) == self._part_o.shape[2])
 
+    def step_slots(self, num_tokens: int) -> torch.Tensor:
+        return self._slots[:num_tokens]  # (persistent: a graph reads what each plan writes)
+
     def plan(self, meta: AttentionMetadata) -> None:
         q_list, s_list = list(meta.query_lens), list(meta.seq_lens)
         B = len(q_list)

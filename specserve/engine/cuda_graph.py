@@ -54,7 +54,9 @@ def fit_sizes(attn: TritonBackend, sizes: list[int]) -> list[int]:
 
 
 def _aux_key(model: torch.nn.Module) -> Any:
-    return getattr(model, "aux_hidden_layers", None)
+    """What a captured graph's outputs and writes depend on: the aux layers and the feature sink."""
+    sink = getattr(model, "feature_sink", None)
+    return getattr(model, "aux_hidden_layers", None), None if sink is None else sink.data_ptr()
 
 
 def dummy_meta(attn: TritonBackend, n: int, device: torch.device) -> AttentionMetadata:

@@ -50,6 +50,7 @@ class StepPlan:
     # ``schedule``, which builds every plan)
     num_sampling: int = 0
     num_left_out: int = 0
+    num_drafts: int = 0  # draft tokens it verifies (0: a plain step)
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +153,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         admitted: list[Request] = []
-        num_sampling = 0
+        num_sampling = num_drafts = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -179,6 +180,7 @@ class Scheduler:
             tree = req.draft_tree if drafts else None
             scheduled.append(ScheduledRequest(req, n_new, list(drafts), tree))
             num_sampling += n_new == remaining
+            num_drafts += len(drafts)
             budget -= n_new + len(drafts)
             i += 1
 
@@ -228,7 +230,7 @@ class Scheduler:
             num_sampling += s.samples
             budget -= n_new
         return StepPlan(scheduled, preempted, admitted=admitted, num_sampling=num_sampling,
-                        num_left_out=num_left_out)
+                        num_left_out=num_left_out, num_drafts=num_drafts)
 
     # -- commit -------------------------------------------------------------------------------
     def advance(self, plan: StepPlan) -> None:

@@ -119,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self._aux_layers: tuple[int, ...] | None = None
+        self.feature_sink: torch.Tensor | None = None  # set_feature_sink
 
     # -- the API the engine uses ---------------------------------------------------------------
 
@@ -131,6 +132,13 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_feature_sink(self, buf: torch.Tensor | None) -> None:
+        """With aux layers set, also write each computed token's aux features (the concatenated residual
+        streams) into row ``slot`` of ``buf``, ``slot`` being the token's KV cache slot: inside the forward
+        (and its CUDA graph) rather than as a separate scatter after it, which cost a plain decode step a
+        kernel launch on the host (EAGLE-3 drafters keep every token's features for the head's catch-up)."""
+        self.feature_sink = buf
 
     def set_aux_hidden_layers(self, ids: tuple[int, ...] | None) -> None:
         """Make ``forward`` also return the residual stream entering each of these layers."""
@@ -163,7 +171,10 @@ class LlamaForCausalLM(nn.Module):
         out = self.model.norm.forward_add(h, residual)[0]
         if not aux_ids:
             return out
-        return out, torch.cat([captured[i] for i in aux_ids], dim=-1)
+        aux = torch.cat([captured[i] for i in aux_ids], dim=-1)
+        if self.feature_sink is not None:
+            self.feature_sink.index_copy_(0, get_forward_context().attn.step_slots(aux.shape[0]), aux)
+        return out, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, vocab]."""

@@ -223,6 +223,11 @@ class EagleSpeculator:
         # request per step in Python: ~2.6 us a token on the H200's host, 50 ms at 256 requests
         self.features = torch.zeros(self.scratch_slot + engine.config.block_size, hc.feature_size,
                                     dtype=engine.dtype, device=self.device)
+        # EAGLE-3: the target's forward writes them itself (every row at its slot), so a plain step keeps
+        # them without a scatter of its own (a verify still keeps what it commits, trees moved up)
+        self.features_in_forward = self.head.is_eagle3 and hasattr(self.target, "set_feature_sink")
+        if self.features_in_forward:
+            self.target.set_feature_sink(self.features)
         self.attn = TorchNativeBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         engine.blocks.require_draft_kv = True
@@ -656,7 +661,7 @@ class EagleSpeculator:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.plan is not plan:
             raise RuntimeError("the engine ran another step than the one launched ahead")
-        drafted = any(s.draft_token_ids for s in plan.scheduled)
+        drafted = plan.num_drafts > 0
         tree_extra = None
         out = None
         if early is not None:  # this step's forward was launched with the last step's sync
@@ -835,7 +840,7 @@ class EagleSpeculator:
     def _launch_plain(self, plan: StepPlan, inputs, out) -> LaunchedStep:
         """A plain step's features kept (every row) and its sampling queued, after its forward ``out``."""
         hidden, feats = out if isinstance(out, tuple) else (out, out)
-        self._keep_all_features(plan, feats[: inputs.input_ids.shape[0]], inputs.meta.slot_mapping)
+        self._keep_all_features(plan, feats, inputs)
         return self.runner.launch_sampling(plan, inputs, hidden)
 
     def _keep_verified_features(self, plan: StepPlan, inputs, feats: torch.Tensor,
@@ -1446,12 +1451,13 @@ class EagleSpeculator:
                 results[i] = TreeVerifyResult(list(range(1, a + 1)), d[:a] + [b], a)
         return results  # type: ignore[return-value]
 
-    def _keep_all_features(self, plan: StepPlan, feats: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _keep_all_features(self, plan: StepPlan, feats: torch.Tensor, inputs) -> None:
         """Keep a plain step's target features (every row: one per computed token, in slot order) at
         their KV slots, and start the drafting state of requests new to the engine or back after a
         preemption (their first position without draft KV is where this step starts them: after a
         prefix-cache hit). Every other running request has one since its first step."""
-        self.features.index_copy_(0, slot_mapping, feats)
+        if not self.features_in_forward:  # (a graph's output rows past the step's are padding)
+            self.features.index_copy_(0, inputs.meta.slot_mapping, feats[: inputs.input_ids.shape[0]])
         for r in plan.admitted:
             if not r.no_draft_kv:
                 self._state(r)
