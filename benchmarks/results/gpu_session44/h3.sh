@@ -4,7 +4,7 @@
 # (features written by its forward), threshold 0 with the features scattered after it (before this session).
 # $OUT/tests.txt, $OUT/ho64.json
 export PYTHONPATH=/tmp/site:$PWD
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -6 | tee $OUT/tests.txt
-timeout 170 python3 benchmarks/host_overhead.py --device cuda --dummy-smollm2 --concurrency 64 --requests 512 \
-    --rounds 4 --top 10 --configs nospec,spec_off,spec_off_scattered --output-kind delta \
+timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -6 | tee $OUT/tests.txt
+timeout 150 python3 benchmarks/host_overhead.py --device cuda --dummy-smollm2 --concurrency 64 --requests 384 \
+    --rounds 3 --top 10 --configs nospec,spec_off,spec_off_scattered --output-kind delta \
     --output-file $OUT/ho64.json 2>&1 | grep -E "ms/step|Error" | cut -c1-140
