@@ -802,3 +802,31 @@ def test_an_explorations_decision_time_is_charged_to_its_buckets_budget(defer):
     assert any(e for e, _ in charged) and not all(e for e, _ in charged)
     for exploring, seconds in charged:
         assert seconds == (pytest.approx(0.004) if exploring else 0.0)
+
+
+def test_a_cycles_reference_time_is_looked_up_from_the_frozen_profile_and_computed_from_a_live_model():
+    def controller(profiled: bool) -> SpecController:
+        target = Curve({n: true_ms(n) * 1e-3 for n in (1, 2, 4, 8, 16)} if profiled else {})
+        return SpecController(SpeculativeConfig(policy="adaptive", num_steps=3),
+                              cost=CostModel(target=target, draft=Curve({1: 0.004, 64: 0.010})))
+
+    def cycle_predicted(ctl: SpecController, seconds: float, prefill: int = 0) -> float:
+        ctl.count_off(4)  # a plain cycle of 4 requests, then its step (4 decode rows, ``prefill`` prompt tokens)
+        ctl.observe_step(4 + prefill, 4, seconds, prefill, 4)
+        ctl.flush()
+        return ctl.detach_cycle().target_predicted
+
+    ctl = controller(profiled=True)
+    ref = ctl._reference()
+    assert ref is not ctl.cost  # a frozen copy of the profile
+    want = ref.step_time(4, 4)
+    for _ in range(40):  # the live model learns that steps take 3x the profile; the reference does not
+        assert cycle_predicted(ctl, 3 * want) == pytest.approx(want)
+    assert ctl.cost.step_time(4, 4) > 2 * want
+    with_prompt = ref.step_time(12, 4) - (ref.step_time(12, 4) - ref.step_time(4, 4))  # its prompt's share out
+    assert cycle_predicted(ctl, 0.01, prefill=8) == pytest.approx(with_prompt)
+    assert set(ctl._reference_steps) == {(4, 4, 4, 0), (12, 4, 4, 8)}
+    live = controller(profiled=False)  # no profile: the reference is the live model, whose answer moves
+    first = [cycle_predicted(live, 0.004) for _ in range(8)]
+    later = [cycle_predicted(live, 0.020) for _ in range(40)]
+    assert later[-1] > 2 * first[-1] and not live._reference_steps

@@ -212,6 +212,8 @@ class SpecController:
     _quick_key: int = 0  # bucket of the last quick_arm
     _plain_exploring: bool = False  # plain_second_cycle took the next decision: count_off's cycle explores
     _draft_predicted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, arm) -> seconds
+    # the frozen reference's seconds per step shape (_reference_step): one per cycle, the same few shapes
+    _reference_steps: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
     _was_on: bool | None = None
@@ -534,9 +536,7 @@ class SpecController:
                       decode_rows: int, own_time: bool = True) -> None:
         if c is not None:
             if c.target_predicted is None:
-                ref = self._reference()
-                c.target_predicted = (ref.step_time(num_tokens, num_seqs)
-                                      - prefill_share(ref, decode_rows, prefill_tokens, num_seqs))
+                c.target_predicted = self._reference_step(num_tokens, num_seqs, decode_rows, prefill_tokens)
             c.prefill_seconds += prefill_share(self.cost, decode_rows, prefill_tokens, num_seqs)
         if not own_time:
             return
@@ -546,6 +546,22 @@ class SpecController:
 
     def observe_draft(self, batch: int, steps: int, seconds: float) -> None:
         self._later(lambda: self.cost.observe_draft(batch, steps, seconds))  # self.cost as it is when this runs
+
+    def _reference_step(self, num_tokens: int, num_seqs: int, decode_rows: int, prefill_tokens: int) -> float:
+        """The reference's seconds for a target step of this shape, less its prompt tokens' share: looked
+        up where the reference is the frozen profile (plain decoding asks it the same shape every cycle),
+        computed where it is the live model (no profile), which learns."""
+        ref = self._reference()
+        frozen = ref is not self.cost
+        key = (num_tokens, num_seqs, decode_rows, prefill_tokens)
+        if frozen and key in self._reference_steps:
+            return self._reference_steps[key]
+        seconds = ref.step_time(num_tokens, num_seqs) - prefill_share(ref, decode_rows, prefill_tokens, num_seqs)
+        if frozen:
+            if len(self._reference_steps) >= 4096:  # (prompt tokens vary: shapes without bound)
+                self._reference_steps.clear()
+            self._reference_steps[key] = seconds
+        return seconds
 
     def _reference(self) -> CostModel:
         if self.reference is None:
