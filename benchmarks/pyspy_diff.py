@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 TIMED = re.compile(r"^timed\[(?P<name>[^\]]+)\]")
-LINE = re.compile(r":\d+\)$")
+LINE = re.compile(r":\d+$")
 
 
 def frame_key(frame: str) -> str:
@@ -31,7 +31,7 @@ def frame_key(frame: str) -> str:
     name, _, where = frame.partition(" (")
     if not where:
         return name
-    path = LINE.sub("", where.rstrip(")") + ")").rstrip(")")
+    path = LINE.sub("", where.rstrip(")"))
     return f"{name} ({path.rsplit('/', 1)[-1]})"
 
 

@@ -380,12 +380,12 @@ def test_plain_steps_keep_the_features_their_graph_wrote(smollm2_dummy_dir, tmp_
               speculative_num_steps=3, speculative_policy="threshold", speculative_disable_batch_threshold=0)
     d, runner = llm.engine.drafter, llm.engine.runner
     assert d.features_in_forward and d.target.feature_sink is d.features
-    forward, rows = runner.forward, {}
+    forward, rows = runner.forward, []
 
     def keep_rows(inputs, copy=True):
         out = forward(inputs, copy)
         T = inputs.input_ids.shape[0]  # (queued before the next replay overwrites the graph's outputs)
-        rows[len(rows)] = (inputs.meta.slot_mapping.clone(), out[1][:T].clone())
+        rows.append((inputs.meta.slot_mapping.clone(), out[1][:T].clone()))
         return out
 
     runner.forward = keep_rows
@@ -393,7 +393,7 @@ def test_plain_steps_keep_the_features_their_graph_wrote(smollm2_dummy_dir, tmp_
     llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts))
     assert runner.path_counts["target:graph"] > 20 and d.path_counts["plain_ahead"] > 10
     last = {}  # slot -> the row of the last step that computed it
-    for slots, aux in rows.values():
+    for slots, aux in rows:
         for i, s in enumerate(slots.tolist()):
             last[s] = aux[i]
     got = d.features[torch.tensor(list(last), device="cuda")]

@@ -845,7 +845,9 @@ class EagleSpeculator:
 
     def _keep_verified_features(self, plan: StepPlan, inputs, feats: torch.Tensor,
                                 kept_rows: list[list[int]]) -> None:
-        """A verify step's target features of the rows it commits, at the KV slots of their positions."""
+        """A verify step's target features of the rows it commits, at the KV slots of their positions: where
+        the forward writes every row's at its own slot (features_in_forward), only the rows that move (an
+        accepted tree node off the first branch), so a chain's verify copies nothing."""
         j = 0
         start = 0
         keep: list[int] = []  # query rows kept
@@ -862,6 +864,11 @@ class EagleSpeculator:
             if not s.req.no_draft_kv:
                 self._state(s.req)
             start += s.num_query_tokens
+        if self.features_in_forward:
+            moved = [(k, d) for k, d in zip(keep, dst) if k != d]
+            if not moved:
+                return
+            keep, dst = [k for k, _ in moved], [d for _, d in moved]
         idx = host_to_device(keep + dst, self.device)
         self.features.index_copy_(0, inputs.meta.slot_mapping.index_select(0, idx[len(keep):]),
                                   feats.index_select(0, idx[: len(keep)]))
