@@ -228,6 +228,7 @@ class EagleSpeculator:
         self.features_in_forward = self.head.is_eagle3 and hasattr(self.target, "set_feature_sink")
         if self.features_in_forward:
             self.target.set_feature_sink(self.features)
+        self._sink_checked: set[tuple[bool, int]] = set()  # (verify, tokens) steps whose sink was checked
         self.attn = TorchNativeBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         engine.blocks.require_draft_kv = True
@@ -864,6 +865,7 @@ class EagleSpeculator:
             if not s.req.no_draft_kv:
                 self._state(s.req)
             start += s.num_query_tokens
+        self._check_feature_sink(True, inputs, feats)
         if self.features_in_forward:
             moved = [(k, d) for k, d in zip(keep, dst) if k != d]
             if not moved:
@@ -1463,11 +1465,34 @@ class EagleSpeculator:
         their KV slots, and start the drafting state of requests new to the engine or back after a
         preemption (their first position without draft KV is where this step starts them: after a
         prefix-cache hit). Every other running request has one since its first step."""
+        self._check_feature_sink(False, inputs, feats)
         if not self.features_in_forward:  # (a graph's output rows past the step's are padding)
             self.features.index_copy_(0, inputs.meta.slot_mapping, feats[: inputs.input_ids.shape[0]])
         for r in plan.admitted:
             if not r.no_draft_kv:
                 self._state(r)
+
+    def _check_feature_sink(self, verify: bool, inputs, feats: torch.Tensor) -> None:
+        """Where the target's forward writes the features (features_in_forward), check once per step shape
+        (plain or verify, and its token count: each CUDA graph replayed) that it wrote this step's rows at
+        its slots, bit for bit what it returned; if not, scatter them after each forward from now on (the
+        graphs are captured again without the write). The write inside a graph was never run on a GPU
+        when it landed; the check costs one host sync per shape, once."""
+        T = inputs.input_ids.shape[0]
+        key = (verify, T)
+        if not self.features_in_forward or key in self._sink_checked:
+            return
+        self._sink_checked.add(key)
+        got = self.features.index_select(0, inputs.meta.slot_mapping)
+        want = feats[:T].contiguous()
+        if got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            return
+        log.warning("the target's forward did not write the EAGLE-3 features of a %s step of %d tokens at its "
+                    "KV slots: the drafter scatters them after each forward from now on",
+                    "verify" if verify else "plain", T)
+        self.path_counts["feature_sink:fallback"] += 1
+        self.target.set_feature_sink(None)
+        self.features_in_forward = False
 
     def _compact(self, s, path: list[int]) -> None:
         """Move the target KV of accepted tree nodes to the slots right after the root."""
