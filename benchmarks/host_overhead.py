@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="cProfile's order")
     ap.add_argument("--filter", default="", help="a regular expression the listed functions' file:line(name) match "
                     "(e.g. 'specserve/': the engine's own, by cumulative time)")
+    ap.add_argument("--time-calls", action="store_true",
+                    help="one more pass per speculative engine with its bookkeeping calls timed one by one "
+                         "(perf_counter around each: us per step and per call, without a profiler's slowdown)")
     ap.add_argument("--torch-profile", action="store_true",
                     help="also trace one more pass per engine with torch.profiler (device kernels too on CUDA): "
                          "ops and kernels per step, and where the engines' counts differ from the first one's")
@@ -245,6 +248,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{n}: {ms:.2f} ms/step ({ms / base:.3f}x {names[0]}), {steps_of[n]} steps, tok/s "
               f"{result['configs'][n]['tok_s_over_first']:.3f}x {names[0]}; k {result['configs'][n].get('k_histogram')}; "
               f"collector ms/step per round (gen 0, 1, 2): {gc_ms[n]}", flush=True)
+    if args.time_calls:
+        for n in names:
+            if engines[n].engine.drafter is not None:
+                timed = time_calls(engines[n], prompts, args.concurrency, lens, kind)
+                result["configs"][n]["calls_per_step"] = timed
+                print(f"{n}: us per step (calls per step) " + ", ".join(
+                    f"{f} {v['us_per_step']} ({v['calls_per_step']})" for f, v in timed.items()), flush=True)
     result["profile_differing"] = differing_functions(own, names[0], args.top)
     for n, rows in result["profile_differing"].items():
         print(f"cProfile, {n} against {names[0]} (own us / calls per step, under the profiler):", flush=True)
@@ -282,6 +292,52 @@ def decisions_of(llm: LLM) -> dict[str, Any]:
             "explorations": ctl.explorations,
             "accepted_per_verify": round(st.spec_accepted_tokens / st.spec_verify_steps, 3) if st.spec_verify_steps else None,
             "accepted_share": round(st.spec_accepted_tokens / st.spec_draft_tokens, 4) if st.spec_draft_tokens else None}
+
+
+# a speculative engine's per-step bookkeeping, by where it lives (``time_calls``)
+TIMED_CALLS = {"drafter": ("draft_step", "verify_step"),
+               "controller": ("quick_arm", "count_off", "decide", "_decide_adaptive", "flush", "_finish_cycle",
+                              "_observe_step", "_reference_step"),
+               "bandit": ("observe",), "cost": ("observe_step",)}
+
+
+def time_calls(llm: LLM, prompts: list[list[int]], concurrency: int, lens: list[int],
+               kind: RequestOutputKind) -> dict[str, dict[str, float]]:
+    """Microseconds per engine step, calls per step and microseconds per call of the functions in
+    TIMED_CALLS, over one closed-loop pass with each wrapped in a perf_counter pair (~0.2 us a call: the
+    profilers slow every Python call, which overstates code that makes many small ones). Times nest
+    (decide holds _decide_adaptive; flush holds the deferred bookkeeping it runs)."""
+    d = llm.engine.drafter
+    ctl = d.controller
+    owners = {"drafter": d, "controller": ctl, "bandit": ctl.bandit, "cost": ctl.cost}
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        spent[label], calls[label] = 0.0, 0
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t0
+                calls[label] += 1
+
+        setattr(obj, name, timed)
+
+    for owner, funcs in TIMED_CALLS.items():
+        for f in funcs:
+            wrap(owners[owner], f, f"{owner}.{f}")
+    try:
+        _, steps = serve(llm, prompts, concurrency, lens, kind)
+    finally:
+        for owner, funcs in TIMED_CALLS.items():
+            for f in funcs:
+                delattr(owners[owner], f)  # (the instance attribute: the class's method again)
+    return {k: {"us_per_step": round(1e6 * spent[k] / steps, 2), "calls_per_step": round(calls[k] / steps, 3),
+                "us_per_call": round(1e6 * spent[k] / calls[k], 2) if calls[k] else None} for k in spent}
 
 
 def own_time_per_step(st: pstats.Stats, steps: int) -> dict[str, tuple[float, float]]:

@@ -267,3 +267,23 @@ def test_one_seat_profiles_catch_up_sized_head_forwards(tmp_path, monkeypatch):
     one = ctl.cost.draft.profile[1]
     # a head forward over 64 rows costs a few single-row ones, not 64: the estimate follows the curve
     assert ctl.catch_up_seconds(125) < 16 * one
+
+
+def test_profile_lookups_follow_a_profile_taken_again():
+    # profile_at remembers its points; a profile taken again (a new dict, the same counts) is read anew
+    c = Curve(profile={1: 1.0, 8: 2.0, 64: 4.0})
+    assert c.profile_at(4) == pytest.approx(1.0 + 3 / 7) and c.profile_top == 64
+    c.profile = {1: 2.0, 8: 4.0, 64: 8.0}
+    assert c.profile_at(4) == pytest.approx(2.0 + 6 / 7) and c.profile_at(64) == 8.0
+    c.profile = {1: 2.0, 8: 4.0, 64: 8.0, 128: 9.0}
+    assert c.profile_top == 128
+
+
+def test_sampled_errors_are_against_the_table_decisions_last_read():
+    cm = CostModel(error_every=1)
+    cm.target.profile = {1: 1.0, 64: 2.0}
+    assert cm.target.predict(64) == 2.0  # the table decisions read: the profile alone
+    cm.observe_step(64, 3.0)  # the first observation: predicted 2.0 by that table
+    cm.observe_step(64, 3.0)  # one sample in the bucket since: the table as last built still says 2.0
+    assert list(cm.errors) == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert cm.target.predict(64) > 2.0  # rebuilt when a decision reads it

@@ -67,3 +67,16 @@ def test_agree_makes_every_draft_accepted(tmp_path):
     assert chain["accepted_per_verify"] == 1.0 and held["accepted_per_verify"] > 4  # (the last cycles' caps)
     assert held["k_histogram"].get(5, 0) > 0
     assert res["model"]["agree"] is True
+
+
+def test_time_calls_times_a_spec_engines_bookkeeping_per_step(tmp_path):
+    res = host_overhead.main(["--concurrency", "4", "--requests", "8", "--max-tokens", "6", "--rounds", "1",
+                              "--top", "3", "--configs", "nospec,adaptive_at_0", "--time-calls",
+                              "--output-file", str(tmp_path / "h.json")])
+    assert "calls_per_step" not in res["configs"]["nospec"]  # (no drafter: nothing to time)
+    timed = res["configs"]["adaptive_at_0"]["calls_per_step"]
+    assert set(timed) == {f"{o}.{f}" for o, fs in host_overhead.TIMED_CALLS.items() for f in fs}
+    # every engine step runs a draft step and the deferred bookkeeping, within it the cycle's outcome
+    assert timed["drafter.draft_step"]["calls_per_step"] == 1.0 and timed["controller.flush"]["calls_per_step"] >= 0.9
+    assert timed["controller._finish_cycle"]["calls_per_step"] > 0.5 and timed["bandit.observe"]["calls_per_step"] > 0.5
+    assert 0 < timed["controller.flush"]["us_per_step"] < timed["drafter.verify_step"]["us_per_step"]

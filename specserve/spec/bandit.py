@@ -106,10 +106,11 @@ class ArmStats:
         self.requests *= f
         self.x *= f
         self.x2 *= f
-        self.seed_n *= f
-        self.seed_seconds *= f
-        self.seed_predicted *= f
-        self.seed_requests *= f
+        if self.seed_n:  # (0 once served cycles displaced them all: then every seed field is 0)
+            self.seed_n *= f
+            self.seed_seconds *= f
+            self.seed_predicted *= f
+            self.seed_requests *= f
 
     def add(self, tokens: float, seconds: float, predicted: float, requests: float, x: float) -> None:
         self.displace_seed()
@@ -138,6 +139,9 @@ class ArmStats:
         self.x = max(self.x - d * x, 0.0)
         self.x2 = max(self.x2 - d * x * x, 0.0)
         self.seed_n -= d
+        if self.seed_n <= 1e-9:  # the last of them: no rounding left behind
+            self.seed_n = self.seed_seconds = self.seed_predicted = self.seed_requests = 0.0
+            return
         self.seed_seconds = max(self.seed_seconds - d * sec, 0.0)
         self.seed_predicted = max(self.seed_predicted - d * pred, 0.0)
         self.seed_requests = max(self.seed_requests - d * req, 0.0)

@@ -101,6 +101,8 @@ class Curve:
     _tlist_y: list[float] = field(default_factory=list, repr=False)
     _plist: list[float] = field(default_factory=list, repr=False)
     _plist_y: list[float] = field(default_factory=list, repr=False)
+    _pat: dict[float, float] = field(default_factory=dict, repr=False)  # profile_at's points
+    _pxy_of: dict | None = field(default=None, repr=False)  # the profile _pxy was made of
 
     def _medians(self) -> dict[int, tuple[float, int]]:
         if self._med is None:
@@ -117,18 +119,32 @@ class Curve:
         return median(s) if s is not None and len(s) >= self.min_samples else None
 
     def _profile_xy(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._pxy is None or len(self._pxy[0]) != len(self.profile):
+        if self._pxy is None or self._pxy_of is not self.profile or len(self._pxy[0]) != len(self.profile):
+            self._pxy_of = self.profile  # (a profile taken again is a new dict)
             xs = np.array(sorted(self.profile), dtype=float)
             self._pxy = (xs, np.array([self.profile[int(k)] for k in xs]))
             self._plist, self._plist_y = self._pxy[0].tolist(), self._pxy[1].tolist()
+            self._pat = {}
         return self._pxy
 
     def profile_at(self, x: float) -> float:
-        """The profile alone (no observations), interpolated."""
+        """The profile alone (no observations), interpolated (remembered per x: every step asks it the
+        step's own count, and a plain decoding engine asks the same few)."""
         if not self.profile:
             return 0.0
-        self._profile_xy()  # fills the list copies
-        return _interp1(self._plist, self._plist_y, float(x))
+        self._profile_xy()  # fills the list copies (and empties the remembered points when it changed)
+        p = self._pat.get(x)
+        if p is None:
+            p = self._pat[x] = _interp1(self._plist, self._plist_y, float(x))
+        return p
+
+    @property
+    def profile_top(self) -> float:
+        """The profile's largest count (0 without one)."""
+        if not self.profile:
+            return 0.0
+        self._profile_xy()
+        return self._plist[-1]
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
         """(counts, seconds) the predictions interpolate, non-decreasing in the count.
@@ -182,13 +198,22 @@ class Curve:
         self.table()
         return _interp1(self._tlist, self._tlist_y, float(x))
 
+    def predict_as_last_built(self, x: float) -> float:
+        """``predict`` from the table as last built (observations since left out), where there is one: an
+        observation drops the table, and rebuilding it costs ~20 us of host time."""
+        if not self._tlist:
+            return self.predict(x)
+        return _interp1(self._tlist, self._tlist_y, float(x))
+
     def observe(self, x: float, seconds: float) -> None:
         g = bucket(x)
         if g != x:  # credit to the grid point, scaled by the curve's shape (the profile's, when there is one)
             px, pg = (self.profile_at(x), self.profile_at(g)) if self.profile else (self.predict(x), self.predict(g))
             if px > 0 and pg > 0:
                 seconds *= pg / px
-        s = self.samples.setdefault(g, deque(maxlen=self.window))
+        s = self.samples.get(g)
+        if s is None:
+            s = self.samples[g] = deque(maxlen=self.window)
         s.append(seconds)
         self.measured = self.measured or len(s) >= self.min_samples
         if self._med is not None:
@@ -298,10 +323,11 @@ class CostModel:
         self._observed_steps += 1
         pred = None
         if (self.target.profile or self.target.samples) and self._observed_steps % self.error_every == 1 % self.error_every:
-            pred = self.step_time(num_tokens, num_seqs)
+            # (from the curve's table as last built: the error of the predictions decisions were taking)
+            pred = self.curve(num_seqs).predict_as_last_built(num_tokens)
         if pred:
             self.errors.append((seconds - pred) / pred)
-        if self.target.profile and num_tokens <= max(self.target.profile):
+        if self.target.profile and num_tokens <= self.target.profile_top:
             p = self.target.profile_at(num_tokens)
             if p > 0:
                 self.profile_ratios.append(seconds / p)
