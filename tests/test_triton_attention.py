@@ -412,3 +412,26 @@ def test_exact_tree_attention_is_an_engine_flag(monkeypatch):
         tri.plan(tree)
         assert tri.step_exact == exact
         assert int(tri._item["len"][: tri._num_items].max()) == (1 if exact else 5)
+
+
+def test_a_spec_engine_on_this_backend_keeps_the_features_its_forward_wrote(tmp_path):
+    """With Triton attention the target's forward writes the EAGLE-3 features at the backend's own slot
+    buffer (``step_slots``: what its CUDA graphs read): the drafter's check of every step shape finds them
+    there, bit for bit, and speculation gives plain decoding's tokens."""
+    from specserve import LLM, SamplingParams
+    from tiny_model import make_random_head, make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
+    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
+    kw = dict(device=DEVICE.type, max_num_seqs=4, block_size=4, kv_cache_memory_gb=0.05, attention_backend="triton")
+    llm = LLM(model=model, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_num_steps=3, speculative_policy="static", **kw)
+    assert llm.engine.runner.backend_name == "triton"
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(model=model, **kw).generate(prompts, sp)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    d = llm.engine.drafter
+    assert llm.engine.stats.spec_draft_tokens > 0  # verify steps ran (a random head's drafts: seldom accepted)
+    assert d.features_in_forward and not d.path_counts["feature_sink:fallback"]
+    assert {verify for verify, _ in d._sink_checked} == {False, True}
