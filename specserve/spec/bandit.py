@@ -113,7 +113,8 @@ class ArmStats:
             self.seed_requests *= f
 
     def add(self, tokens: float, seconds: float, predicted: float, requests: float, x: float) -> None:
-        self.displace_seed()
+        if self.seed_n:  # (no call where none are left: a cycle adds to ten of these at depth 5)
+            self.displace_seed()
         self.n += 1
         self.tokens += tokens
         self.seconds += seconds
