@@ -228,7 +228,7 @@ class EagleSpeculator:
         self.features_in_forward = self.head.is_eagle3 and hasattr(self.target, "set_feature_sink")
         if self.features_in_forward:
             self.target.set_feature_sink(self.features)
-        self._sink_checked: set[tuple[bool, int]] = set()  # (verify, tokens) steps whose sink was checked
+        self._sink_checked: set[tuple[bool, int]] = set()  # (verify, tokens' bit length): shapes checked
         self.attn = TorchNativeBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         self.tree_attn = TreeDraftBackend(caches, engine.config.block_size, hc.head_dim**-0.5)
         engine.blocks.require_draft_kv = True
@@ -1473,13 +1473,14 @@ class EagleSpeculator:
                 self._state(r)
 
     def _check_feature_sink(self, verify: bool, inputs, feats: torch.Tensor) -> None:
-        """Where the target's forward writes the features (features_in_forward), check once per step shape
-        (plain or verify, and its token count: each CUDA graph replayed) that it wrote this step's rows at
-        its slots, bit for bit what it returned; if not, scatter them after each forward from now on (the
-        graphs are captured again without the write). The write inside a graph was never run on a GPU
-        when it landed; the check costs one host sync per shape, once."""
+        """Where the target's forward writes the features (features_in_forward), check the first step of
+        each shape (plain or verify, and its token count's power-of-two range: graphs of every padding) that
+        it wrote this step's rows at its slots, bit for bit what it returned; if not, scatter them after
+        each forward from now on (the graphs are captured again without the write). The write inside a
+        graph was never run on a GPU when it landed; each check is a host sync, so a few dozen in all
+        (one per distinct token count would be hundreds under a stream of prompts)."""
         T = inputs.input_ids.shape[0]
-        key = (verify, T)
+        key = (verify, T.bit_length())
         if not self.features_in_forward or key in self._sink_checked:
             return
         self._sink_checked.add(key)
