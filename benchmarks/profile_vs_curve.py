@@ -9,7 +9,7 @@ verifying n tokens (gpu_decode.py's verify curve) against the cost model's predi
 per token count, the profile's seconds, the cost model's prediction and the direct measurement, and the
 median |predicted / measured - 1| over the profile's range.
 
-    python benchmarks/profile_vs_curve.py --output-file benchmarks/results/profile_vs_curve_cpu.json   # SmolLM2 + shipped head
+    python benchmarks/profile_vs_curve.py --output-file benchmarks/results/profile_vs_curve/cpu_chain3_ctx256.json   # SmolLM2 + shipped head
     python benchmarks/profile_vs_curve.py --device cuda --llama8b --max-num-seqs 64 --context 512 \\
         --tokens 1,2,4,8,16,32,64,128,256,384 --output-file ...     # the 8B shape, random weights and head
 """
@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
@@ -31,7 +32,7 @@ from common import run_metadata, write_json  # noqa: E402
 from gpu_decode import LLAMA_8B, make_inputs, spread  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from tiny_model import SMOLLM2_CONFIG, make_dummy_model_dir  # noqa: E402
+from tiny_model import SMOLLM2_CONFIG, make_dummy_model_dir, make_random_head  # noqa: E402
 
 from specserve import LLM  # noqa: E402
 
@@ -68,15 +69,9 @@ def shape_error(predicted: list[float], measured: list[float]) -> tuple[float, f
     return round(scale, 3), round(statistics.median(abs(scale * p / m - 1) for p, m in zip(predicted, measured)), 3)
 
 
-def random_head(model_dir: str, out: str) -> str:
-    """An EAGLE-3 head of the target's shape with random weights (its cost is what matters here)."""
-    from specserve.loader import load_model_source
-    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    mc = load_model_source(model_dir).config
-    torch.manual_seed(0)
-    Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=min(mc.vocab_size, 32768))).save_pretrained(out)
-    return out
+def median_abs_error(ratios: list[float]) -> float | None:
+    """Median |ratio - 1| of predicted / measured ratios; None without any."""
+    return round(statistics.median(abs(r - 1) for r in ratios), 3) if ratios else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -105,23 +100,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.llama8b or args.dummy_smollm2:
         cfg = dict(SMOLLM2_CONFIG) if args.dummy_smollm2 else dict(LLAMA_8B, bos_token_id=1, eos_token_id=2)
         model, load_format = make_dummy_model_dir(os.path.join(tmp, "model"), cfg), "dummy"
-        head = random_head(model, os.path.join(tmp, "head"))
+        head = make_random_head(model, os.path.join(tmp, "head"))  # (its cost: the target's steps are timed)
     S, bs = args.max_num_seqs, 16
     blocks = S * -(-(args.context + max(tokens)) // bs) + 16
     kw = {} if model is None else {"model": model}
-    saved = os.environ.get("SPECSERVE_COST_PROFILE")
-    os.environ["SPECSERVE_COST_PROFILE"] = "refresh"  # the profile taken now, by this engine
-    try:
+    with mock.patch.dict(os.environ, SPECSERVE_COST_PROFILE="refresh"):  # the profile taken now, by this engine
         llm = LLM(**kw, load_format=load_format, device=args.device, max_num_seqs=S, num_kv_blocks=blocks,
                   max_num_batched_tokens=max(max(tokens), 2 * S), max_model_len=args.context + max(tokens) + 16,
                   speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="adaptive",
                   speculative_calibrate=False, speculative_num_steps=args.num_steps, speculative_eagle_topk=args.topk,
                   speculative_num_draft_tokens=args.num_draft_tokens)
-    finally:
-        if saved is None:
-            del os.environ["SPECSERVE_COST_PROFILE"]
-        else:
-            os.environ["SPECSERVE_COST_PROFILE"] = saved
     eng = llm.engine
     runner, target, cost = eng.runner, eng.drafter.target, eng.drafter.controller.cost
     dev = torch.device(args.device)
@@ -166,11 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "command": "python benchmarks/profile_vs_curve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "settings": vars(args), "device_name": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
               "profile_meta": cost.meta, "profile_max_tokens": max(profile), "rows": rows,
-              "median_abs_error_in_range": round(statistics.median(abs(r["predicted_over_measured"] - 1) for r in inside), 3)
-              if inside else None,
+              "median_abs_error_in_range": median_abs_error([r["predicted_over_measured"] for r in inside]),
               # one request's verify: the shapes it takes (up to the tree's or chain's tokens)
-              "median_abs_error_one_request_verify": round(statistics.median(
-                  abs(r["one_request"]["predicted_over_measured"] - 1) for r in verifies), 3) if verifies else None,
+              "median_abs_error_one_request_verify": median_abs_error(
+                  [r["one_request"]["predicted_over_measured"] for r in verifies]),
               # both sets of shapes together, one drift factor taken out: (factor, median error)
               "shape_error": shape_error([r["predicted_s"] for r in inside] + [r["one_request"]["predicted_s"] for r in verifies],
                                          [r["measured_s"] for r in inside] + [r["one_request"]["measured_s"] for r in verifies]),

@@ -1479,14 +1479,15 @@ class EagleSpeculator:
         each forward from now on (the graphs are captured again without the write). The write inside a
         graph was never run on a GPU when it landed; each check is a host sync, so a few dozen in all
         (one per distinct token count would be hundreds under a stream of prompts)."""
+        if not self.features_in_forward:
+            return
         T = inputs.input_ids.shape[0]
         key = (verify, T.bit_length())
-        if not self.features_in_forward or key in self._sink_checked:
+        if key in self._sink_checked:
             return
         self._sink_checked.add(key)
         got = self.features.index_select(0, inputs.meta.slot_mapping)
-        want = feats[:T].contiguous()
-        if got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+        if torch.equal(got.view(torch.uint8), feats[:T].contiguous().view(torch.uint8)):
             return
         log.warning("the target's forward did not write the EAGLE-3 features of a %s step of %d tokens at its "
                     "KV slots: the drafter scatters them after each forward from now on",
