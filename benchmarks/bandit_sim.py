@@ -1,7 +1,7 @@
 """The adaptive controller's bandit in a simulated load: what deciding costs, apart from the engine's noise.
 
 A sweep point of ``adaptive.py`` compares engines whose rates move 2-4 % between runs of the same
-configuration, so the 1-3 % the bandit (specserve/spec/bandit.py) itself may lose (explorations, a
+configuration, so the 1-3 % the bandit (specserve/speculative/policy/bandit.py) itself may lose (explorations, a
 pick that lags, a wrong pick on noisy cycles, hysteresis holding a worse arm) cannot be read from
 it. Here each scenario fixes every depth's true goodput; the real ``GoodputBandit`` decides cycle by
 cycle as the controller drives it (a full decision one cycle in ``--full-every``, or an exploration
@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import parse_variant, run_metadata, write_json  # noqa: E402
 
-from specserve.spec.bandit import GoodputBandit, batch_key, shallower_tokens  # noqa: E402
+from specserve.speculative.policy.bandit import GoodputBandit, batch_key, shallower_tokens  # noqa: E402
 
 # conditional acceptance per draft position of the shipped head on ShareGPT (CPU fp32 sweeps: accept
 # length 1.56 / 1.85 / 2.0 at chains 1 / 2 / 3); the H200's bf16 runs accept a little more

@@ -1,6 +1,6 @@
 """What an adaptive engine's bandit measures, cycle by cycle, beside the engine's own time.
 
-The bandit (specserve/spec/bandit.py) ranks draft depths by the wall time of each decision's
+The bandit (specserve/speculative/policy/bandit.py) ranks draft depths by the wall time of each decision's
 cycle: from one decision (in ``draft_step``) to the next, less what the drafter leaves out (the
 time between engine steps, a full decision's host time, the finished requests' catch-up) and less
 the prompt tokens' predicted share. ``CycleLog`` records every finished cycle as the controller
@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from specserve import LLM
-from specserve.spec.bandit import bucket_batch
+from specserve.speculative.policy.bandit import bucket_batch
 
 
 class CycleLog:

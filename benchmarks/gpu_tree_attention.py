@@ -33,7 +33,7 @@ from common import device_ms, run_metadata, write_json  # noqa: E402
 from specserve.attention import triton_backend  # noqa: E402
 from specserve.attention.base import AttentionMetadata  # noqa: E402
 from specserve.engine.cuda_graph import CAPTURE_SIZES  # noqa: E402
-from specserve.spec.tree import DraftTree  # noqa: E402
+from specserve.speculative.tree import DraftTree  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from specserve.spec.bandit import GoodputBandit, batch_key
+from specserve.speculative.policy.bandit import GoodputBandit, batch_key
 
 
 def run(bandit: GoodputBandit, priors: dict, true_ratio: dict, cycles: int, seed: int = 0,
@@ -362,7 +362,7 @@ def test_plain_decoding_measured_low_early_costs_little():
     # they guessed it pessimistically and kept it out for good, at 0.83x its throughput: see
     # test_plain_decoding_is_served_where_start_up_seeds_put_a_depth_ahead.) What that costs: the
     # 1 % plain decoding was worth, and the explorations
-    from specserve.spec.bandit import ArmStats
+    from specserve.speculative.policy.bandit import ArmStats
 
     B, key = 32, batch_key(32)
     tpr = {0: 1.0, 1: 1.56, 2: 1.89, 3: 2.10}
@@ -468,7 +468,7 @@ def test_plain_decoding_is_served_where_start_up_seeds_put_a_depth_ahead():
     # ~30 % better; served, plain decoding takes 5.5 ms and depth 5 13.5 ms: plain decoding is
     # ~7 % better. With seeds counted as measured cycles, plain decoding was never served there
     # and the engine made 0.83x of plain decoding's throughput
-    from specserve.spec.bandit import ArmStats
+    from specserve.speculative.policy.bandit import ArmStats
 
     B, key = 256, batch_key(256)
     tpr = {0: 1.0, 5: 2.3}
@@ -515,7 +515,7 @@ def test_an_arm_known_only_by_its_prior_and_fading_seeds_is_explored_not_picked(
     # decoding's excess time, which is above plain decoding's: picked on that alone (from decision
     # ~450 here; in the engine's 12-s point depth 1 drafted ~120 cycles) it loses. Past the warm-up
     # it must be measured by an exploration first, and then it is not picked
-    from specserve.spec.bandit import ArmStats
+    from specserve.speculative.policy.bandit import ArmStats
 
     B, key = 256, batch_key(256)
     tpr = {0: 1.0, 1: 1.58, 3: 2.2}

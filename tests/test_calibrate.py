@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.spec.bandit import batch_key
-from specserve.spec.calibrate import bucket_batches
+from specserve.speculative.policy.bandit import batch_key
+from specserve.speculative.policy.calibrate import bucket_batches
 
 
 def test_bucket_batches_cover_every_bucket_once():

@@ -7,9 +7,9 @@ import pytest
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.request import Status
-from specserve.spec.bandit import batch_key
-from specserve.spec.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
-from specserve.spec.cost_model import CostModel, Curve
+from specserve.speculative.policy.bandit import batch_key
+from specserve.speculative.policy.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
+from specserve.speculative.policy.cost_model import CostModel, Curve
 
 
 def cost(per_token_ms: float, floor_ms: float = 10.0, draft_ms: float = 1.0) -> CostModel:
@@ -415,7 +415,7 @@ class _Req(SimpleNamespace):
 def _timed_drafter(monkeypatch, clock: list[float]):
     """The drafter's cycle timing with a fake clock (``clock[0]``): a drafter whose catch-up costs 1 ms a
     row and whose draft step 10 ms; returns it, the cycle times it finishes, and a request maker."""
-    from specserve.spec import drafter as drafter_mod
+    from specserve.speculative import drafter as drafter_mod
 
     monkeypatch.setattr(drafter_mod, "clock", lambda: clock[0])
     d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
@@ -543,8 +543,8 @@ def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():
 
 
 def test_adaptive_speculation_off_follows_the_buckets_pick_and_mixed_batches_are_not_measured():
-    from specserve.spec.bandit import batch_key
-    from specserve.spec.controller import Cycle
+    from specserve.speculative.policy.bandit import batch_key
+    from specserve.speculative.policy.controller import Cycle
 
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
     assert not ctl.speculation_off(32)  # nothing chosen yet
@@ -730,7 +730,7 @@ def test_a_decision_whose_caps_bind_below_the_pick_keeps_the_pick():
     pick cut to the caps, without weighing the arms left: a shallow arm picked there would stay the
     bucket's pick for the next request. Above the caps, or with an exploration's second cycle due, the
     bandit decides as usual."""
-    from specserve.spec.bandit import batch_key
+    from specserve.speculative.policy.bandit import batch_key
 
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=5), cost=step_cost(CPU_LIKE))
     b = ctl.bandit

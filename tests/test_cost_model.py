@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specserve.spec.cost_model import (EXACT, GRID, CostModel, Curve, bucket, measure, profile_points)
+from specserve.speculative.policy.cost_model import (EXACT, GRID, CostModel, Curve, bucket, measure, profile_points)
 
 CPU_LIKE = {1: 0.020, 2: 0.021, 3: 0.022, 4: 0.040, 5: 0.041, 8: 0.050, 16: 0.060, 32: 0.090, 64: 0.150}
 
@@ -183,7 +183,7 @@ def test_cost_profile_key_follows_cpu_packing(monkeypatch) -> None:
 
     from specserve.models import cpu_packing
     from specserve.models.eagle3 import Eagle3Config
-    from specserve.spec import drafter
+    from specserve.speculative import drafter
 
     head = Eagle3Config.from_json(Path(drafter.DEFAULT_HEAD) / "config.json")
     eng = SimpleNamespace(model_name="m", model_config="cfg", device=torch.device("cpu"), dtype=torch.float32,
@@ -202,7 +202,7 @@ def test_cost_profile_key_follows_cpu_packing(monkeypatch) -> None:
 
 
 def test_linear_cost_separates_a_fixed_part_from_the_rate_per_unit():
-    from specserve.spec.cost_model import LinearCost
+    from specserve.speculative.policy.cost_model import LinearCost
 
     lc = LinearCost()
     assert lc.predict(100) is None
@@ -254,7 +254,7 @@ def test_one_seat_profiles_catch_up_sized_head_forwards(tmp_path, monkeypatch):
     from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM
-    from specserve.spec.drafter import CATCH_UP_PROFILE_ROWS
+    from specserve.speculative.drafter import CATCH_UP_PROFILE_ROWS
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(str(tmp_path / "m"), vocab=64, layers=4)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.drafter import DEFAULT_HEAD, PENDING, EagleSpeculator
-from specserve.spec.tree import tree_fields
+from specserve.speculative.drafter import DEFAULT_HEAD, PENDING, EagleSpeculator
+from specserve.speculative.tree import tree_fields
 from tiny_model import make_random_head, make_tiny_model
 
 SHIPPED = (DEFAULT_HEAD / "config.json").exists()
@@ -452,8 +452,8 @@ def test_an_early_decision_applies_to_the_requests_left():
     another bucket, takes a decision of its own."""
     from types import SimpleNamespace
 
-    from specserve.spec.bandit import batch_key
-    from specserve.spec.controller import Cycle
+    from specserve.speculative.policy.bandit import batch_key
+    from specserve.speculative.policy.controller import Cycle
 
     def reqs(*ids):
         return [SimpleNamespace(request_id=i) for i in ids]
@@ -703,7 +703,7 @@ def test_gpu_graph_drafts_equal_eager_static_loop(tiny, n):
 @pytest.mark.gpu
 def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     from specserve.engine.cuda_graph import CUDAGraphRunner
-    from specserve.spec.draft_graph import CatchUpRunner, ChainDraftRunner, FusedLaunchRunner
+    from specserve.speculative.draft_graph import CatchUpRunner, ChainDraftRunner, FusedLaunchRunner
 
     model, head = tiny
     llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256, speculative_algorithm="EAGLE3",

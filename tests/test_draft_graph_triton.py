@@ -14,7 +14,7 @@ DEVICE = triton_tests_device()
 CUDA = DEVICE.type == "cuda"
 
 from specserve.attention.triton_backend import TritonDecodeAttention  # noqa: E402
-from specserve.spec.draft_graph import TorchDecodeAttention  # noqa: E402
+from specserve.speculative.draft_graph import TorchDecodeAttention  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
@@ -117,8 +117,8 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
     from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM
-    from specserve.spec import draft_graph
-    from specserve.spec.drafter import PENDING
+    from specserve.speculative import draft_graph
+    from specserve.speculative.drafter import PENDING
 
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
     head = make_random_head(model, str(tmp_path / "head"), std=0.3)

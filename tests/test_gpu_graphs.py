@@ -316,7 +316,7 @@ def test_adaptive_times_few_steady_catch_ups_and_stays_lossless(smollm2_dummy_di
     Unfused: a fused catch-up (launched before the verify's sync) is timed with its cycle instead."""
     from specserve.loader import load_model_source
     from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
-    from specserve.spec.drafter import CATCH_UP_TIMING_EVERY
+    from specserve.speculative.drafter import CATCH_UP_TIMING_EVERY
 
     mc = load_model_source(smollm2_dummy_dir).config
     torch.manual_seed(2)

@@ -144,7 +144,7 @@ def test_an_adaptive_engines_plain_exploration_runs_its_measured_cycle_launched_
     plain decoding explored every 6th full decision): its second cycle is decided before the first
     one's sync and launched ahead, overlapped as picked plain decoding runs; the first (a step after a
     drafting verify) is charged, not measured. Greedy tokens stay plain decoding's."""
-    from specserve.spec.bandit import batch_key
+    from specserve.speculative.policy.bandit import batch_key
 
     convs, params, base, llm = _plain_and_adaptive(chat_prompts)
     ctl = llm.engine.drafter.controller

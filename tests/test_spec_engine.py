@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.spec.drafter import DEFAULT_HEAD
+from specserve.speculative.drafter import DEFAULT_HEAD
 
 SHIPPED = (DEFAULT_HEAD / "config.json").exists()
 CHAIN = dict(speculative_num_steps=3)
@@ -25,7 +25,7 @@ def cost_profile_once_per_key():
     loaded) once, and every engine gets its own copy of it, as from the disk cache."""
     import copy
 
-    from specserve.spec.drafter import EagleSpeculator, cost_profile_key
+    from specserve.speculative.drafter import EagleSpeculator, cost_profile_key
 
     load, taken = EagleSpeculator._load_or_profile_costs, {}
 

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from specserve.spec.tree import (Candidate, DraftTree, select_tree, tree_is_final, verify_tree_greedy,
+from specserve.speculative.tree import (Candidate, DraftTree, select_tree, tree_is_final, verify_tree_greedy,
                                  verify_tree_sampled)
 
 

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from specserve.spec.tree import (Candidate, DraftTree, bits_to_mask, accept_trees, select_tree, select_trees, tree_fields, tree_width,
+from specserve.speculative.tree import (Candidate, DraftTree, bits_to_mask, accept_trees, select_tree, select_trees, tree_fields, tree_width,
                                  verify_tree_greedy)
-from specserve.spec.tree_graph import candidate_depths
+from specserve.speculative.tree_graph import candidate_depths
 
 
 def expansion(rng: random.Random, topk: int, depth: int, vocab: int, ties: bool) -> list[Candidate]:

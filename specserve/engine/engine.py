@@ -117,7 +117,7 @@ class LLMEngine:
         self._ahead: tuple[StepPlan, LaunchedStep] | None = None
         self.drafter = None
         if config.speculative is not None:
-            from specserve.spec.drafter import build_speculator
+            from specserve.speculative.drafter import build_speculator
 
             self.drafter = build_speculator(self)
         self.runner.capture_graphs()  # after the drafter: it sets the target's aux outputs

@@ -495,7 +495,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _default_head_available() -> bool:
     """The default model is served with its shipped EAGLE-3 head when that head exists."""
     try:
-        from specserve.spec.drafter import default_draft_path
+        from specserve.speculative.drafter import default_draft_path
 
         default_draft_path()
         return True

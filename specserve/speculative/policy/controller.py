@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.bandit import GoodputBandit, batch_key, bucket_batch, shallower_tokens
-from specserve.spec.cost_model import CostModel, LinearCost
+from specserve.speculative.policy.bandit import GoodputBandit, batch_key, bucket_batch, shallower_tokens
+from specserve.speculative.policy.cost_model import CostModel, LinearCost
 
 Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
 

@@ -38,8 +38,8 @@ from specserve.attention.base import AttentionBackend, forward_context
 from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.spec.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
-from specserve.spec.tree import accept_trees, select_trees, tree_fields, tree_width
+from specserve.speculative.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
+from specserve.speculative.tree import accept_trees, select_trees, tree_fields, tree_width
 
 
 def candidate_depths(topk: int, depth: int) -> list[int]:

@@ -47,17 +47,17 @@ from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models import cpu_packing
 from specserve.models.cpu_packing import pack_for_cpu, packed_min_rows
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.spec.bandit import batch_key
-from specserve.spec.controller import SpecController
-from specserve.spec.cost_model import CostModel
-from specserve.spec.draft_graph import (FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner,
+from specserve.speculative.policy.bandit import batch_key
+from specserve.speculative.policy.controller import SpecController
+from specserve.speculative.policy.cost_model import CostModel
+from specserve.speculative.draft_graph import (FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner,
                                         TorchDecodeAttention)
-from specserve.spec.tree import (Candidate, DraftTree, TreeVerifyResult, select_tree, tree_is_final,
+from specserve.speculative.tree import (Candidate, DraftTree, TreeVerifyResult, select_tree, tree_is_final,
                                  verify_tree_greedy,
                                  verify_tree_sampled)
-from specserve.spec.tree_attention import TreeDraftBackend
-from specserve.spec.tree_graph import FusedTreeLaunch, TreeDraftRunner, TreeVerifyGraph, lane_blocks
-from specserve.spec.verify import verify_chains_sampled, verify_greedy
+from specserve.speculative.tree_attention import TreeDraftBackend
+from specserve.speculative.tree_graph import FusedTreeLaunch, TreeDraftRunner, TreeVerifyGraph, lane_blocks
+from specserve.speculative.verify import verify_chains_sampled, verify_greedy
 
 if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
@@ -86,7 +86,7 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
     2-3-token verifies at 1.5-2x a decode step where they cost less than one)."""
     import dataclasses
 
-    from specserve.spec.cost_model import FORMAT_VERSION
+    from specserve.speculative.policy.cost_model import FORMAT_VERSION
 
     dev_name = torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else "cpu"
     sc = getattr(e.config, "speculative", None)
@@ -307,7 +307,7 @@ class EagleSpeculator:
             self.controller.cost = self._load_or_profile_costs(self._head_path)
         on = self.cfg.calibrate if self.cfg.calibrate is not None else self.runner.graphs is not None
         if on:
-            from specserve.spec.calibrate import calibrate
+            from specserve.speculative.policy.calibrate import calibrate
 
             self.calibration = calibrate(self)
 
@@ -351,7 +351,7 @@ class EagleSpeculator:
         the target step includes the logits of every row, as a verify step computes them."""
         import datetime
 
-        from specserve.spec.cost_model import measure, profile_points
+        from specserve.speculative.policy.cost_model import measure, profile_points
 
         e = self.engine
         bs = e.config.block_size

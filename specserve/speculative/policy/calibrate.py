@@ -31,7 +31,7 @@ import torch
 from specserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from specserve.spec.drafter import EagleSpeculator
+    from specserve.speculative.drafter import EagleSpeculator
 
 log = logging.getLogger(__name__)
 PREFIX = "__specserve_calibration_"
