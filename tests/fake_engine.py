@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
 from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 
 TEXT = "the quick brown fox jumps over the lazy dog. "
 
@@ -33,12 +33,23 @@ class FakeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids if i not in self.eos_token_ids)
 
+    def detokenizer(self, prompt_ids: list[int] = ()) -> "FakeDetokenizer":
+        return FakeDetokenizer(self)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         for m in messages:
             if m["role"] == "tool":
                 raise ValueError("this template has no tool role")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+class FakeDetokenizer:
+    def __init__(self, tokenizer: FakeTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def append(self, ids: list[int] | int) -> str:
+        return self.tokenizer.decode([ids] if isinstance(ids, int) else ids)
 
 
 @dataclass
@@ -71,6 +82,7 @@ class _Req:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
+    stop_reason: str | None = None
     sent_tokens: int = 0
     sent_text: int = 0
 
@@ -128,6 +140,17 @@ class FakeEngine:
 
     def blocks_used(self) -> int:
         return sum(self.blocks_by_request().values())
+
+    # -------------------------------------------------------------- for tests (called in the engine core)
+
+    def kv_state(self) -> tuple[dict[str, int], int]:
+        return self.blocks_by_request(), self.blocks_used()
+
+    def aborted_ids(self) -> list[str]:
+        return list(self.aborted)
+
+    def set_step_delay(self, seconds: float) -> None:
+        self.step_delay = seconds
 
     def get_stats(self) -> EngineStats:
         s = self.stats
@@ -195,6 +218,7 @@ class FakeEngine:
             at = r.text.find(s)
             if at >= 0:
                 r.text = r.text[: at + len(s)] if p.include_stop_str_in_output else r.text[:at]
+                r.stop_reason = s
                 return "stop"
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(r.prompt_ids)
         if len(r.token_ids) >= max_tokens:
@@ -213,7 +237,18 @@ class FakeEngine:
                         break
         new_text = visible[r.sent_text:] if len(visible) >= r.sent_text else ""
         r.sent_tokens, r.sent_text = len(r.token_ids), max(r.sent_text, len(visible))
-        comp = CompletionOutput(0, r.text, list(r.token_ids), finish,
-                                logprobs=[dict(e) for e in r.logprobs] if r.params.logprobs is not None else None)
+        lps = None
+        if r.params.logprobs is not None:
+            delta = r.params.output_kind is RequestOutputKind.DELTA
+            lps = [dict(e) for e in (r.logprobs[len(r.token_ids) - len(new_ids):] if delta else r.logprobs)]
+        comp = CompletionOutput(0, r.text, list(r.token_ids), finish, r.stop_reason,
+                                logprobs=lps)
         return RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), [comp], finish is not None, r.metrics,
                              new_token_ids=new_ids, new_text=new_text)
+
+
+class BrokenEngine(FakeEngine):
+    """Its first step raises: the engine core fails."""
+
+    def step(self) -> list[RequestOutput]:
+        raise RuntimeError("boom")

@@ -8,10 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-try:
-    from specserve.server.api import build_app, serve_in_thread
-except ImportError as e:  # the server lands separately
-    pytest.skip(f"specserve.server.api is not importable yet ({e})", allow_module_level=True)
+from specserve.server.api import build_engine, serve_in_thread  # noqa: E402
 
 from specserve.bench.datasets import sample_sharegpt_requests  # noqa: E402
 from specserve.bench.serving import BenchConfig, run_benchmark  # noqa: E402
@@ -23,14 +20,13 @@ OUT_LEN = 8
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    torch = pytest.importorskip("torch")
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import LLMEngine
+    from functools import partial
 
-    torch.set_num_threads(2)
-    engine = LLMEngine(EngineConfig(max_model_len=512, num_kv_blocks=96, max_num_seqs=8))
-    with serve_in_thread(build_app(engine), startup_timeout=120) as url:
-        yield url
+    from specserve.config import EngineConfig
+
+    config = EngineConfig(max_model_len=512, num_kv_blocks=96, max_num_seqs=8)
+    with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")

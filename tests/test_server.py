@@ -16,10 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 torch = pytest.importorskip("torch")
-engine_mod = pytest.importorskip("specserve.engine.engine")
+
+from functools import partial  # noqa: E402
 
 from specserve.config import EngineConfig  # noqa: E402
-from specserve.server.api import build_app, serve_in_thread  # noqa: E402
+from specserve.server.api import build_engine, serve_in_thread  # noqa: E402
 
 MAX_MODEL_LEN = 512
 CHAT = [{"role": "user", "content": "List three colors."}]
@@ -33,31 +34,30 @@ def wait_until(pred: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 class Live:
-    def __init__(self, url: str, app) -> None:
-        self.url = url
-        self.srv = app.state.server
-        self.engine = self.srv.engine
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    def __init__(self, server) -> None:
+        self.url = server.url
+        self.server = server
+        self.srv = server.app.state.server
+        self.tokenizer = self.srv.tokenizer
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def on_engine(self, fn):
-        """Run fn(engine) on the engine thread, between steps."""
-        return self.srv.aengine.call_threadsafe(fn)
+    def on_engine(self, fn, *args):
+        """Run an engine method (by name) or fn(engine, *args) in the engine-core process, between steps."""
+        return self.server.on_engine(fn, *args)
 
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
-    torch.set_num_threads(2)
-    engine = engine_mod.LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, max_num_seqs=8))
-    app = build_app(engine)
-    with serve_in_thread(app, startup_timeout=120) as url:
-        yield Live(url, app)
+    config = EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, max_num_seqs=8)
+    with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
+        yield Live(server)
 
 
 def test_chat_stream_matches_nonstream_with_consistent_usage(live: Live) -> None:
     kw = dict(model="default", messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     r = live.client.chat.completions.create(**kw)
     text = r.choices[0].message.content
-    prompt_len = len(live.engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True))
+    prompt_len = len(live.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True))
     assert text and r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt_len, 12, prompt_len + 12)
 
@@ -134,7 +134,7 @@ def test_disconnect_mid_stream_frees_blocks_other_stream_unaffected(live: Live) 
             assert used == sum(held.values())  # the dropped request's blocks are free
             rest = [json.loads(line[6:]) for line in keep_lines if line and line != "data: [DONE]"]
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
-    wait_until(lambda: not live.on_engine(lambda e: e.has_unfinished_requests()))
+    wait_until(lambda: not live.on_engine("has_unfinished_requests"))
     assert live.on_engine(_blocks) == ({}, 0)
 
 
@@ -159,7 +159,7 @@ def test_metrics_and_server_info_move(live: Live) -> None:
     assert after["specserve:engine_steps_total"] > before["specserve:engine_steps_total"]
     info = httpx.get(live.url + "/get_server_info").json()
     assert info["internal_states"][0]["generation_tokens"] >= 4
-    assert [m.id for m in live.client.models.list().data] == [live.engine.model_name]
+    assert [m.id for m in live.client.models.list().data] == [live.srv.info.model_name]
 
 
 @pytest.fixture(scope="module")
@@ -174,10 +174,9 @@ def spec_live(tmp_path_factory) -> Iterator[Live]:
     head_dir = tmp_path_factory.mktemp("random-eagle3")
     Eagle3DraftModel(Eagle3Config.from_target(target, draft_vocab_size=target.vocab_size)).save_pretrained(head_dir)
     spec = SpeculativeConfig(draft_model_path=str(head_dir), num_steps=3, policy="static")
-    engine = engine_mod.LLMEngine(EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, speculative=spec))
-    app = build_app(engine)
-    with serve_in_thread(app, startup_timeout=120) as url:
-        yield Live(url, app)
+    config = EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, speculative=spec)
+    with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
+        yield Live(server)
 
 
 def test_speculation_stats_reach_usage_server_info_and_metrics(spec_live: Live) -> None:

@@ -17,9 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_engine import TEXT, FakeEngine  # noqa: E402
+from functools import partial  # noqa: E402
 
-from specserve.server.api import build_app, serve_in_thread  # noqa: E402
+from fake_engine import TEXT, BrokenEngine, FakeEngine  # noqa: E402
+
+from specserve.server.api import serve_in_thread  # noqa: E402
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -32,13 +34,15 @@ def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 class Live:
-    def __init__(self, url: str, app) -> None:
-        self.url = url
-        self.srv = app.state.server
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    def __init__(self, server) -> None:
+        self.url = server.url
+        self.server = server
+        self.srv = server.app.state.server
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
-    def on_engine(self, fn):
-        return self.srv.aengine.call_threadsafe(fn)
+    def on_engine(self, fn, *args):
+        """Run an engine method (by name) or fn(engine, *args) in the engine-core process."""
+        return self.server.on_engine(fn, *args)
 
     def post(self, path: str, body, **kw) -> httpx.Response:
         content = body if isinstance(body, (str, bytes)) else json.dumps(body)
@@ -48,17 +52,16 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
-    app = build_app(FakeEngine(step_delay=0.001))
-    with serve_in_thread(app) as url:
-        yield Live(url, app)
+    with serve_in_thread(partial(FakeEngine, step_delay=0.001)) as server:
+        yield Live(server)
 
 
 @pytest.fixture(scope="module")
 def spec_live() -> Iterator[Live]:
     """Fake engine that 'speculates': every decode step verifies 3 drafts and accepts 2."""
-    app = build_app(FakeEngine(step_delay=0.001, spec_k=3), served_model_name=["fake-spec", "alias"])
-    with serve_in_thread(app) as url:
-        yield Live(url, app)
+    with serve_in_thread(partial(FakeEngine, step_delay=0.001, spec_k=3),
+                         served_model_name=["fake-spec", "alias"]) as server:
+        yield Live(server)
 
 
 # ---------------------------------------------------------------- happy paths
@@ -265,8 +268,8 @@ def test_openai_client_sees_error_classes(live: Live) -> None:
 
 
 def test_api_key_required_on_v1_only() -> None:
-    app = build_app(FakeEngine(), api_key="s3cret")
-    with serve_in_thread(app) as url:
+    with serve_in_thread(FakeEngine, api_key="s3cret") as server:
+        url = server.url
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
         bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
@@ -278,24 +281,19 @@ def test_api_key_required_on_v1_only() -> None:
 
 
 def test_queue_full_is_503_with_retry_after() -> None:
-    app = build_app(FakeEngine(max_waiting=0))
-    with serve_in_thread(app) as url:
+    with serve_in_thread(partial(FakeEngine, max_waiting=0)) as server:
+        url = server.url
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"
         assert "queue is full" in r.json()["error"]["message"]
 
 
-class _BrokenEngine(FakeEngine):
-    def step(self):
-        raise RuntimeError("boom")
-
-
 def test_engine_failure_fails_requests_and_health() -> None:
-    app = build_app(_BrokenEngine())
-    with serve_in_thread(app) as url:
+    with serve_in_thread(BrokenEngine) as server:
+        url = server.url
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
-        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
         assert httpx.get(url + "/health").status_code == 503
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
         assert r.status_code == 503
@@ -305,8 +303,7 @@ def test_engine_failure_fails_requests_and_health() -> None:
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(live: Live) -> None:
-    eng = live.srv.engine
-    eng.step_delay = 0.01  # slower steps: a wide margin for "the other stream is still running" below
+    live.on_engine("set_step_delay", 0.01)  # slower steps: a wide margin for "the other stream is still running" below
     body = {"prompt": "x", "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as other_client, httpx.Client(timeout=30) as client:
         with other_client.stream("POST", live.url + "/v1/completions", json={**body, "max_tokens": 300}) as other:
@@ -317,28 +314,28 @@ def test_stream_disconnect_aborts_and_frees_blocks(live: Live) -> None:
                 first = json.loads(next(lines)[6:])
                 for _ in range(5):
                     next(lines)
-                held = live.on_engine(lambda e: e.blocks_by_request())
+                held = live.on_engine("blocks_by_request")
                 assert held.get(first["id"], 0) > 0 and len(held) == 2
             # the response is closed: the connection drops mid-stream
-            wait_until(lambda: first["id"] in live.on_engine(lambda e: list(e.aborted)))
-            held, used = live.on_engine(lambda e: (e.blocks_by_request(), e.blocks_used()))
+            wait_until(lambda: first["id"] in live.on_engine("aborted_ids"))
+            held, used = live.on_engine("kv_state")
             assert first["id"] not in held
             assert len(held) == 1, "the other stream should still be generating"
             assert used == sum(held.values())  # nothing left behind by the aborted request
-            eng.step_delay = 0.001
+            live.on_engine("set_step_delay", 0.001)
             rest = [json.loads(line[6:]) for line in other_lines if line and line != "data: [DONE]"]
     text = "".join(c["choices"][0]["text"] for c in rest)
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
-    assert len(text) > 0 and eng.blocks_used() == 0
+    assert len(text) > 0 and live.on_engine("blocks_used") == 0
 
 
 def test_nonstream_disconnect_aborts(live: Live) -> None:
-    before = len(live.on_engine(lambda e: list(e.aborted)))
+    before = len(live.on_engine("aborted_ids"))
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 450, "temperature": 0},
                    timeout=httpx.Timeout(30, read=0.1))
-    wait_until(lambda: len(live.on_engine(lambda e: list(e.aborted))) == before + 1)
-    wait_until(lambda: live.on_engine(lambda e: not e.has_unfinished_requests()))
+    wait_until(lambda: len(live.on_engine("aborted_ids")) == before + 1)
+    wait_until(lambda: not live.on_engine("has_unfinished_requests"))
 
 
 # ---------------------------------------------------------------- metrics / speculation stats

@@ -19,6 +19,7 @@ from specserve.engine.kv_cache import BlockManager
 from specserve.engine.request import Request, Status
 from specserve.engine.runner import LaunchedStep, ModelRunner, num_kv_blocks_for
 from specserve.engine.scheduler import CommitResult, Scheduler, StepPlan
+from specserve.engine.stop import streamable_text_end
 from specserve.loader.tokenizer import IncrementalDetokenizer
 from specserve.models.cpu_packing import pack_for_cpu
 from specserve.outputs import CompletionOutput, RequestOutput
@@ -246,16 +247,17 @@ class LLMEngine:
             return None
         first_new = req.num_emitted_tokens
         new_ids = req.output_token_ids[first_new:]
-        new_text = req.text[req.num_emitted_chars :]
+        text_end = max(req.num_emitted_chars, streamable_text_end(req.text, req.params, finished))
+        new_text = req.text[req.num_emitted_chars : text_end]
         req.num_emitted_tokens = req.num_output_tokens
-        req.num_emitted_chars = len(req.text)
+        req.num_emitted_chars = text_end
         lps = req.logprobs
         if kind is RequestOutputKind.DELTA:
             comp = CompletionOutput(0, new_text, new_ids, req.finish_reason, req.stop_reason,
                                     lps[first_new:] if lps is not None else None)
         else:
-            comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
-                                    list(lps) if lps is not None else None)
+            comp = CompletionOutput(0, req.text[:text_end], list(req.output_token_ids), req.finish_reason,
+                                    req.stop_reason, list(lps) if lps is not None else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, req.metrics,
                              new_token_ids=new_ids, new_text=new_text)
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from specserve.engine.request import Request
+from typing import TYPE_CHECKING
+
+from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the server's front-end uses the string helpers below without torch
+    from specserve.engine.request import Request
 
 
 def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
@@ -20,15 +25,45 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
         if tok in p.stop_token_ids:
             return "stop", tok
         if p.stop_list:
-            # a new match must end in the text added by the last token
-            start = max(0, new_text_start - max(len(s) for s in p.stop_list) + 1)
-            for s in p.stop_list:
-                at = req.text.find(s, start)
-                if at != -1:
-                    req.text = req.text[: at + len(s)] if p.include_stop_str_in_output else req.text[:at]
-                    return "stop", s
+            found = find_stop_string(req.text, p.stop_list, new_text_start)
+            if found is not None:
+                at, s = found
+                req.text = req.text[: at + len(s)] if p.include_stop_str_in_output else req.text[:at]
+                return "stop", s
     if p.max_tokens is not None and n_out >= p.max_tokens:
         return "length", None
     if req.num_tokens >= max_model_len:
         return "length", None
     return None
+
+
+def find_stop_string(text: str, stops: list[str], new_text_start: int = 0) -> tuple[int, str] | None:
+    """(index, stop string) of the first listed stop string in ``text`` that ends after ``new_text_start``."""
+    # a new match must end in the text added since new_text_start
+    start = max(0, new_text_start - max(len(s) for s in stops) + 1)
+    for s in stops:
+        at = text.find(s, start)
+        if at != -1:
+            return at, s
+    return None
+
+
+def stop_string_holdback(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that could still begin a stop string: a stream holds them back.
+
+    "Paris is a city that", stops ["that has"] -> 4 ("that" is withheld until the next token decides).
+    """
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
+def streamable_text_end(text: str, params: SamplingParams, finished: bool) -> int:
+    """How much of a request's text a stream may hand out now (the rest may yet be cut by a stop string)."""
+    if finished or not params.stop_list or params.include_stop_str_in_output:
+        return len(text)
+    return len(text) - stop_string_holdback(text, params.stop_list)

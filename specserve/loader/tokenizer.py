@@ -107,6 +107,10 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.backend.id_to_token(int(i)) for i in ids]
 
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        """A streaming decoder for one request's output ids (the server's front-end keeps one per request)."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
     # -- chat ----------------------------------------------------------------------------------
 
     def apply_chat_template_text(

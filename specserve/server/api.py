@@ -1,8 +1,11 @@
-"""OpenAI-compatible HTTP server (FastAPI + uvicorn) around one engine.
+"""OpenAI-compatible HTTP front-end (FastAPI + uvicorn) of an engine-core process.
 
-    app = build_app(engine)            # any object with the LLMEngine interface
-    with serve_in_thread(app) as url:  # or main(args) for `specserve serve`
+    specserve serve                     # main(): engine core + --api-server-count front-ends
+    with serve_in_thread(factory) as s:  # tests: the core in its own process, uvicorn in a thread
         ...
+
+The front-end tokenizes, applies the chat template, sends token ids to the engine core
+(engine_core.py), and turns the ids it gets back into text and SSE chunks (client.py).
 """
 
 from __future__ import annotations
@@ -13,14 +16,18 @@ import contextlib
 import dataclasses
 import json
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import secrets
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -29,13 +36,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
+import uvicorn
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specserve.engine.heap import freeze_startup_heap
-from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server import protocol as P
-from specserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, is_queue_full
+from specserve.server.client import EngineClient, EngineDeadError, RequestRejected, RequestState
+from specserve.server.engine_core import CoreAddresses, run_engine_core
 from specserve.server.metrics import ServerMetrics, avg_accept_length
 
 log = logging.getLogger(__name__)
@@ -75,20 +82,26 @@ def _format_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | 
 
 
 class _Server:
-    """State shared by the route handlers of one app."""
+    """State shared by the route handlers of one front-end."""
 
-    def __init__(self, engine: Any, served_model_names: list[str], api_key: str | None) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_names = served_model_names
+    def __init__(self, client: EngineClient, served_model_names: list[str] | None, api_key: str | None) -> None:
+        self.client = client
+        self.requested_names = served_model_names
+        self.model_names: list[str] = []
         self.api_key = api_key
-        self.metrics = ServerMetrics(served_model_names[0])
-        self.aengine: AsyncEngine | None = None
+        self.metrics: ServerMetrics | None = None
+        self.tokenizer: Any = None
+        self.accepting = True  # False once shutting down: new requests get 503
         self.started = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    @property
+    def info(self) -> Any:
+        return self.client.info
 
     def check_model(self, requested: str | None) -> None:
         if requested is None or requested == "default" or requested in self.model_names:
@@ -98,23 +111,36 @@ class _Server:
             "NotFoundError", "model_not_found", "model",
         )
 
-    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     arrival: float) -> RequestStream:
-        assert self.aengine is not None
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     arrival: float) -> RequestState:
+        if not self.accepting:
+            raise ApiError(503, "The server is shutting down.", "ServiceUnavailableError")
         try:
-            return await self.aengine.add_request(request_id, prompt, params, arrival)
+            return await self.client.add_request(request_id, prompt_ids, params, arrival)
         except EngineDeadError as e:
             raise ApiError(503, f"The engine is not running: {e}", "ServiceUnavailableError") from e
-        except ValueError as e:  # the engine's verdict on the input (lengths, empty prompt, ...)
-            raise ApiError(400, str(e), "BadRequestError", "invalid_request") from e
-        except RuntimeError as e:
-            if is_queue_full(e):
+        except RequestRejected as e:
+            if e.status == 503:
                 raise ApiError(
                     503, f"Server overloaded: the waiting queue is full ({e}). Retry later.",
                     "ServiceUnavailableError", "queue_full",
                     headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
                 ) from e
-            raise
+            if e.status == 400:  # the engine's verdict on the input (lengths, token ids, ...)
+                raise ApiError(400, str(e), "BadRequestError", "invalid_request") from e
+            raise ApiError(e.status, str(e), "InternalServerError") from e
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admission, let requests in flight finish for up to ``timeout`` s, abort the rest."""
+        self.accepting = False
+        client = self.client
+        log.info("shutting down: %d requests in flight, waiting up to %.0f s", client.num_in_flight, timeout)
+        deadline = time.monotonic() + timeout
+        while client.num_in_flight and time.monotonic() < deadline and client.is_alive:
+            await asyncio.sleep(0.02)
+        n = client.abort_all()
+        if n:
+            log.info("aborted %d requests still running after %.0f s", n, timeout)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -124,43 +150,21 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(stream: RequestStream, request: Request) -> RequestOutput | None:
-    """Last output of a non-streaming request, or None if the client went away first (aborted)."""
-
-    async def consume() -> RequestOutput | None:
-        final = None
-        async for out in stream:
-            final = out
-        return final
-
-    task = asyncio.ensure_future(consume())
+async def _collect(srv: _Server, state: RequestState, request: Request) -> bool:
+    """Wait for a non-streaming request to finish; False if the client went away first (aborted)."""
+    task = asyncio.ensure_future(state.result())
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
-            return task.result()
-        task.cancel()
-        return None
+            task.result()  # EngineDeadError
+            return True
+        return False
     finally:
         watch.cancel()
         if not task.done():
             task.cancel()
-        stream.close()
-
-
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    """EngineStats as JSON-ready fields (not dataclasses.asdict: it rebuilds a Counter from pairs)."""
-    if not dataclasses.is_dataclass(stats):
-        return {}
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(stats):
-        value = getattr(stats, f.name)
-        if isinstance(value, dict):
-            value = {str(k): v for k, v in sorted(value.items())}
-        elif isinstance(value, (list, tuple)):
-            value = list(value)
-        out[f.name] = value
-    return out
+        srv.client.abort(state.request_id)  # a no-op once finished
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -170,22 +174,23 @@ def _sse(obj: dict[str, Any]) -> str:
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_app(engine: Any, served_model_name: str | list[str] | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app. The engine thread starts with the app (lifespan) and stops with it."""
-    if isinstance(served_model_name, str):
-        names = [served_model_name]
-    else:
-        names = list(served_model_name or []) or [engine.model_name]
-    srv = _Server(engine, names, api_key)
+def build_app(client: EngineClient, served_model_name: str | list[str] | None = None,
+              api_key: str | None = None, startup_timeout: float = 3600.0) -> FastAPI:
+    """The FastAPI app of one front-end; it connects to the engine core on start-up (lifespan)."""
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+    srv = _Server(client, names, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        srv.aengine = AsyncEngine(engine, observer=srv.metrics)
-        srv.aengine.start()
+        srv.loop = asyncio.get_running_loop()
+        info = await client.start(startup_timeout)
+        srv.tokenizer = info.tokenizer
+        srv.model_names = list(srv.requested_names or []) or [info.model_name]
+        srv.metrics = client.metrics = ServerMetrics(srv.model_names[0])
         try:
             yield
         finally:
-            await asyncio.to_thread(srv.aengine.shutdown)
+            client.close()
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.server = srv
@@ -230,16 +235,16 @@ def build_app(engine: Any, served_model_name: str | list[str] | None = None, api
 
     @app.get("/health")
     async def health() -> Response:
-        if srv.aengine is not None and srv.aengine.is_alive:
+        if client.is_alive and srv.accepting:
             return JSONResponse({"status": "ok"})
-        return _error(503, f"engine is not running: {srv.aengine.error if srv.aengine else None!r}",
-                      "ServiceUnavailableError")
+        why = "shutting down" if client.is_alive else f"engine is not running: {client.error}"
+        return _error(503, why, "ServiceUnavailableError")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         data = [
             {"id": name, "object": "model", "created": srv.started, "owned_by": "specserve",
-             "root": getattr(engine.config, "model", None) or name, "max_model_len": engine.max_model_len}
+             "root": getattr(srv.info.config, "model", None) or name, "max_model_len": srv.info.max_model_len}
             for name in srv.model_names
         ]
         return {"object": "list", "data": data}
@@ -251,21 +256,22 @@ def build_app(engine: Any, served_model_name: str | list[str] | None = None, api
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        assert srv.aengine is not None
-        stats = srv.aengine.stats
-        state = _stats_dict(stats)
+        stats = client.stats
+        state = {k: ({str(i): v for i, v in sorted(x.items())} if isinstance(x, dict) else x)
+                 for k, x in vars(stats).items()} if stats is not None else {}
         accept = avg_accept_length(stats)
         if accept is not None:  # absent without speculation, as SGLang does
             state["avg_spec_accept_length"] = accept
         state["last_gen_throughput"] = srv.metrics.last_gen_throughput()
-        cfg = engine.config
+        cfg = srv.info.config
         spec = getattr(cfg, "speculative", None)
         return jsonable_encoder({
             "served_model_name": srv.model_name,
             "model_path": getattr(cfg, "model", None),
-            "max_model_len": engine.max_model_len,
+            "max_model_len": srv.info.max_model_len,
             "speculative_algorithm": getattr(spec, "algorithm", None),
             "engine_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
+            "engine_core_pid": srv.info.core_pid,
             "internal_states": [state],
         })
 
@@ -283,27 +289,25 @@ def build_app(engine: Any, served_model_name: str | list[str] | None = None, api
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created, model = P.now(), body.model or srv.model_name
         top_n = body.top_logprobs or 0
-        stream = await srv.submit(request_id, list(prompt_ids), params, arrival)
+        state = await srv.submit(request_id, list(prompt_ids), params, arrival)
 
         if body.stream:
-            gen = _chat_stream(srv, stream, request_id, created, model, params, top_n, body.include_usage)
+            gen = _chat_stream(srv, state, created, model, top_n, body.include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(stream.close))
-        final = await _collect(stream, request)
-        if final is None:
+                                     background=BackgroundTask(client.abort, request_id))
+        if not await _collect(srv, state, request):
             return Response(status_code=499)  # client closed the request; nobody reads this
-        c = final.outputs[0]
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": (P.chat_logprobs(srv.tokenizer, c.token_ids, c.logprobs, top_n)
-                         if params.logprobs is not None and c.logprobs is not None else None),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
+            "message": {"role": "assistant", "content": state.text},
+            "logprobs": (P.chat_logprobs(srv.tokenizer, state.token_ids, state.logprobs, top_n)
+                         if state.logprobs is not None else None),
+            "finish_reason": state.finish_reason,
+            "stop_reason": state.stop_reason,
         }
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": P.usage_dict(final),
+            "choices": [choice], "usage": P.usage_dict(state),
         })
 
     # ------------------------------------------------------------ completions
@@ -319,26 +323,24 @@ def build_app(engine: Any, served_model_name: str | list[str] | None = None, api
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created, model = P.now(), body.model or srv.model_name
         top_n = body.logprobs or 0
-        stream = await srv.submit(request_id, prompt, params, arrival)
+        prompt_ids = srv.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        state = await srv.submit(request_id, prompt_ids, params, arrival)
         echo_text = "" if not body.echo else (prompt if isinstance(prompt, str) else srv.tokenizer.decode(prompt))
 
         if body.stream:
-            gen = _completion_stream(srv, stream, request_id, created, model, params, top_n,
-                                     body.include_usage, echo_text)
+            gen = _completion_stream(srv, state, created, model, top_n, body.include_usage, echo_text)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(stream.close))
-        final = await _collect(stream, request)
-        if final is None:
+                                     background=BackgroundTask(client.abort, request_id))
+        if not await _collect(srv, state, request):
             return Response(status_code=499)
-        c = final.outputs[0]
         logprobs = None
-        if params.logprobs is not None and c.logprobs is not None:
-            logprobs = P.completion_logprobs(srv.tokenizer, c.token_ids, c.logprobs, top_n, len(echo_text))
-        choice = {"index": 0, "text": echo_text + c.text, "logprobs": logprobs,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if state.logprobs is not None:
+            logprobs = P.completion_logprobs(srv.tokenizer, state.token_ids, state.logprobs, top_n, len(echo_text))
+        choice = {"index": 0, "text": echo_text + state.text, "logprobs": logprobs,
+                  "finish_reason": state.finish_reason, "stop_reason": state.stop_reason}
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": P.usage_dict(final),
+            "choices": [choice], "usage": P.usage_dict(state),
         })
 
     return app
@@ -347,8 +349,10 @@ def build_app(engine: Any, served_model_name: str | list[str] | None = None, api
 # ---------------------------------------------------------------- SSE generators
 
 
-async def _chat_stream(srv: _Server, stream: RequestStream, request_id: str, created: int, model: str,
-                       params: SamplingParams, top_n: int, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_stream(srv: _Server, state: RequestState, created: int, model: str, top_n: int,
+                       include_usage: bool) -> AsyncIterator[str]:
+    request_id = state.request_id
+
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
               stop_reason: Any = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -361,41 +365,36 @@ async def _chat_stream(srv: _Server, stream: RequestStream, request_id: str, cre
         return obj
 
     try:
-        sent = 0
-        final = None
         first = True
-        async for out in stream:
+        while True:
+            text, ids, lps, last = await state.next_chunk()
             if first:  # sent with the first output, so a client's time-to-first-chunk is a real TTFT
                 yield _sse(chunk({"role": "assistant", "content": ""}))
                 first = False
-            c = out.outputs[0]
-            n = len(out.new_token_ids)
-            logprobs = None
-            if params.logprobs is not None and c.logprobs is not None and n:
-                logprobs = P.chat_logprobs(srv.tokenizer, c.token_ids[sent:sent + n], c.logprobs[sent:sent + n], top_n)
-            sent += n
-            delta = {"content": out.new_text} if out.new_text else {}
-            if out.finished:
-                final = out
-                yield _sse(chunk(delta, c.finish_reason, logprobs, c.stop_reason))
-            elif delta or logprobs:
+            logprobs = P.chat_logprobs(srv.tokenizer, ids, lps, top_n) if lps and ids else None
+            delta = {"content": text} if text else {}
+            if last:
+                yield _sse(chunk(delta, state.finish_reason, logprobs, state.stop_reason))
+                break
+            if delta or logprobs:
                 yield _sse(chunk(delta, None, logprobs))
-        if include_usage and final is not None:
+        if include_usage:
             yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [], "usage": P.usage_dict(final)})
+                        "choices": [], "usage": P.usage_dict(state)})
     except EngineDeadError as e:
         yield _sse(P.error_body(f"The engine stopped: {e}", "ServiceUnavailableError", 503))
     except Exception as e:
         log.exception("stream %s failed", request_id)
         yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError", 500))
     finally:
-        stream.close()  # aborts (frees KV blocks) when the client went away mid-stream
+        srv.client.abort(request_id)  # frees its KV blocks when the client went away mid-stream
     yield "data: [DONE]\n\n"
 
 
-async def _completion_stream(srv: _Server, stream: RequestStream, request_id: str, created: int, model: str,
-                             params: SamplingParams, top_n: int, include_usage: bool,
-                             echo_text: str) -> AsyncIterator[str]:
+async def _completion_stream(srv: _Server, state: RequestState, created: int, model: str, top_n: int,
+                             include_usage: bool, echo_text: str) -> AsyncIterator[str]:
+    request_id = state.request_id
+
     def chunk(text: str, finish: str | None = None, logprobs: Any = None, stop_reason: Any = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
@@ -410,32 +409,25 @@ async def _completion_stream(srv: _Server, stream: RequestStream, request_id: st
         if echo_text:
             yield _sse(chunk(echo_text))
         offset = len(echo_text)
-        sent = 0
-        final = None
-        async for out in stream:
-            c = out.outputs[0]
-            n = len(out.new_token_ids)
-            logprobs = None
-            if params.logprobs is not None and c.logprobs is not None and n:
-                logprobs = P.completion_logprobs(srv.tokenizer, c.token_ids[sent:sent + n],
-                                                 c.logprobs[sent:sent + n], top_n, offset)
-            sent += n
-            offset += len(out.new_text)
-            if out.finished:
-                final = out
-                yield _sse(chunk(out.new_text, c.finish_reason, logprobs, c.stop_reason))
-            elif out.new_text or logprobs:
-                yield _sse(chunk(out.new_text, None, logprobs))
-        if include_usage and final is not None:
+        while True:
+            text, ids, lps, last = await state.next_chunk()
+            logprobs = P.completion_logprobs(srv.tokenizer, ids, lps, top_n, offset) if lps and ids else None
+            offset += len(text)
+            if last:
+                yield _sse(chunk(text, state.finish_reason, logprobs, state.stop_reason))
+                break
+            if text or logprobs:
+                yield _sse(chunk(text, None, logprobs))
+        if include_usage:
             yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": P.usage_dict(final)})
+                        "choices": [], "usage": P.usage_dict(state)})
     except EngineDeadError as e:
         yield _sse(P.error_body(f"The engine stopped: {e}", "ServiceUnavailableError", 503))
     except Exception as e:
         log.exception("stream %s failed", request_id)
         yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError", 500))
     finally:
-        stream.close()
+        srv.client.abort(request_id)
     yield "data: [DONE]\n\n"
 
 
@@ -445,19 +437,63 @@ async def _completion_stream(srv: _Server, stream: RequestStream, request_id: st
 # Longer than the idle expiry of common HTTP client pools (httpx and the openai client: 5 s). With equal
 # timeouts the server may close an idle connection just as the client reuses it: connection reset.
 DEFAULT_KEEP_ALIVE_S = 30
+GRACEFUL_CLOSE_S = 5  # after the drain: time for the last chunks to reach their clients
+
+
+def _spawn() -> multiprocessing.context.SpawnContext:
+    # spawn: a fork would copy the caller's threads' locks (torch's pools, uvicorn's loop) mid-use
+    return multiprocessing.get_context("spawn")
+
+
+def start_engine_core(engine_factory: Callable[[], Any], num_frontends: int = 1,
+                      log_level: int = logging.INFO) -> tuple[multiprocessing.process.BaseProcess, CoreAddresses]:
+    """Start the engine-core process; ``engine_factory`` (picklable) builds the engine in it."""
+    addresses = CoreAddresses.new(num_frontends)
+    proc = _spawn().Process(target=run_engine_core, args=(engine_factory, addresses, os.getpid(), log_level),
+                            name="specserve-engine-core", daemon=True)
+    proc.start()
+    return proc, addresses
+
+
+def stop_process(proc: multiprocessing.process.BaseProcess, timeout: float = 10.0) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout)
+
+
+@dataclasses.dataclass
+class LocalServer:
+    """A server started by serve_in_thread: its URL, app and engine-core process."""
+
+    url: str
+    app: FastAPI
+    core: multiprocessing.process.BaseProcess
+
+    @property
+    def client(self) -> EngineClient:
+        return self.app.state.server.client
+
+    def on_engine(self, fn: str | Callable[..., Any], *args: Any) -> Any:
+        """Run an engine method (by name) or a picklable fn(engine, *args) in the core, between steps."""
+        return self.client.call_threadsafe(fn, *args)
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0,
-                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S) -> Iterator[str]:
-    """Run uvicorn in a background thread; yields the base URL; always shuts down on exit."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | list[str] | None = None,
+                    api_key: str | None = None, stream_interval: int = 1, host: str = "127.0.0.1",
+                    port: int = 0, startup_timeout: float = 120.0,
+                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S) -> Iterator[LocalServer]:
+    """An engine-core process and one front-end in a uvicorn thread (tests, tools); stops both on exit."""
+    core, addresses = start_engine_core(engine_factory, log_level=logging.WARNING)
+    client = EngineClient(addresses, 0, core.pid, stream_interval=stream_interval)
+    app = build_app(client, served_model_name, api_key, startup_timeout)
+    sock = _bind(host, port)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                            timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
                                             timeout_keep_alive=timeout_keep_alive))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specserve-uvicorn", daemon=True)
     thread.start()
@@ -465,13 +501,23 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, startu
         deadline = time.monotonic() + startup_timeout
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
+                raise RuntimeError(f"the server did not start (engine core exit code {core.exitcode})")
             time.sleep(0.01)
-        yield f"http://{host}:{port}"
+        yield LocalServer(f"http://{host}:{port}", app, core)
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+        stop_process(core)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -484,12 +530,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="model id(s) clients may send (default: the engine's model name; 'default' always works)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="waiting-queue size; requests beyond it get 503 + Retry-After (default: engine's)")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front-end processes sharing the port (tokenize, detokenize, stream); one engine core")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens a stream gathers before it sends a chunk; a chunk always carries every token "
+                        "gained since the last one (default %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds requests in flight may run on before they are aborted "
+                        "(default %(default)s)")
+    g.add_argument("--enable-access-log", action="store_true", help="log every HTTP request (off: it costs at load)")
     g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_S,
                    help="seconds an idle HTTP/1.1 connection stays open (default %(default)s; keep it longer "
                         "than clients' pool expiry, or a reused connection may be reset)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    for name, low in (("max_waiting", 1), ("timeout_keep_alive", 1), ("api_server_count", 1),
+                      ("stream_interval", 1), ("shutdown_timeout", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
 
 def _default_head_available() -> bool:
@@ -504,38 +567,121 @@ def _default_head_available() -> bool:
         return False
 
 
+def build_engine(config: Any) -> Any:
+    """The engine-core process's engine (module level: picklable for spawn)."""
+    from specserve.engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
 def main(args: argparse.Namespace) -> None:
-    import uvicorn
+    """`specserve serve`."""
+    import functools
 
     from specserve.config import replace
     from specserve.engine.args import engine_config_from_args
-    from specserve.engine.engine import LLMEngine
 
-    if args.max_waiting is not None and args.max_waiting < 1:
-        raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    if args.timeout_keep_alive < 1:
-        raise SystemExit(f"--timeout-keep-alive must be >= 1, got {args.timeout_keep_alive}")
+    check_serve_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     default_spec = (getattr(args, "model", None) is None and getattr(args, "speculative_algorithm", None) is None
                     and _default_head_available())
     config = engine_config_from_args(args, default_speculative=default_spec)
     if args.max_waiting is not None:
         config = replace(config, max_waiting_requests=args.max_waiting)
-    prometheus_client.disable_created_metrics()  # no *_created series next to every counter
-    engine = LLMEngine(config)
+    sys.exit(run_server(args, functools.partial(build_engine, config)))
+
+
+def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> int:
+    """Supervise an engine core and ``args.api_server_count`` front-ends until they stop; the exit code.
+
+    SIGTERM/SIGINT: the front-ends drain (shutdown_timeout), then the core stops: 0. The core dies:
+    the front-ends answer 503, exit non-zero, and so does this."""
+    check_serve_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = _bind(args.host, args.port)
+    n = args.api_server_count
+    core, addresses = start_engine_core(engine_factory, n)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key)
-    frozen = freeze_startup_heap()  # the engine and app live as long as the server
-    log.info("moved %d start-up objects out of the garbage collector's reach", frozen)
-    log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
-                timeout_keep_alive=args.timeout_keep_alive)
+    opts = FrontendOptions(args.served_model_name, api_key, args.stream_interval, args.shutdown_timeout,
+                           args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level)
+    fronts = [_spawn().Process(target=run_frontend, args=(opts, addresses, i, core.pid, sock),
+                               name=f"specserve-api-{i}") for i in range(n)]
+    for f in fronts:
+        f.start()
+    sock.close()  # the front-ends have their own copies
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            for f in fronts:  # each drains (a terminal's Ctrl-C reached them already; once is enough)
+                if f.pid is not None and f.is_alive():
+                    os.kill(f.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    log.info("serving on http://%s:%d: engine core pid %d, %d front-end(s)", args.host, args.port, core.pid, n)
+    failed = False
+    while any(f.is_alive() for f in fronts):
+        multiprocessing.connection.wait([f.sentinel for f in fronts], timeout=1.0)
+        if any(f.exitcode not in (None, 0) for f in fronts) and not failed:
+            failed = True  # one front-end failed (the core died, or it did): stop the others
+            for f in fronts:
+                if f.is_alive():
+                    os.kill(f.pid, signal.SIGTERM)
+    core_died = core.exitcode is not None
+    stop_process(core)
+    code = 1 if failed or core_died else 0
+    log.info("server stopped%s", "" if code == 0 else " after a failure")
+    return code
 
 
-if __name__ == "__main__":
-    from specserve.engine.args import add_engine_args
+@dataclasses.dataclass(frozen=True)
+class FrontendOptions:
+    served_model_name: list[str] | None
+    api_key: str | None
+    stream_interval: int
+    shutdown_timeout: float
+    enable_access_log: bool
+    timeout_keep_alive: int
+    log_level: str
 
-    _parser = argparse.ArgumentParser(description="specserve OpenAI-compatible server")
-    add_engine_args(_parser)
-    add_serve_args(_parser)
-    main(_parser.parse_args())
+
+def run_frontend(opts: FrontendOptions, addresses: CoreAddresses, index: int, core_pid: int,
+                 sock: socket.socket) -> None:
+    """Entry point of a front-end process: serve until drained (exit 0) or the core dies (exit 1)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    client = EngineClient(addresses, index, core_pid, stream_interval=opts.stream_interval)
+    app = build_app(client, opts.served_model_name, opts.api_key)
+    srv: _Server = app.state.server
+    config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.enable_access_log,
+                            timeout_graceful_shutdown=GRACEFUL_CLOSE_S, timeout_keep_alive=opts.timeout_keep_alive)
+    server = _DrainingServer(config, srv, opts.shutdown_timeout)
+
+    def on_dead() -> None:  # answer what is in flight (503), then go: the supervisor stops the rest
+        server.should_exit = True
+
+    client.on_dead = on_dead
+    server.run(sockets=[sock])
+    sys.exit(1 if client.error is not None else 0)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT drains the front-end (_Server.drain) before it exits."""
+
+    def __init__(self, config: uvicorn.Config, srv: _Server, timeout: float) -> None:
+        super().__init__(config)
+        self.srv, self.timeout, self.draining = srv, timeout, False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # not uvicorn's: it would stop at once and re-raise the signal after (exit code -15)
+        if not self.started or self.srv.loop is None:
+            os._exit(0)  # still starting: nothing in flight
+        if not self.draining:
+            self.draining = True
+            self.srv.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        await self.srv.drain(self.timeout)
+        self.should_exit = True

@@ -1,7 +1,8 @@
-"""Prometheus metrics for the server, fed on the engine thread (see AsyncEngine's observer hooks).
+"""Prometheus metrics for one front-end, fed by its engine client (client.py) on the event loop.
 
-Engine-wide counters come from deltas of `engine.get_stats()` after each step; per-request
-latencies are timed here with perf_counter from the moment the HTTP handler received the request.
+Engine-wide counters come from deltas of the engine's stats, which the engine core sends with
+every step; per-request latencies are timed here with perf_counter from the moment the HTTP
+handler received the request to the moment the front-end received the tokens.
 Each app has its own CollectorRegistry, so several servers (tests) can live in one process.
 """
 
@@ -13,7 +14,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specserve.outputs import RequestOutput
 
 P = "specserve:"
 
@@ -95,7 +95,7 @@ class ServerMetrics:
 
     def last_gen_throughput(self, window_s: float = 5.0) -> float:
         """Generated tokens per second over the last few seconds of steps (SGLang's last_gen_throughput)."""
-        points = list(self._gen_window)  # appended by the engine thread; copy before reading
+        points = list(self._gen_window)
         if len(points) < 2:
             return 0.0
         t_end, n_end = points[-1]
@@ -105,22 +105,23 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    # ------------------------------------------------------------ observer hooks (engine thread)
+    # ------------------------------------------------------------ hooks (the engine client)
 
     def on_added(self, request_id: str, arrival_time: float) -> None:
         self._timings[request_id] = _Timing(arrival_time)
 
-    def on_aborted(self, request_id: str, now: float) -> None:
+    def on_aborted(self, request_id: str) -> None:
         if self._timings.pop(request_id, None) is not None:
             self.requests_finished.labels(**self._label, finished_reason="abort").inc()
 
-    def on_step(self, stats: Any, outputs: list[RequestOutput], now: float) -> None:
+    def on_rejected(self, request_id: str) -> None:
+        self._timings.pop(request_id, None)
+
+    def on_stats(self, stats: Any, now: float) -> None:
         self._update_stats(stats)
         self._gen_window.append((now, getattr(stats, "generation_tokens", 0) or 0))
         while len(self._gen_window) > 2 and now - self._gen_window[0][0] > 30.0:
             self._gen_window.popleft()
-        for out in outputs:
-            self._update_request(out, now)
 
     # ------------------------------------------------------------ internals
 
@@ -155,11 +156,11 @@ class ServerMetrics:
         if steps:
             self.spec_step_share.set((getattr(s, "spec_steps", 0) or 0) / steps)
 
-    def _update_request(self, out: RequestOutput, now: float) -> None:
-        t = self._timings.get(out.request_id)
+    def on_output(self, state: Any, n_new: int, now: float) -> None:
+        """``state`` (client.RequestState) gained ``n_new`` tokens, received at ``now``."""
+        t = self._timings.get(state.request_id)
         if t is None:
             return
-        n_new = len(out.new_token_ids)
         if n_new:
             if t.first_token is None:
                 t.first_token = now
@@ -170,18 +171,18 @@ class ServerMetrics:
                 for _ in range(n_new):
                     self.itl.observe(per_token)
             t.last_token = now
-        if out.finished:
-            del self._timings[out.request_id]
-            c = out.outputs[0]
-            n_gen = len(c.token_ids)
-            self.requests_finished.labels(**self._label, finished_reason=c.finish_reason or "stop").inc()
+        if state.finished:
+            del self._timings[state.request_id]
+            n_gen = len(state.token_ids)
+            self.requests_finished.labels(**self._label, finished_reason=state.finish_reason or "stop").inc()
             self.e2e.observe(now - t.arrival)
-            self.prompt_len.observe(len(out.prompt_token_ids))
+            self.prompt_len.observe(len(state.prompt_token_ids))
             self.gen_len.observe(n_gen)
             if t.first_token is not None and n_gen > 1:
                 self.tpot.observe((now - t.first_token) / (n_gen - 1))
-            if out.metrics.accept_length is not None:
-                self.req_accept_length.observe(out.metrics.accept_length)
+            f = state.final
+            if f is not None and f.spec_verify_steps:
+                self.req_accept_length.observe((f.spec_accepted_tokens + f.spec_verify_steps) / f.spec_verify_steps)
 
 
 def avg_accept_length(stats: Any) -> float | None:

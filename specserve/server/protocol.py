@@ -11,7 +11,6 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -194,22 +193,23 @@ class CompletionRequest(_Base):
 # ---------------------------------------------------------------- responses
 
 
-def usage_dict(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI usage plus per-request speculation stats (extension fields)."""
-    m = out.metrics
-    prompt_tokens = len(out.prompt_token_ids)
-    completion_tokens = len(out.outputs[0].token_ids)
+def usage_dict(state: Any) -> dict[str, Any]:
+    """OpenAI usage plus per-request speculation stats (extension fields); ``state``: client.RequestState."""
+    prompt_tokens = len(state.prompt_token_ids)
+    completion_tokens = len(state.token_ids)
+    f = state.final
+    verify, drafted, accepted = (f.spec_verify_steps, f.spec_draft_tokens, f.spec_accepted_tokens) if f else (0, 0, 0)
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "spec_verify_steps": m.spec_verify_steps,
-        "spec_draft_tokens": m.spec_draft_tokens,
-        "spec_accepted_tokens": m.spec_accepted_tokens,
-        "spec_accept_length": m.accept_length,
+        "spec_verify_steps": verify,
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_accept_length": (accepted + verify) / verify if verify else None,
     }
-    if m.num_cached_tokens:
-        usage["prompt_tokens_details"] = {"cached_tokens": m.num_cached_tokens}
+    if f is not None and f.num_cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": f.num_cached_tokens}
     return usage
 
 
