@@ -86,6 +86,32 @@ def test_completions_stop_string(live: Live) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stream_equals_nonstream_for_stop_strings_spanning_1_to_4_tokens(live: Live) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_stop_strings import PARIS, spanning_stops
+
+    kw = dict(model="default", messages=PARIS, max_tokens=12, temperature=0)
+    full = live.client.chat.completions.create(**kw).choices[0].message.content
+    pieces = [live.tokenizer.decode([t]) for t in live.tokenizer.encode(full)]
+    assert "".join(pieces) == full
+    stops = ["that has", *spanning_stops(pieces)]
+
+    def nonstream(stop: str) -> str:
+        return live.client.chat.completions.create(**kw, stop=[stop]).choices[0].message.content
+
+    def stream(stop: str) -> str:
+        chunks = live.client.chat.completions.create(**kw, stop=[stop], stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        plain = list(pool.map(nonstream, stops))
+        streamed = list(pool.map(stream, stops))
+    for stop, a, b in zip(stops, plain, streamed):
+        assert a == full[: full.index(stop)], stop
+        assert b == a, stop
+
+
 def test_seed_reproducible_and_logprob_count_matches_usage(live: Live) -> None:
     def sample(seed: int):
         return live.client.completions.create(model="default", prompt="Once upon a time", max_tokens=10,
