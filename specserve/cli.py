@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> None:
         b = bsub.add_parser("sweep", help="start servers per configuration and sweep concurrency")
         add_sweep_args(b)
         b.set_defaults(func=sweep_main)
+        from specserve.bench.served_vs_offline import add_args as add_svo_args, main as svo_main
+
+        b = bsub.add_parser("served-vs-offline",
+                            help="the same engine served and in-process at each concurrency: tok/s, TTFT, TPOT, ITL")
+        add_svo_args(b)
+        b.set_defaults(func=svo_main)
     except ImportError:  # pragma: no cover - during development only
         pass
 
