@@ -329,6 +329,24 @@ def test_stream_disconnect_aborts_and_frees_blocks(live: Live) -> None:
     assert len(text) > 0 and live.on_engine("blocks_used") == 0
 
 
+def test_disconnect_after_two_chunks_frees_kv_and_gauges_fall_without_traffic(live: Live) -> None:
+    wait_until(lambda: not live.on_engine("has_unfinished_requests"))
+    body = {"prompt": "x", "max_tokens": 450, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", live.url + "/v1/completions", json=body) as resp:
+            lines = (line for line in resp.iter_lines() if line)
+            rid = json.loads(next(lines)[6:])["id"]
+            next(lines)
+            m = scrape(live.url)
+            assert m["specserve:num_requests_running"] == 1 and m["specserve:kv_cache_usage_perc"] > 0
+    # nothing else is sent to the engine: the abort alone must bring the gauges down
+    wait_until(lambda: scrape(live.url)["specserve:num_requests_running"] == 0)
+    m = scrape(live.url)
+    assert m["specserve:kv_cache_usage_perc"] == 0
+    assert m["specserve:request_success_total{finished_reason=abort}"] >= 1
+    assert rid in live.on_engine("aborted_ids") and live.on_engine("blocks_used") == 0
+
+
 def test_nonstream_disconnect_aborts(live: Live) -> None:
     before = len(live.on_engine("aborted_ids"))
     with pytest.raises(httpx.ReadTimeout):

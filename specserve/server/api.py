@@ -157,7 +157,10 @@ async def _collect(srv: _Server, state: RequestState, request: Request) -> bool:
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
-            task.result()  # EngineDeadError
+            try:
+                task.result()
+            except EngineDeadError as e:
+                raise ApiError(503, f"The engine stopped: {e}", "ServiceUnavailableError") from e
             return True
         return False
     finally:
