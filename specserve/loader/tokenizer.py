@@ -58,6 +58,10 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self._template = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled to the server's front-ends; the compiled template is rebuilt there on first use
+        return {**self.__dict__, "_template": None}
+
     def _id_of(self, token: str | None) -> int | None:
         if token is None:
             return None

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,6 +29,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
+import msgspec
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -170,8 +170,11 @@ async def _collect(srv: _Server, state: RequestState, request: Request) -> bool:
         srv.client.abort(state.request_id)  # a no-op once finished
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -353,7 +356,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
 
 
 async def _chat_stream(srv: _Server, state: RequestState, created: int, model: str, top_n: int,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool) -> AsyncIterator[bytes]:
     request_id = state.request_id
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
@@ -391,11 +394,11 @@ async def _chat_stream(srv: _Server, state: RequestState, created: int, model: s
         yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError", 500))
     finally:
         srv.client.abort(request_id)  # frees its KV blocks when the client went away mid-stream
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 async def _completion_stream(srv: _Server, state: RequestState, created: int, model: str, top_n: int,
-                             include_usage: bool, echo_text: str) -> AsyncIterator[str]:
+                             include_usage: bool, echo_text: str) -> AsyncIterator[bytes]:
     request_id = state.request_id
 
     def chunk(text: str, finish: str | None = None, logprobs: Any = None, stop_reason: Any = None) -> dict[str, Any]:
@@ -431,7 +434,7 @@ async def _completion_stream(srv: _Server, state: RequestState, created: int, mo
         yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError", 500))
     finally:
         srv.client.abort(request_id)
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 # ---------------------------------------------------------------- running it
