@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from specserve.bench.harness import REPO, chat_prompt_ids, run_metadata, write_json  # noqa: E402
 from spec_single import CONFIGS as SPEC_CONFIGS  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402

@@ -28,18 +28,15 @@ import itertools
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import OtherCpu, chat_prompt_ids, load_average, median, run_metadata, wait_for_quiet, write_json  # noqa: E402
-
-from specserve import LLM, SamplingParams  # noqa: E402
-from specserve.loader import default_model_path  # noqa: E402
+from specserve import LLM, SamplingParams
+from specserve.bench.harness import OtherCpu, chat_prompt_ids, load_average, median, run_metadata, wait_for_quiet, write_json
+from specserve.loader import default_model_path
 
 _ids = itertools.count()
 

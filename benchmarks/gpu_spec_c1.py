@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import chat_prompt_ids, median, run_metadata, write_json  # noqa: E402
+from specserve.bench.harness import chat_prompt_ids, median, run_metadata, write_json  # noqa: E402
 from spec_single import CONFIGS, DEFAULT_HEAD, head_provenance, run_one  # noqa: E402
 
 from specserve import LLM  # noqa: E402

@@ -1,24 +1,67 @@
 #!/bin/bash
-# Staging the SmolLM2 GGUF on the device machine, one git-ignored part per call (a call carries
-# at most 64 MiB, the working tree included (counted as the disk blocks its files take): ~50 MB of it tracked in session 31, when six parts of
-# 16.4 MB no longer fitted beside it, and ~54 MB in session 32, when eight of 12.3 MB left no room for
-# untracked results; session 33: twelve of 8.2 MB beside 52 MB tracked; session 42: eighteen of 5.5 MB beside 58 MB,
-# 60.6 MB on disk): split -n 18 -d -a 2 <gguf> into
-# .stageg1/gguf.part0 .. .stageg18/gguf.part17 (part names without the leading zero), the gguf wheel into
-# .whl/, then per call (calls less than 30 s apart: an idle machine is taken back):
-# bash benchmarks/gpu_stage.sh .stageg<N> 18
-# (carry .stageg<N>; .whl with the last); the last part leaves /tmp/m.gguf. Session 43: 62.8 MB tracked, no room
-# for a part: `bash benchmarks/gpu_lean.sh lean` before the calls, `... restore` after them.
-# $1 = the part directory, $2 = how many parts there are (default 5).
-set -e
-mkdir -p /tmp/st
-if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-cp "$1"/gguf.part* /tmp/st/
-ls -la /tmp/st
-parts=$(seq -f /tmp/st/gguf.part%g 0 $(( ${2:-5} - 1 )))
-if ls $parts >/dev/null 2>&1; then
-  cat $parts > /tmp/m.gguf
-  md5sum /tmp/m.gguf
-fi
+# The SmolLM2 GGUF and the wheels the device machine lacks, staged there for the GPU benchmarks (BENCHMARKS.md,
+# "GPU machine"). A device call carries the tracked tree (~22 MB) plus the git-ignored paths it names, 64 MiB in
+# all, and the GGUF is 98 MB: it travels in parts, one a call, joined in /tmp on the machine.
+#
+# Here, once (the checkout the device calls send):
+#   bash benchmarks/gpu_stage.sh prepare [parts, default 3]
+#     -> .stage1/ .. .stageN/ (the GGUF split, with its md5) and .whl/ (wheels of this venv's versions)
+# There, one call per part, back to back (a machine idle for 30 s goes back, /tmp with it):
+#   bash benchmarks/gpu_stage.sh .stage1        (carry .stage1 and .whl: installs the wheels into /tmp/site)
+#   bash benchmarks/gpu_stage.sh .stage2        (carry .stage2)
+#   bash benchmarks/gpu_stage.sh .stage3        (carry .stage3: the last part joins /tmp/m.gguf, md5 checked)
+# and every benchmark call starts with `export PYTHONPATH=/tmp/site:$PWD`.
+set -euo pipefail
+WHEELS="gguf fastapi uvicorn starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
+        opentelemetry-api pyzmq msgspec"
+
+prepare() {
+    local n=${1:-3} py=${PYTHON:-python3}
+    [ -x .venv/bin/python ] && py=${PYTHON:-.venv/bin/python}
+    local gguf=${GGUF:-$($py -c 'from specserve.loader import default_model_path; print(default_model_path())')}
+    rm -rf .stage[0-9]* && mkdir -p .whl
+    local sum
+    sum=$(md5sum "$gguf" | cut -d' ' -f1)
+    split -n "$n" -d -a 1 "$gguf" /tmp/gguf.part
+    for i in $(seq 1 "$n"); do
+        mkdir ".stage$i" && mv "/tmp/gguf.part$((i - 1))" ".stage$i/gguf.part$((i - 1))"
+        echo "$sum $n" > ".stage$i/md5"
+    done
+    for w in $WHEELS; do
+        v=$($py -c "import importlib.metadata as m; print(m.version('$w'))")
+        ls .whl | grep -qi "^${w//-/_}-$v-" || python3 -m pip download -q --no-deps --only-binary=:all: \
+            --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$w==$v"
+    done
+    local tree part whl
+    tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+    part=$(du -cb .stage1 | tail -1 | cut -f1)
+    whl=$(du -cb .whl | tail -1 | cut -f1)
+    echo "md5 $sum, $n parts; tracked $tree B + a part $part B + .whl $whl B = $((tree + part + whl)) B" \
+         "(a call carries at most $((64 << 20)) B)"
+}
+
+stage() {
+    local dir=${1%/} sum n
+    read -r sum n < "$dir/md5"
+    mkdir -p /tmp/st
+    if [ -d .whl ] && [ ! -d /tmp/site/fastapi ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    fi
+    cp "$dir"/gguf.part* /tmp/st/
+    local parts
+    parts=$(seq -f /tmp/st/gguf.part%g 0 $((n - 1)))
+    if ls $parts > /dev/null 2>&1; then
+        cat $parts > /tmp/m.gguf && rm -f $parts
+        [ "$(md5sum /tmp/m.gguf | cut -d' ' -f1)" = "$sum" ] || { echo "md5 of /tmp/m.gguf is not $sum"; exit 1; }
+        echo "/tmp/m.gguf ready (md5 $sum)"
+    else
+        echo "staged $(ls /tmp/st | wc -l) of $n parts"
+    fi
+}
+
+case "${1:-}" in
+    prepare) prepare "${2:-}" ;;
+    .stage*) stage "$1" ;;
+    *) echo "usage: $0 prepare [parts] | $0 .stage<N>"; exit 2 ;;
+esac

@@ -14,20 +14,16 @@ upper bound of a top-4 tree of depth k). All heads see the same replies.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import run_metadata, write_json  # noqa: E402
-
-from specserve.models.eagle3 import Eagle3DraftModel  # noqa: E402
-from specserve.train import data as D  # noqa: E402
-from specserve.train.eagle3 import accept_runs, acceptance_report, heldout_examples  # noqa: E402
-from specserve.train.target import load_target, resolve_device  # noqa: E402
+from specserve.bench.harness import run_metadata, write_json
+from specserve.models.eagle3 import Eagle3DraftModel
+from specserve.train import data as D
+from specserve.train.eagle3 import accept_runs, acceptance_report, heldout_examples
+from specserve.train.target import load_target, resolve_device
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import run_metadata, write_json  # noqa: E402
+from specserve.bench.harness import median_abs_error, run_metadata, shape_error, write_json  # noqa: E402
 from gpu_decode import LLAMA_8B, make_inputs, spread  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -57,21 +57,6 @@ def interleaved_medians(fns: list[Callable[[], object]], rounds: int, iters: int
                     sync()
                 ts.append(time.perf_counter() - t0)
     return [statistics.median(ts) for ts in times]
-
-
-def shape_error(predicted: list[float], measured: list[float]) -> tuple[float, float] | None:
-    """(scale, median |scale x predicted / measured - 1|): how far the predicted curve's shape is from the
-    measured one once one factor (the median measured / predicted) takes out a uniform drift since the
-    profile was taken; None without points."""
-    if not predicted:
-        return None
-    scale = statistics.median(m / p for p, m in zip(predicted, measured))
-    return round(scale, 3), round(statistics.median(abs(scale * p / m - 1) for p, m in zip(predicted, measured)), 3)
-
-
-def median_abs_error(ratios: list[float]) -> float | None:
-    """Median |ratio - 1| of predicted / measured ratios; None without any."""
-    return round(statistics.median(abs(r - 1) for r in ratios), 3) if ratios else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -32,17 +32,15 @@ import argparse
 import dataclasses
 import itertools
 import os
-import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, OtherCpu, chat_prompt_ids, load_average, median, run_metadata, wait_for_quiet, write_json  # noqa: E402
-
-from specserve import LLM, SamplingParams  # noqa: E402
+from specserve import LLM, SamplingParams
+from specserve.bench.harness import (REPO, OtherCpu, chat_prompt_ids, load_average, make_random_head, median,
+                                     run_metadata, wait_for_quiet, write_json)
 
 DEFAULT_HEAD = os.path.join(REPO, "models", "smollm2-135m-eagle3")
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -74,30 +72,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tree4x8": {"speculative_num_steps": 4, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
 }
 _ids = itertools.count()
-
-
-def make_random_head(path: str, draft_vocab_size: int = 8192, seed: int = 1, std: float = 0.02) -> str:
-    """A random EAGLE-3 head for the default SmolLM2, saved in the public layout.
-
-    Its draft vocab is the first ``draft_vocab_size`` target ids (d2t = 0, t2d true on those ids).
-    """
-    from specserve.loader import load_model_source
-    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    mc = load_model_source(None).config
-    torch.manual_seed(seed)
-    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=draft_vocab_size))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, std)
-    t2d = torch.zeros(mc.vocab_size, dtype=torch.bool)
-    t2d[:draft_vocab_size] = True
-    head.set_vocab_map(torch.zeros(draft_vocab_size, dtype=torch.int64), t2d)
-    head.save_pretrained(path)
-    return path
 
 
 def head_provenance(path: str) -> dict[str, Any]:

@@ -1,10 +1,8 @@
-"""benchmarks/adaptive.py's ramp: every engine meets the same prompts at each level, however fast it is."""
+"""specserve.bench.adaptive's ramp: every engine meets the same prompts at each level, however fast it is."""
 
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -13,8 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("torch")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import adaptive  # noqa: E402
+from specserve.bench import adaptive  # noqa: E402
 
 
 @dataclass

@@ -1,15 +1,13 @@
-"""The bandit in benchmarks/bandit_sim.py's simulated load: what it must do whatever the noise."""
+"""The bandit in specserve.bench.bandit_sim's simulated load: what it must do whatever the noise."""
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import replace
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import bandit_sim  # noqa: E402
+from specserve.bench import bandit_sim
 
 
 def test_a_useless_head_stays_off_in_noisy_cycles():
