@@ -7,7 +7,7 @@ Per configuration, one server (engine core + front-ends, in a child process) and
 engine with the same EngineConfig (and the same explicit KV size: both live on the device at
 once). At each concurrency C both run the same chat prompts greedily as a closed loop of C
 requests in flight (offline: a request is added when one finishes, as `LLM.chat` with
-max_num_seqs=C); which side goes first alternates with C. Metric definitions are the serving
+max_num_seqs=C); which side goes first alternates with C and round (--rounds). Metric definitions are the serving
 client's (metrics.py): offline, a "chunk" is what a request gained in one engine step.
 Writes served_vs_offline.json and served_vs_offline.png.
 """
@@ -34,7 +34,16 @@ import httpx
 
 from specserve.bench.datasets import BenchRequest, sample_sharegpt_requests
 from specserve.bench.metrics import RequestResult, summarize
-from specserve.bench.serving import BenchConfig, command_line, parse_int_list, run_benchmark, write_json
+from specserve.bench.serving import (
+    BenchConfig,
+    command_line,
+    make_client,
+    parse_int_list,
+    resolve_model_name,
+    run_fixed,
+    warmup as warmup_requests,
+    write_json,
+)
 
 CONFIGS = {
     "no-spec": None,
@@ -145,10 +154,29 @@ class ServerProcess:
             self.proc.join(10)
 
 
-def run_served(url: str, requests: list[BenchRequest], concurrency: int, warmup: int) -> dict[str, Any]:
-    cfg = BenchConfig(base_url=url, endpoint="chat", max_concurrency=concurrency, warmup_requests=warmup,
+def _served(url: str, requests: list[BenchRequest], concurrency: int, warm_up: bool) -> Any:
+    cfg = BenchConfig(base_url=url, endpoint="chat", max_concurrency=concurrency, warmup_requests=len(requests),
                       warmup_output_len=8, scrape_metrics=False, disable_tqdm=True, temperature=0.0)
-    return asyncio.run(run_benchmark(cfg, requests))
+
+    async def go() -> Any:
+        async with make_client(cfg, concurrency) as client:
+            model = await resolve_model_name(client, cfg)
+            if warm_up:
+                return await warmup_requests(client, cfg, model, requests)
+            results, _, duration = await run_fixed(client, cfg, model, requests)
+            return results, duration
+
+    return asyncio.run(go())
+
+
+def run_served(url: str, requests: list[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
+    """The serving client's closed loop of ``concurrency`` streams; (results, duration s)."""
+    return _served(url, requests, concurrency, warm_up=False)
+
+
+def warm_up_server(url: str, requests: list[BenchRequest]) -> None:
+    """Short requests, all at once."""
+    _served(url, requests, len(requests), warm_up=True)
 
 
 # ---------------------------------------------------------------- the run
@@ -222,17 +250,30 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}],
                                                             add_generation_prompt=True) for r in requests]
             max_tokens = [r.output_len for r in requests]
-            run_offline(engine, prompts[: args.warmup], [8] * min(args.warmup, len(prompts)), args.warmup)
             server.wait_ready()
-            for i, c in enumerate(concurrencies):
-                order = ("offline", "served") if i % 2 == 0 else ("served", "offline")
-                run: dict[str, Any] = {"config": name, "concurrency": c, "order": list(order)}
-                for side in order:
-                    if side == "offline":
-                        res, duration, step_s = run_offline(engine, prompts, max_tokens, c)
-                        run["offline"] = {**_headline(summarize(res, duration, False)), "mean_step_ms": step_s * 1e3}
-                    else:
-                        run["served"] = _headline(run_served(server.url, requests, c, args.warmup))
+            if args.warmup:
+                run_offline(engine, prompts[: args.warmup], [8] * min(args.warmup, len(prompts)), args.warmup)
+                warm_up_server(server.url, requests[: args.warmup])
+            parts = [range(len(requests))[r :: args.rounds] for r in range(args.rounds)]
+            for ci, c in enumerate(concurrencies):
+                sides: dict[str, list] = {"offline": [[], 0.0, 0.0], "served": [[], 0.0, 0.0]}
+                for ri, part in enumerate(parts):  # rounds alternate which side goes first
+                    order = ("offline", "served") if (ci + ri) % 2 == 0 else ("served", "offline")
+                    for side in order:
+                        if side == "offline":
+                            res, duration, step_s = run_offline(engine, [prompts[i] for i in part],
+                                                                [max_tokens[i] for i in part], c)
+                        else:
+                            res, duration = run_served(server.url, [requests[i] for i in part], c)
+                            step_s = 0.0
+                        acc = sides[side]
+                        acc[0] += res
+                        acc[1] += duration
+                        acc[2] += step_s * duration
+                run: dict[str, Any] = {"config": name, "concurrency": c, "rounds": args.rounds}
+                for side, (res, duration, step_weighted) in sides.items():
+                    run[side] = _headline(summarize(res, duration, False))
+                run["offline"]["mean_step_ms"] = step_weighted / sides["offline"][1] * 1e3
                 off, srv = run["offline"]["output_throughput"], run["served"]["output_throughput"]
                 run["served_over_offline"] = srv / off if off and srv else None
                 result["runs"].append(run)
@@ -295,6 +336,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=256, help="max_tokens per request (natural stops end earlier)")
     g.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
     g.add_argument("--warmup", type=int, default=8, help="short requests through each side before measuring")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="split the prompts into this many rounds, offline and served alternating within each "
+                        "concurrency (finer interleaving where the machine drifts; each round should hold >= C prompts)")
     g.add_argument("--api-server-count", type=int, default=1)
     g.add_argument("--stream-interval", type=int, default=1)
     g.add_argument("--output-dir", default=".", help="where served_vs_offline.json / .png go")

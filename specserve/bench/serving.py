@@ -295,7 +295,7 @@ def _progress(cfg: BenchConfig, total: int | None, desc: str) -> Any:
     return tqdm(total=total, desc=desc, disable=cfg.disable_tqdm, unit="req", file=sys.stderr)
 
 
-async def _warmup(client: httpx.AsyncClient, cfg: BenchConfig, model: str, requests: list[BenchRequest]) -> None:
+async def warmup(client: httpx.AsyncClient, cfg: BenchConfig, model: str, requests: list[BenchRequest]) -> None:
     n = cfg.warmup_requests
     if n == 0:
         return
@@ -517,7 +517,7 @@ async def run_benchmark(
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     async with make_client(cfg, connections) as client:
         model = await resolve_model_name(client, cfg)
-        await _warmup(client, cfg, model, requests)
+        await warmup(client, cfg, model, requests)
         before = await scrape_metrics(client, cfg.base_url) if cfg.scrape_metrics else None
         scraper = None
         if ramp is not None:
