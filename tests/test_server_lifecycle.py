@@ -32,7 +32,8 @@ class Proc:
         cmd = [sys.executable, str(HERE / "fake_serve.py"), "--port", str(self.port), "--uvicorn-log-level", "warning",
                *extra]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # its own process group (killpg below)
         self.output = ""
         deadline = time.monotonic() + 60
         while True:
@@ -93,7 +94,9 @@ def start(fn, *args) -> threading.Thread:
 
 
 @pytest.mark.parametrize("server", [("--shutdown-timeout", "1.5")], indirect=True)
-def test_sigterm_drains_streams_and_requests_then_exits_zero(server: Proc) -> None:
+@pytest.mark.parametrize("group", [False, True], ids=["server", "process-group"])
+def test_sigterm_drains_streams_and_requests_then_exits_zero(server: Proc, group: bool) -> None:
+    """SIGTERM to the server, or to its whole process group as systemd and `timeout` send it."""
     body = {"prompt": "x", "temperature": 0}
     streams, threads, firsts = [], [], []
     for i in range(16):  # half finish within the drain, half are still going at its end
@@ -106,7 +109,10 @@ def test_sigterm_drains_streams_and_requests_then_exits_zero(server: Proc) -> No
         threads.append(start(post, server.url, {**body, "max_tokens": n}, plain))
     for first in firsts:
         assert first.wait(30)
-    server.proc.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+    else:
+        server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     late = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=10)
     assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]

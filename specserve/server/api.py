@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specserve.sampling_params import SamplingParams
 from specserve.server import protocol as P
 from specserve.server.client import EngineClient, EngineDeadError, RequestRejected, RequestState
-from specserve.server.engine_core import CoreAddresses, run_engine_core
+from specserve.server.engine_core import CoreAddresses, run_engine_core, shutdown_engine_core
 from specserve.server.metrics import ServerMetrics, avg_accept_length
 
 log = logging.getLogger(__name__)
@@ -461,15 +461,6 @@ def start_engine_core(engine_factory: Callable[[], Any], num_frontends: int = 1,
     return proc, addresses
 
 
-def stop_process(proc: multiprocessing.process.BaseProcess, timeout: float = 10.0) -> None:
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout)
-
-
 @dataclasses.dataclass
 class LocalServer:
     """A server started by serve_in_thread: its URL, app and engine-core process."""
@@ -514,7 +505,7 @@ def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | 
         server.should_exit = True
         thread.join(30)
         sock.close()
-        stop_process(core)
+        shutdown_engine_core(core, addresses)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -637,7 +628,7 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
                 if f.is_alive():
                     os.kill(f.pid, signal.SIGTERM)
     core_died = core.exitcode is not None
-    stop_process(core)
+    shutdown_engine_core(core, addresses)
     code = 1 if failed or core_died else 0
     log.info("server stopped%s", "" if code == 0 else " after a failure")
     return code

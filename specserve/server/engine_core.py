@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -135,6 +136,8 @@ class EngineCore:
                 for rid in msg.request_ids:
                     if self.owner.pop(rid, None) is not None:
                         self.engine.abort_request(rid)
+            elif isinstance(msg, M.Shutdown):
+                self.stop = True
             else:
                 replies[msg.client_index].utility.append(self._utility(msg))
 
@@ -174,14 +177,36 @@ class EngineCore:
         stats = stats_dict(self.engine.get_stats())
         for sock, batch in zip(self.outputs, batches):
             batch.stats = stats
-            sock.send(M.output_encoder.encode(batch), copy=False)
+            self._send_to(sock, M.output_encoder.encode(batch))
+
+    @staticmethod
+    def _send_to(sock: Any, frame: bytes) -> None:
+        try:
+            sock.send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # that front-end is gone (a PUSH without a peer would block): nobody to tell
+            pass
 
     def fail(self, error: str) -> None:
         for sock in self.outputs:
-            sock.send(M.output_encoder.encode(M.CoreOutputs(error=error)))
+            self._send_to(sock, M.output_encoder.encode(M.CoreOutputs(error=error)))
 
     def close(self) -> None:
         self.ctx.destroy(linger=1000)
+
+
+def shutdown_engine_core(proc: Any, addresses: CoreAddresses, timeout: float = 10.0) -> None:
+    """Tell the core to exit (it ignores SIGTERM), wait, kill if it does not; remove its socket files."""
+    if proc.is_alive():
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(addresses.input)
+        sock.send(M.input_encoder.encode(M.Shutdown()))
+        proc.join(timeout)
+        ctx.destroy(linger=0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout)
+    shutil.rmtree(addresses.input[len("ipc://") :].rsplit("/", 1)[0], ignore_errors=True)
 
 
 def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses, parent_pid: int,
@@ -189,12 +214,10 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
     """Entry point of the engine-core process (multiprocessing, spawn)."""
     from specserve.engine.heap import freeze_startup_heap
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the front-ends drain, then stop us
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, on_term)
+    # a Ctrl-C or a SIGTERM to the whole process group (systemd, `timeout`): the front-ends drain first,
+    # then the supervisor sends Shutdown
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     core = None
     try:
@@ -205,8 +228,6 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
         core.send_ready()
         log.info("engine core ready (pid %d)", os.getpid())
         core.run()
-    except SystemExit:
-        pass
     except Exception as e:
         log.error("engine core failed:\n%s", traceback.format_exc())
         if core is not None:

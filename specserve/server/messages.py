@@ -32,7 +32,11 @@ class Utility(msgspec.Struct, tag="utility", array_like=True, gc=False):
     payload: bytes
 
 
-CoreInput = Union[AddRequest, Abort, Utility]
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False):
+    """From the supervisor, once the front-ends are gone: the core exits."""
+
+
+CoreInput = Union[AddRequest, Abort, Utility, Shutdown]
 
 
 class Delta(msgspec.Struct, array_like=True, gc=False):
