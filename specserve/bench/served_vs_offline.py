@@ -182,6 +182,11 @@ def warm_up_server(url: str, requests: list[BenchRequest]) -> None:
 # ---------------------------------------------------------------- the run
 
 
+def prompts_for(concurrency: int, args: argparse.Namespace) -> int:
+    """Prompts run at this concurrency: enough to keep it busy, not 480 one at a time."""
+    return min(args.num_prompts, max(args.min_prompts, args.prompts_per_concurrency * concurrency))
+
+
 def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     keys = ("completed", "failed", "duration_s", "total_output_tokens", "output_throughput", "request_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -254,8 +259,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             if args.warmup:
                 run_offline(engine, prompts[: args.warmup], [8] * min(args.warmup, len(prompts)), args.warmup)
                 warm_up_server(server.url, requests[: args.warmup])
-            parts = [range(len(requests))[r :: args.rounds] for r in range(args.rounds)]
             for ci, c in enumerate(concurrencies):
+                n = prompts_for(c, args)
+                parts = [range(n)[r :: args.rounds] for r in range(args.rounds)]
                 sides: dict[str, list] = {"offline": [[], 0.0, 0.0], "served": [[], 0.0, 0.0]}
                 for ri, part in enumerate(parts):  # rounds alternate which side goes first
                     order = ("offline", "served") if (ci + ri) % 2 == 0 else ("served", "offline")
@@ -270,7 +276,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         acc[0] += res
                         acc[1] += duration
                         acc[2] += step_s * duration
-                run: dict[str, Any] = {"config": name, "concurrency": c, "rounds": args.rounds}
+                run: dict[str, Any] = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds}
                 for side, (res, duration, step_weighted) in sides.items():
                     run[side] = _headline(summarize(res, duration, False))
                 run["offline"]["mean_step_ms"] = step_weighted / sides["offline"][1] * 1e3
@@ -332,7 +338,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("served vs offline")
     g.add_argument("--concurrency", default="1,16,64,256", help="comma-separated concurrencies")
     g.add_argument("--configs", default="no-spec,chain5,adaptive", help=f"comma-separated, of {', '.join(CONFIGS)}")
-    g.add_argument("--num-prompts", type=int, default=480, help="ShareGPT chat prompts per run")
+    g.add_argument("--num-prompts", type=int, default=480, help="ShareGPT chat prompts (the most a run takes)")
+    g.add_argument("--prompts-per-concurrency", type=int, default=8,
+                   help="a run at concurrency C takes min(num-prompts, max(min-prompts, this x C)) prompts")
+    g.add_argument("--min-prompts", type=int, default=64)
     g.add_argument("--output-len", type=int, default=256, help="max_tokens per request (natural stops end earlier)")
     g.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
     g.add_argument("--warmup", type=int, default=8, help="short requests through each side before measuring")
