@@ -163,5 +163,14 @@ def test_two_front_ends_share_the_port_and_one_engine_core(server: Proc) -> None
     assert [len(text) for _, text in results] == [5 + i for i in range(32)]
     pids = {httpx.get(server.url + "/get_server_info").json()["engine_core_pid"] for _ in range(8)}
     assert len(pids) == 1
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(6):  # whichever front-end answers, /metrics covers both: every request, engine counters once
+        with httpx.Client() as c:
+            fams = {f.name: f for f in text_string_to_metric_families(c.get(server.url + "/metrics").text)}
+        ok = [s.value for s in fams["specserve:request_success"].samples if s.labels.get("finished_reason") == "length"]
+        assert ok == [32]
+        assert fams["specserve:generation_tokens"].samples[0].value == sum(5 + i for i in range(32))
+        assert fams["specserve:time_to_first_token_seconds"].samples[-2].value == 32  # _count
     server.proc.send_signal(signal.SIGTERM)
     assert server.wait(30) == 0, server.output

@@ -19,9 +19,11 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -192,7 +194,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         info = await client.start(startup_timeout)
         srv.tokenizer = info.tokenizer
         srv.model_names = list(srv.requested_names or []) or [info.model_name]
-        srv.metrics = client.metrics = ServerMetrics(srv.model_names[0])
+        srv.metrics = client.metrics = ServerMetrics(srv.model_names[0], engine_stats=client.client_index == 0)
         try:
             yield
         finally:
@@ -598,6 +600,10 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
     sock = _bind(args.host, args.port)
     n = args.api_server_count
     core, addresses = start_engine_core(engine_factory, n)
+    metrics_dir = None
+    if n > 1:  # the front-ends' metrics go to files that each one's /metrics sums
+        metrics_dir = tempfile.mkdtemp(prefix="specserve-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
     opts = FrontendOptions(args.served_model_name, api_key, args.stream_interval, args.shutdown_timeout,
                            args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level)
@@ -629,6 +635,8 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
                     os.kill(f.pid, signal.SIGTERM)
     core_died = core.exitcode is not None
     shutdown_engine_core(core, addresses)
+    if metrics_dir is not None:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     code = 1 if failed or core_died else 0
     log.info("server stopped%s", "" if code == 0 else " after a failure")
     return code
@@ -649,6 +657,7 @@ def run_frontend(opts: FrontendOptions, addresses: CoreAddresses, index: int, co
                  sock: socket.socket) -> None:
     """Entry point of a front-end process: serve until drained (exit 0) or the core dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prometheus_client.disable_created_metrics()  # no *_created series next to every counter
     client = EngineClient(addresses, index, core_pid, stream_interval=opts.stream_interval)
     app = build_app(client, opts.served_model_name, opts.api_key)
     srv: _Server = app.state.server

@@ -8,11 +8,12 @@ Each app has its own CollectorRegistry, so several servers (tests) can live in o
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 
 P = "specserve:"
@@ -47,12 +48,18 @@ class _Timing:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    """One front-end's metrics. With several front-ends (PROMETHEUS_MULTIPROC_DIR set by the supervisor)
+    each writes its own files and /metrics sums them; only ``engine_stats`` = True (front-end 0) exports
+    the engine-wide counters and gauges, which every front-end receives."""
+
+    def __init__(self, model_name: str, engine_stats: bool = True) -> None:
         self.registry = CollectorRegistry()
+        self.engine_stats = engine_stats
         r, label = self.registry, {"model_name": model_name}
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(P + name, doc, labelnames=list(label), registry=r).labels(**label)
+            # several front-ends: the largest value, i.e. front-end 0's (the others' stay 0)
+            return Gauge(P + name, doc, labelnames=list(label), registry=r, multiprocess_mode="max").labels(**label)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             c = Counter(P + name, doc, labelnames=[*label, *extra], registry=r)
@@ -103,6 +110,10 @@ class ServerMetrics:
         return (n_end - n0) / (t_end - t0) if t_end > t0 else 0.0
 
     def render(self) -> bytes:
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
     # ------------------------------------------------------------ hooks (the engine client)
@@ -118,7 +129,8 @@ class ServerMetrics:
         self._timings.pop(request_id, None)
 
     def on_stats(self, stats: Any, now: float) -> None:
-        self._update_stats(stats)
+        if self.engine_stats:
+            self._update_stats(stats)
         self._gen_window.append((now, getattr(stats, "generation_tokens", 0) or 0))
         while len(self._gen_window) > 2 and now - self._gen_window[0][0] > 30.0:
             self._gen_window.popleft()
