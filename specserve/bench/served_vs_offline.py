@@ -277,9 +277,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         acc[1] += duration
                         acc[2] += step_s * duration
                 run: dict[str, Any] = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds}
-                for side, (res, duration, step_weighted) in sides.items():
+                for side, (res, duration, _) in sides.items():
                     run[side] = _headline(summarize(res, duration, False))
-                run["offline"]["mean_step_ms"] = step_weighted / sides["offline"][1] * 1e3
+                _, off_duration, off_step_weighted = sides["offline"]
+                run["offline"]["mean_step_ms"] = off_step_weighted / off_duration * 1e3
                 off, srv = run["offline"]["output_throughput"], run["served"]["output_throughput"]
                 run["served_over_offline"] = srv / off if off and srv else None
                 result["runs"].append(run)
