@@ -267,6 +267,17 @@ def test_openai_client_sees_error_classes(live: Live) -> None:
     assert httpx.get(live.url + "/v1/nothing-here").status_code == 404
 
 
+def test_stream_interval_gathers_tokens_per_chunk() -> None:
+    with serve_in_thread(partial(FakeEngine, step_delay=0.001), stream_interval=4) as server:
+        body = {"prompt": "x", "max_tokens": 10, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
+    assert "".join(texts) == (TEXT * 2)[:10]
+    assert all(len(t) >= 4 for t in texts[:-1]) and len(texts) <= 3  # 1 char = 1 token
+
+
 def test_api_key_required_on_v1_only() -> None:
     with serve_in_thread(FakeEngine, api_key="s3cret") as server:
         url = server.url

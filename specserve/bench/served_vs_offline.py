@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
+import logging
 import math
 import multiprocessing
 import os
@@ -211,6 +211,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from specserve.engine.args import engine_config_from_args
     from specserve.engine.engine import LLMEngine
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     concurrencies = parse_int_list(args.concurrency)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
