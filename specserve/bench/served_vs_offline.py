@@ -53,6 +53,27 @@ CONFIGS = {
 HEADLINE = ("output_throughput", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms")
 
 
+def load_requests(args: Any, tokenizer: Any) -> list[BenchRequest]:
+    """ShareGPT's first turns, or ``--prompts-file`` (JSON: a list of prompts, or {"prompts": [...]})."""
+    if not args.prompts_file:
+        return sample_sharegpt_requests(args.num_prompts, tokenizer, seed=args.seed,
+                                        fixed_output_len=args.output_len, max_input_len=args.max_input_len)
+    with open(args.prompts_file) as f:
+        data = json.load(f)
+    prompts = data["prompts"] if isinstance(data, dict) else data
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{args.prompts_file}: expected a JSON list of prompt strings (or {{'prompts': [...]}})")
+    out = []
+    for p in prompts:
+        n = len(tokenizer.encode(p))
+        if 4 <= n <= args.max_input_len:
+            out.append(BenchRequest(prompt=p, output_len=args.output_len, prompt_len=n))
+        if len(out) == args.num_prompts:
+            return out
+    raise ValueError(f"{args.prompts_file} holds {len(out)} prompts of 4..{args.max_input_len} tokens; "
+                     f"--num-prompts asks for {args.num_prompts}")
+
+
 def engine_config(base: Any, name: str, draft_path: str | None) -> Any:
     from specserve.config import SpeculativeConfig, replace
 
@@ -246,9 +267,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             engine = LLMEngine(config)
             if tokenizer is None:
                 tokenizer = engine.tokenizer
-                requests = sample_sharegpt_requests(args.num_prompts, tokenizer, seed=args.seed,
-                                                    fixed_output_len=args.output_len,
-                                                    max_input_len=args.max_input_len)
+                requests = load_requests(args, tokenizer)
                 result["device"] = _device_name(engine.device)
                 result["dtype"] = str(engine.dtype).replace("torch.", "")
                 result["model"] = engine.model_name
@@ -341,6 +360,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default="1,16,64,256", help="comma-separated concurrencies")
     g.add_argument("--configs", default="no-spec,chain5,adaptive", help=f"comma-separated, of {', '.join(CONFIGS)}")
     g.add_argument("--num-prompts", type=int, default=480, help="ShareGPT chat prompts (the most a run takes)")
+    g.add_argument("--prompts-file", default=None,
+                   help="JSON list of prompts instead of ShareGPT (e.g. benchmarks/data/sharegpt_prompts_seed0.json)")
     g.add_argument("--prompts-per-concurrency", type=int, default=8,
                    help="a run at concurrency C takes min(num-prompts, max(min-prompts, this x C)) prompts")
     g.add_argument("--min-prompts", type=int, default=64)
