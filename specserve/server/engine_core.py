@@ -137,6 +137,7 @@ class EngineCore:
                     if self.owner.pop(rid, None) is not None:
                         self.engine.abort_request(rid)
             elif isinstance(msg, M.Shutdown):
+                log.info("engine core stopping")
                 self.stop = True
             else:
                 replies[msg.client_index].utility.append(self._utility(msg))
@@ -204,6 +205,7 @@ def shutdown_engine_core(proc: Any, addresses: CoreAddresses, timeout: float = 1
         proc.join(timeout)
         ctx.destroy(linger=0)
     if proc.is_alive():
+        log.warning("the engine core did not stop within %.0f s (a long step?); killing it", timeout)
         proc.kill()
         proc.join(timeout)
     shutil.rmtree(addresses.input[len("ipc://") :].rsplit("/", 1)[0], ignore_errors=True)
