@@ -190,42 +190,9 @@ def _served(url: str, requests: list[BenchRequest], concurrency: int, warm_up: b
     return asyncio.run(go())
 
 
-def _client_child(url: str, requests: list[BenchRequest], concurrency: int, start: Any, out: Any) -> None:
-    start.wait()
-    t0 = time.perf_counter()
-    results, _ = _served(url, requests, concurrency, warm_up=False)
-    out.put((results, t0, time.perf_counter()))
-
-
-def run_served(url: str, requests: list[BenchRequest], concurrency: int,
-               processes: int = 1) -> tuple[list[RequestResult], float]:
-    """The serving client's closed loop of ``concurrency`` streams; (results, duration s). With
-    ``processes`` > 1 the streams are split over that many client processes, started together, so that
-    one Python client's SSE parsing does not cap what is measured."""
-    processes = max(1, min(processes, concurrency, len(requests)))
-    if processes == 1:
-        return _served(url, requests, concurrency, warm_up=False)
-    ctx = multiprocessing.get_context("spawn")
-    start, out = ctx.Barrier(processes + 1), ctx.Queue()
-    # process j: requests j, j + P, ...; streams C // P (+1 for the first C % P)
-    procs = [ctx.Process(target=_client_child, args=(url, requests[j::processes],
-                                                     concurrency // processes + (j < concurrency % processes),
-                                                     start, out)) for j in range(processes)]
-    for pr in procs:
-        pr.start()
-    start.wait()
-    parts = [out.get() for _ in procs]
-    for pr in procs:
-        pr.join()
-    results = [r for part in parts for r in part[0]]
-    return results, max(p[2] for p in parts) - min(p[1] for p in parts)
-
-
-def client_processes(concurrency: int, wanted: int) -> int:
-    """``--client-processes`` 0: one client process per 32 streams, at most half the host's cores."""
-    if wanted > 0:
-        return wanted
-    return max(1, min(-(-concurrency // 32), (os.cpu_count() or 2) // 2))
+def run_served(url: str, requests: list[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
+    """The serving client's closed loop of ``concurrency`` streams; (results, duration s)."""
+    return _served(url, requests, concurrency, warm_up=False)
 
 
 def warm_up_server(url: str, requests: list[BenchRequest]) -> None:
@@ -322,15 +289,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             res, duration, step_s = run_offline(engine, [prompts[i] for i in part],
                                                                 [max_tokens[i] for i in part], c)
                         else:
-                            res, duration = run_served(server.url, [requests[i] for i in part], c,
-                                                       client_processes(c, args.client_processes))
+                            res, duration = run_served(server.url, [requests[i] for i in part], c)
                             step_s = 0.0
                         acc = sides[side]
                         acc[0] += res
                         acc[1] += duration
                         acc[2] += step_s * duration
-                run: dict[str, Any] = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds,
-                                      "client_processes": client_processes(c, args.client_processes)}
+                run: dict[str, Any] = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds}
                 for side, (res, duration, step_weighted) in sides.items():
                     run[side] = _headline(summarize(res, duration, False))
                 run["offline"]["mean_step_ms"] = step_weighted / sides["offline"][1] * 1e3
@@ -405,7 +370,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="split the prompts into this many rounds, offline and served alternating within each "
                         "concurrency (finer interleaving where the machine drifts; each round should hold >= C prompts)")
     g.add_argument("--api-server-count", type=int, default=1)
-    g.add_argument("--client-processes", type=int, default=0,
-                   help="benchmark client processes sharing the streams (0: one per 32 streams, at most half the cores)")
     g.add_argument("--stream-interval", type=int, default=1)
     g.add_argument("--output-dir", default=".", help="where served_vs_offline.json / .png go")
