@@ -13,7 +13,7 @@
 # and every benchmark call starts with `export PYTHONPATH=/tmp/site:$PWD`.
 set -euo pipefail
 WHEELS="gguf fastapi uvicorn starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
-        opentelemetry-api pyzmq msgspec"
+        opentelemetry-api pyzmq msgspec httptools"
 
 prepare() {
     local n=${1:-3} py=${PYTHON:-python3}
@@ -31,7 +31,7 @@ prepare() {
         v=$($py -c "import importlib.metadata as m; print(m.version('$w'))")
         ls .whl | grep -qi "^${w//-/_}-$v-" || python3 -m pip download -q --no-deps --only-binary=:all: \
             --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$w==$v"
+            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 -d .whl "$w==$v"
     done
     local tree part whl
     tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
