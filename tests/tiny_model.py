@@ -85,3 +85,49 @@ def make_dummy_model_dir(path: str, config: dict = SMOLLM2_CONFIG) -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": f"t{config['eos_token_id']}", "bos_token": f"t{config['bos_token_id']}"}, f)
     return path
+
+
+def tiny_gemma3_config(vocab: int = 256, layers: int = 4, window: int = 8):
+    """A tiny transformers Gemma3TextConfig exercising what Gemma 3 adds: sliding (window ``window``)
+    and global layers interleaved, local and global RoPE bases (linear scaling on the global one),
+    one KV head, an attention scale apart from head_dim and final logit soft-capping."""
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=window,
+        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+        eos_token_id=0, bos_token_id=1, pad_token_id=0)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return cfg
+
+
+def make_tiny_gemma3(path: str | None = None, seed: int = 0, **kw):
+    """A random transformers Gemma3ForCausalLM (norm weights random, so the 1 + weight matters), saved
+    as an HF directory with a word-level tokenizer when ``path`` is given. Returns the model."""
+    from transformers import Gemma3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_gemma3_config(**kw)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            else:  # transformers' init (std 0.02) makes every logit near zero: peakier ones
+                p.normal_(0.0, 0.2 if "embed" in name else 0.08)
+    if path is not None:
+        os.makedirs(path, exist_ok=True)
+        model.save_pretrained(path)
+        vocab = cfg.vocab_size
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(os.path.join(path, "tokenizer.json"))
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "t0", "bos_token": "t1"}, f)
+    return model

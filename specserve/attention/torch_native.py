@@ -25,6 +25,7 @@ class _Group:
     q_index: torch.Tensor  # [B, max_q] flat token index of each padded query (pads -> the zero row T)
     kv_slots: torch.Tensor  # [B, max_kv] cache slot of each padded key
     mask: torch.Tensor  # [B, 1, max_q, max_kv] row attends column
+    q_pos: torch.Tensor  # [B, 1, max_q, 1] KV position of each padded query (sliding-window masks)
     q_flat: torch.Tensor  # position of each real query in the padded [B * max_q] layout
     shape: tuple[int, int, int]
 
@@ -52,6 +53,7 @@ class TorchNativeBackend(AttentionBackend):
             dest = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for g in groups for b in g])
             self._order = torch.argsort(dest).to(device)
         self._slot_mapping = meta.slot_mapping
+        self._window_masks: dict[tuple[int, int], torch.Tensor] = {}
 
     def step_slots(self, num_tokens: int) -> torch.Tensor:
         return self._slot_mapping[:num_tokens]
@@ -96,10 +98,25 @@ class TorchNativeBackend(AttentionBackend):
         mask[:, :, 0] |= ~q_valid  # padded query rows attend something, avoiding NaN
 
         return _Group(q_index.to(device), kv_slots.to(device), mask[:, None].to(device),
+                      q_pos[:, None, :, None].to(device),
                       # flat position of each real query in the padded [B * max_q] layout
                       q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv))
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _mask(self, g: _Group, window: int | None) -> torch.Tensor:
+        """The group's mask, limited to the last ``window`` positions (made once per step and window;
+        a padded query row keeps column 0)."""
+        if window is None:
+            return g.mask
+        m = self._window_masks.get((id(g), window))
+        if m is None:  # key j is seen by a query at position p when p - j < window
+            kj = torch.arange(g.shape[2], device=g.mask.device)
+            m = g.mask & (g.q_pos - kj < window)
+            m[..., 0] |= ~m.any(-1)  # (rows left empty are padding: their output is dropped)
+            self._window_masks[(id(g), window)] = m
+        return m
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         k_flat, v_flat = write_kv(self.kv_caches[layer], self._slot_mapping, k, v)
         kvh, d = k_flat.shape[1:]
         h = q.shape[1]
@@ -115,7 +132,7 @@ class TorchNativeBackend(AttentionBackend):
             kp = k_src[g.kv_slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv, D]
             vp = v_src[g.kv_slots].view(v_flat.dtype).transpose(1, 2)
             out = F.scaled_dot_product_attention(
-                qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=h != kvh
+                qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=self._mask(g, window), scale=self.scale, enable_gqa=h != kvh
             )
             outs.append(out.transpose(1, 2).reshape(B * max_q, h, d)[g.q_flat])  # [T_g, H, D]
         if self._order is None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.models.gemma3 import Gemma3ForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -16,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
