@@ -120,3 +120,30 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_cache(tmp_pat
     again = llm.generate(prompts[3:], sp)
     assert all(o.metrics.num_cached_tokens > 0 for o in again)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[3:]]
+
+
+def test_tree_verify_past_the_window_equals_each_path(pair) -> None:
+    """A tree's tokens see the window of their own position (prefix + depth), not of their row."""
+    hf, ours, config = pair
+    run = PagedRunner(ours, config)
+    prefix = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    run.step([(0, prefix, None)])
+    parents = [-1, 0, 0, 1, 1, 2, 5, 6]
+    tokens = [17, 42, 99, 5, 230, 64, 8, 71]
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    logits, _ = run.step([(0, tokens, [len(prefix) + d for d in depth])], tree_masks={0: mask})
+    for leaf in (3, 4, 7):
+        path = [leaf]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        ref = _hf_logits(hf, prefix + [tokens[i] for i in path])[len(prefix):]
+        assert _close(logits[path], ref) <= TOL

@@ -25,7 +25,10 @@ class _Group:
     q_index: torch.Tensor  # [B, max_q] flat token index of each padded query (pads -> the zero row T)
     kv_slots: torch.Tensor  # [B, max_kv] cache slot of each padded key
     mask: torch.Tensor  # [B, 1, max_q, max_kv] row attends column
-    q_pos: torch.Tensor  # [B, 1, max_q, 1] KV position of each padded query (sliding-window masks)
+    # positions of each padded query [B, 1, max_q, 1] and key [B, 1, 1, max_kv] (sliding windows): the
+    # KV index, but a tree token's is its prefix length + depth
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
     q_flat: torch.Tensor  # position of each real query in the padded [B * max_q] layout
     shape: tuple[int, int, int]
 
@@ -84,6 +87,7 @@ class TorchNativeBackend(AttentionBackend):
         # mask: query i of request b sits at kv position kv_len - q_len + i
         q_pos = (kv_lens - q_lens)[:, None] + qi[None, :]
         mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+        k_pos = kj[None, :].repeat(B, 1) if meta.tree_masks else kj[None, :]
         for i, b in enumerate(members):
             tm = (meta.tree_masks or {}).get(b)
             if tm is None:
@@ -93,12 +97,16 @@ class TorchNativeBackend(AttentionBackend):
                 tm = ((tm[:, None] >> torch.arange(ql, device=tm.device)) & 1).bool()
             if tm.shape != (ql, ql):
                 raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
-            mask[i, :ql, kl - ql : kl] = tm.to("cpu", torch.bool)
+            tm = tm.to("cpu", torch.bool)
+            mask[i, :ql, kl - ql : kl] = tm
+            depth = tm.sum(1) - 1  # a row holds the token and its ancestors
+            q_pos[i, :ql] = kl - ql + depth
+            k_pos[i, kl - ql : kl] = kl - ql + depth
         mask[~q_valid] = False
         mask[:, :, 0] |= ~q_valid  # padded query rows attend something, avoiding NaN
 
         return _Group(q_index.to(device), kv_slots.to(device), mask[:, None].to(device),
-                      q_pos[:, None, :, None].to(device),
+                      q_pos[:, None, :, None].to(device), k_pos[:, None, None, :].to(device),
                       # flat position of each real query in the padded [B * max_q] layout
                       q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv))
 
@@ -108,9 +116,8 @@ class TorchNativeBackend(AttentionBackend):
         if window is None:
             return g.mask
         m = self._window_masks.get((id(g), window))
-        if m is None:  # key j is seen by a query at position p when p - j < window
-            kj = torch.arange(g.shape[2], device=g.mask.device)
-            m = g.mask & (g.q_pos - kj < window)
+        if m is None:  # a key at position j is seen by a query at position p when p - j < window
+            m = g.mask & (g.q_pos - g.k_pos < window)
             m[..., 0] |= ~m.any(-1)  # (rows left empty are padding: their output is dropped)
             self._window_masks[(id(g), window)] = m
         return m
