@@ -31,6 +31,7 @@ class _Group:
     k_pos: torch.Tensor
     q_flat: torch.Tensor  # position of each real query in the padded [B * max_q] layout
     shape: tuple[int, int, int]
+    min_q_pos: int  # the smallest query position: keys below min_q_pos - window + 1 are seen by none
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -108,19 +109,20 @@ class TorchNativeBackend(AttentionBackend):
         return _Group(q_index.to(device), kv_slots.to(device), mask[:, None].to(device),
                       q_pos[:, None, :, None].to(device), k_pos[:, None, None, :].to(device),
                       # flat position of each real query in the padded [B * max_q] layout
-                      q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv))
+                      q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv), int(q_pos.min()))
 
-    def _mask(self, g: _Group, window: int | None) -> torch.Tensor:
-        """The group's mask, limited to the last ``window`` positions (made once per step and window;
-        a padded query row keeps column 0)."""
+    def _mask(self, g: _Group, window: int | None) -> tuple[torch.Tensor, int]:
+        """The group's mask limited to the last ``window`` positions, from its first key column that
+        any query sees (made once per step and window), and that column."""
         if window is None:
-            return g.mask
-        m = self._window_masks.get((id(g), window))
-        if m is None:  # a key at position j is seen by a query at position p when p - j < window
-            m = g.mask & (g.q_pos - g.k_pos < window)
+            return g.mask, 0
+        got = self._window_masks.get((id(g), window))
+        if got is None:  # a key at position j is seen by a query at position p when p - j < window
+            lo = max(0, g.min_q_pos - window + 1)  # (a tree key's position is at most its column)
+            m = (g.mask & (g.q_pos - g.k_pos < window))[..., lo:]
             m[..., 0] |= ~m.any(-1)  # (rows left empty are padding: their output is dropped)
-            self._window_masks[(id(g), window)] = m
-        return m
+            got = self._window_masks[(id(g), window)] = (m, lo)
+        return got
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
@@ -135,11 +137,13 @@ class TorchNativeBackend(AttentionBackend):
             k_src, v_src = k_flat, v_flat
         for g in self._groups:
             B, max_q, max_kv = g.shape
+            mask, lo = self._mask(g, window)
+            slots = g.kv_slots if lo == 0 else g.kv_slots[:, lo:]
             qp = q_ext[g.q_index].transpose(1, 2)  # [B, H, max_q, D]
-            kp = k_src[g.kv_slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv, D]
-            vp = v_src[g.kv_slots].view(v_flat.dtype).transpose(1, 2)
+            kp = k_src[slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv - lo, D]
+            vp = v_src[slots].view(v_flat.dtype).transpose(1, 2)
             out = F.scaled_dot_product_attention(
-                qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=self._mask(g, window), scale=self.scale, enable_gqa=h != kvh
+                qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=mask, scale=self.scale, enable_gqa=h != kvh
             )
             outs.append(out.transpose(1, 2).reshape(B * max_q, h, d)[g.q_flat])  # [T_g, H, D]
         if self._order is None:
