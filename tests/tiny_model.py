@@ -131,3 +131,34 @@ def make_tiny_gemma3(path: str | None = None, seed: int = 0, **kw):
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
             json.dump({"eos_token": "t0", "bos_token": "t1"}, f)
     return model
+
+
+def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0):
+    """A tiny random Qwen2 / Qwen3 / Gemma 3 saved by transformers (save_pretrained) with a word-level
+    tokenizer (t0 ... t{vocab-1}; Qwen: a chat template joining the messages' contents). Returns the model."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    if kind == "gemma3":
+        model = make_tiny_gemma3(vocab=vocab, seed=seed)
+    else:
+        cls = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+        cfg = getattr(transformers, cls + "Config")(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=0,
+            bos_token_id=1)
+        model = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
+        with torch.no_grad():  # peaky logits, random biases and norms
+            for name, p in model.named_parameters():
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    cfg = {"eos_token": "t0", "bos_token": "t1"}
+    if kind != "gemma3":
+        cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return model
