@@ -147,3 +147,30 @@ def test_tree_verify_past_the_window_equals_each_path(pair) -> None:
             path.insert(0, parents[path[0]])
         ref = _hf_logits(hf, prefix + [tokens[i] for i in path])[len(prefix):]
         assert _close(logits[path], ref) <= TOL
+
+
+def test_aux_hidden_states_are_layer_inputs(pair) -> None:
+    """EAGLE-3 features of Gemma 3: the residual stream entering layers 0, 1 and 3, as transformers has it."""
+    hf, ours, config = pair
+    ours.set_aux_hidden_layers((0, 1, 3))
+    try:
+        prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+        logits, (_, aux) = PagedRunner(ours, config).step([(0, prompt, None)])
+    finally:
+        ours.set_aux_hidden_layers(None)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), output_hidden_states=True)
+    H = config.hidden_size
+    for k, i in enumerate((0, 1, 3)):
+        assert _close(aux[:, k * H : (k + 1) * H], out.hidden_states[i][0]) <= TOL
+    assert _close(logits, out.logits[0]) <= TOL
+
+
+def test_speculation_without_a_head_for_gemma_is_a_clear_error(tmp_path) -> None:
+    from specserve import LLM
+
+    path = str(tmp_path / "gemma")
+    make_tiny_gemma3(path)
+    # the default head is SmolLM2's: its vocabulary is not this model's
+    with pytest.raises((ValueError, FileNotFoundError), match="draft head vocab|no draft head"):
+        LLM(model=path, num_kv_blocks=16, block_size=4, max_model_len=64, speculative_algorithm="EAGLE3")
