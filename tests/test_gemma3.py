@@ -174,3 +174,18 @@ def test_speculation_without_a_head_for_gemma_is_a_clear_error(tmp_path) -> None
     # the default head is SmolLM2's: its vocabulary is not this model's
     with pytest.raises((ValueError, FileNotFoundError), match="draft head vocab|no draft head"):
         LLM(model=path, num_kv_blocks=16, block_size=4, max_model_len=64, speculative_algorithm="EAGLE3")
+
+
+def test_offset_norm_is_transformers_in_bf16() -> None:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from specserve.models.layers import OffsetRMSNorm
+
+    ref = Gemma3RMSNorm(64, eps=1e-6)
+    ours = OffsetRMSNorm(64, 1e-6)
+    with torch.no_grad():
+        ref.weight.normal_(0.0, 0.05)  # small offsets: 1 + weight in bf16 would round them away
+        ours.weight.copy_(ref.weight)
+    ref, ours = ref.bfloat16(), ours.bfloat16()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(6)).bfloat16() * 4
+    assert torch.equal(ours(x), ref(x))

@@ -86,13 +86,15 @@ class RMSNorm(nn.Module):
 
 
 class OffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: the weight stored as an offset from one (scale = 1 + weight), as in HF."""
+    """Gemma's RMSNorm: the weight stored as an offset from one, normalised and scaled by (1 + weight)
+    in fp32, then cast back, as transformers does (a bf16 1 + weight would round it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, 1.0 + self.weight, self.eps)
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x, residual, 1.0 + self.weight, self.eps)
+        s = x + residual
+        return self.forward(s), s
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
