@@ -189,3 +189,13 @@ def test_offset_norm_is_transformers_in_bf16() -> None:
     ref, ours = ref.bfloat16(), ours.bfloat16()
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(6)).bfloat16() * 4
     assert torch.equal(ours(x), ref(x))
+
+
+def test_sliding_layers_of_other_families_are_refused() -> None:
+    cfg = transformers.Qwen2Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=1)
+    config = ModelConfig.from_hf(normalize_hf_config(dict(cfg.to_dict(), architectures=["Qwen2ForCausalLM"])))
+    assert config.layer_window(1) == 8
+    with pytest.raises(ValueError, match="sliding-window layers is not supported"):
+        build_model(config)

@@ -54,6 +54,8 @@ def build_model(
         raise ValueError(
             f"unsupported architecture {config.architecture!r}; supported: {', '.join(supported_architectures())}"
         )
+    if cls is not Gemma3ForCausalLM and any(config.layer_window(i) for i in range(config.num_hidden_layers)):
+        raise ValueError(f"{config.architecture} with sliding-window layers is not supported (only Gemma 3's are)")
     dtype = resolve_dtype(dtype)
     with torch.device(device), _default_dtype(dtype):
         model = cls(config)
