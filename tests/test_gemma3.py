@@ -199,3 +199,14 @@ def test_sliding_layers_of_other_families_are_refused() -> None:
     assert config.layer_window(1) == 8
     with pytest.raises(ValueError, match="sliding-window layers is not supported"):
         build_model(config)
+
+
+def test_dummy_gemma3_270m_config_builds(tmp_path) -> None:
+    """The 270M's shapes with random weights (--load-format dummy, for device runs without the GGUF)."""
+    from specserve.loader import load_model_source
+    from tiny_model import GEMMA3_270M_CONFIG, make_dummy_model_dir
+
+    src = load_model_source(make_dummy_model_dir(str(tmp_path / "g"), GEMMA3_270M_CONFIG), require_weights=False)
+    assert [i for i in range(18) if src.config.layer_window(i) is None] == [5, 11, 17]
+    model = build_model(src.config, "meta")
+    assert sum(p.numel() for p in model.parameters()) == 268_098_176  # the 270M's parameter count

@@ -68,6 +68,17 @@ SMOLLM2_CONFIG = {
 }
 
 
+# Gemma 3 270M's shapes (the config.json its GGUF converts to), for the same use
+GEMMA3_270M_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640,
+    "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "head_dim": 256, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": None, "max_position_embeddings": 32768, "tie_word_embeddings": True, "sliding_window": 512,
+    "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "float32",
+}
+
+
 def make_dummy_model_dir(path: str, config: dict = SMOLLM2_CONFIG) -> str:
     """An HF model directory with ``config`` and a word-level tokenizer over its ids (t0, t1, ...), and no
     weights: load it with load_format="dummy"."""
