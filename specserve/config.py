@@ -29,6 +29,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     hidden_act: str = "silu"
+    # Gemma 3: per-layer "sliding_attention" | "full_attention"; sliding layers attend to the last
+    # `sliding_window` positions (their own included) with RoPE base `rope_local_theta`
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # None: head_dim (attention scale = this ** -0.5)
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -39,6 +46,20 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            if bad:
+                raise ValueError(f"unsupported layer_types {bad}: expected sliding_attention or full_attention")
+            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ValueError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions (its own included) a token sees in this layer; None: all before it."""
+        if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -64,7 +85,12 @@ class ModelConfig:
             qk_norm=arch.startswith("Qwen3"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
-            hidden_act=d.get("hidden_act", "silu"),
+            hidden_act=d.get("hidden_act") or d.get("hidden_activation") or "silu",
+            layer_types=tuple(d["layer_types"]) if d.get("layer_types") else None,
+            sliding_window=d.get("sliding_window") if d.get("layer_types") else None,
+            rope_local_theta=d.get("rope_local_base_freq"),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
         )
 
 

@@ -52,10 +52,12 @@ class AttentionBackend(ABC):
         """Prepare per-step indices and masks shared by every layer."""
 
     @abstractmethod
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (this step's tokens, RoPE applied) -> out [T, H, D].
 
-        Writes k/v into the cache first, so a token attends to itself.
+        Writes k/v into the cache first, so a token attends to itself. ``window`` (sliding-window
+        layers): a token at KV position p sees only keys at positions > p - window.
         """
 
     # backends that take the fused qkv projection and do rotary + the cache write in one kernel

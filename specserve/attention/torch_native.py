@@ -25,8 +25,13 @@ class _Group:
     q_index: torch.Tensor  # [B, max_q] flat token index of each padded query (pads -> the zero row T)
     kv_slots: torch.Tensor  # [B, max_kv] cache slot of each padded key
     mask: torch.Tensor  # [B, 1, max_q, max_kv] row attends column
+    # positions of each padded query [B, 1, max_q, 1] and key [B, 1, 1, max_kv] (sliding windows): the
+    # KV index, but a tree token's is its prefix length + depth
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
     q_flat: torch.Tensor  # position of each real query in the padded [B * max_q] layout
     shape: tuple[int, int, int]
+    min_q_pos: int  # the smallest query position: keys below min_q_pos - window + 1 are seen by none
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -52,6 +57,7 @@ class TorchNativeBackend(AttentionBackend):
             dest = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for g in groups for b in g])
             self._order = torch.argsort(dest).to(device)
         self._slot_mapping = meta.slot_mapping
+        self._window_masks: dict[tuple[int, int], torch.Tensor] = {}
 
     def step_slots(self, num_tokens: int) -> torch.Tensor:
         return self._slot_mapping[:num_tokens]
@@ -82,6 +88,7 @@ class TorchNativeBackend(AttentionBackend):
         # mask: query i of request b sits at kv position kv_len - q_len + i
         q_pos = (kv_lens - q_lens)[:, None] + qi[None, :]
         mask = (kj[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+        k_pos = kj[None, :].repeat(B, 1) if meta.tree_masks else kj[None, :]
         for i, b in enumerate(members):
             tm = (meta.tree_masks or {}).get(b)
             if tm is None:
@@ -91,15 +98,34 @@ class TorchNativeBackend(AttentionBackend):
                 tm = ((tm[:, None] >> torch.arange(ql, device=tm.device)) & 1).bool()
             if tm.shape != (ql, ql):
                 raise ValueError(f"tree mask of request {b} has shape {tuple(tm.shape)}, expected {(ql, ql)}")
-            mask[i, :ql, kl - ql : kl] = tm.to("cpu", torch.bool)
+            tm = tm.to("cpu", torch.bool)
+            mask[i, :ql, kl - ql : kl] = tm
+            depth = tm.sum(1) - 1  # a row holds the token and its ancestors
+            q_pos[i, :ql] = kl - ql + depth
+            k_pos[i, kl - ql : kl] = kl - ql + depth
         mask[~q_valid] = False
         mask[:, :, 0] |= ~q_valid  # padded query rows attend something, avoiding NaN
 
         return _Group(q_index.to(device), kv_slots.to(device), mask[:, None].to(device),
+                      q_pos[:, None, :, None].to(device), k_pos[:, None, None, :].to(device),
                       # flat position of each real query in the padded [B * max_q] layout
-                      q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv))
+                      q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv), int(q_pos.min()))
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _mask(self, g: _Group, window: int | None) -> tuple[torch.Tensor, int]:
+        """The group's mask limited to the last ``window`` positions, from its first key column that
+        any query sees (made once per step and window), and that column."""
+        if window is None:
+            return g.mask, 0
+        got = self._window_masks.get((id(g), window))
+        if got is None:  # a key at position j is seen by a query at position p when p - j < window
+            lo = max(0, g.min_q_pos - window + 1)  # (a tree key's position is at most its column)
+            m = (g.mask & (g.q_pos - g.k_pos < window))[..., lo:]
+            m[..., 0] |= ~m.any(-1)  # (rows left empty are padding: their output is dropped)
+            got = self._window_masks[(id(g), window)] = (m, lo)
+        return got
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         k_flat, v_flat = write_kv(self.kv_caches[layer], self._slot_mapping, k, v)
         kvh, d = k_flat.shape[1:]
         h = q.shape[1]
@@ -111,11 +137,13 @@ class TorchNativeBackend(AttentionBackend):
             k_src, v_src = k_flat, v_flat
         for g in self._groups:
             B, max_q, max_kv = g.shape
+            mask, lo = self._mask(g, window)
+            slots = g.kv_slots if lo == 0 else g.kv_slots[:, lo:]
             qp = q_ext[g.q_index].transpose(1, 2)  # [B, H, max_q, D]
-            kp = k_src[g.kv_slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv, D]
-            vp = v_src[g.kv_slots].view(v_flat.dtype).transpose(1, 2)
+            kp = k_src[slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv - lo, D]
+            vp = v_src[slots].view(v_flat.dtype).transpose(1, 2)
             out = F.scaled_dot_product_attention(
-                qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=g.mask, scale=self.scale, enable_gqa=h != kvh
+                qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=mask, scale=self.scale, enable_gqa=h != kvh
             )
             outs.append(out.transpose(1, 2).reshape(B * max_q, h, d)[g.q_flat])  # [T_g, H, D]
         if self._order is None:

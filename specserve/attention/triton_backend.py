@@ -15,7 +15,9 @@ Masking is per query token, from three numbers the plan writes:
   ``kv_limit``   keys at positions >= kv_limit are never seen (causal: own position + 1),
   ``tree_start`` keys below it are the committed prefix, always visible,
   ``tree_bits``  bit i set: the token sees the request's i-th new token (key tree_start + i).
-A causal token has tree_start = kv_limit, so its bits are never consulted. A request with a tree
+A causal token has tree_start = kv_limit, so its bits are never consulted. A sliding-window
+layer's launch (``window``) also hides keys below kv_limit - window (a causal token's kv_limit is its
+position + 1; steps with trees do not take windows). A request with a tree
 mask has kv_limit = seq_len and tree_start = seq_len - q_len for all its tokens (trees of at most
 64 tokens: the bits are one int64).
 
@@ -64,6 +66,7 @@ LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; 
 LARGE_STEP_TOKENS = 512
 SMALL_PLAN_TOKENS = 32  # steps of at most this many tokens are planned in plain Python
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # the kernel's window for layers without one: hides no key
 
 # packed int32 metadata sections: per work item, per split tile (merge), per token
 _ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part", "pstride")
@@ -82,6 +85,7 @@ def _paged_attention_kernel(
     counts,  # [2] int32: the step's work items, merges
     block_table,  # [max_seqs, max_blocks] int32
     bt_stride, qk_scale,  # qk_scale = softmax scale * log2(e)
+    window,  # keys below kv_limit - window are hidden (sliding-window layers; else a huge value)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,  # K and V caches share their layout
     stride_pi, stride_ph,  # partial outputs: [parts, kv_heads, BLOCK_M, HEAD_DIM]; lse: [parts, kv_heads, BLOCK_M]
@@ -97,13 +101,13 @@ def _paged_attention_kernel(
         for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
             _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
                          item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-                         kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale,
+                         kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                          stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True)
     else:  # (one item a program: the plain kernel, as fast as before exact trees)
         _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
                      item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-                     kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale,
+                     kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
                      stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False)
 
@@ -123,7 +127,7 @@ def _path_table_kernel(tree_bits, path_tab, path_len):
 
 
 @triton.jit
-def _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, V_cache,
+def _key_block(j, hi, q, m_i, l_i, acc, limit, window, tstart, bits, req, kvh, K_cache, V_cache,
                block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
                path, path_base, path_end, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT: tl.constexpr):
     """One block of keys ``j`` into the online softmax. EXACT: keys in [path_base, path_end) are the
@@ -143,7 +147,7 @@ def _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, 
     jj = j[None, :]
     shift = tl.minimum(tl.maximum(jj - tstart[:, None], 0), 63).to(tl.int64)
     in_tree = ((bits[:, None] >> shift) & 1) != 0
-    allowed = (jj < limit[:, None]) & ((jj < tstart[:, None]) | in_tree)
+    allowed = (jj < limit[:, None]) & (jj >= limit[:, None] - window) & ((jj < tstart[:, None]) | in_tree)
     s = tl.where(allowed, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -159,7 +163,7 @@ def _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache, 
 def _attend_item(
     item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
     item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-    kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale,
+    kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_pi, stride_ph,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -202,9 +206,11 @@ def _attend_item(
             tstart = limit
             path = path_tab + t0.to(tl.int64) * 64
             path_base = base
+    # key blocks wholly below every row's window are skipped (kept aligned to BLOCK_N)
+    lo = tl.maximum(lo, (tl.min(tl.where(row_ok, limit, hi), axis=0) - window) // BLOCK_N * BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _key_block(j, hi, q, m_i, l_i, acc, limit, tstart, bits, req, kvh, K_cache,
+        m_i, l_i, acc = _key_block(j, hi, q, m_i, l_i, acc, limit, window, tstart, bits, req, kvh, K_cache,
                                    V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
                                    d, d_ok, path, path_base, path_end, PAGE, DOT_PRECISION, EXACT)
 
@@ -386,6 +392,7 @@ class TritonBackend(AttentionBackend):
         self.share_tree_prefix = share_tree_prefix if share_tree_prefix is not None else \
             os.environ.get("SPECSERVE_EXACT_SHARED_PREFIX", "1") != "0"
         self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
+        self._tree_step = False  # the last plan has tree masks
         self.capture_exact = False  # set while graphs that replay steps with trees are captured
 
         # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more.
@@ -486,6 +493,7 @@ class TritonBackend(AttentionBackend):
             self.exact_fallbacks += 1
         cols.append([ni, nm])
         self._exact_step = exact
+        self._tree_step = bool(trees)
         self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
         if meta.seq_shift is not None:  # lengths known on the device only: every token's limits move
             shift = meta.seq_shift.to(torch.int32)
@@ -730,13 +738,16 @@ class TritonBackend(AttentionBackend):
                            self.head_dim, positions)
         return self._attend(layer, q)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         n = q.shape[0]
         write_kv(self.kv_caches[layer], self._slots[:n], k, v)
-        return self._attend(layer, q)
+        return self._attend(layer, q, window)
 
-    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Attention of q [T, H, D] over the cache, this step's K/V already written."""
+        if window is not None and self._tree_step:  # (a tree token's kv_limit is not its position)
+            raise ValueError("the triton backend has no sliding-window attention for tree tokens; use the torch backend")
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
         if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):  # (8-bit caches: q's dtype)
@@ -760,7 +771,7 @@ class TritonBackend(AttentionBackend):
             q, k_cache, v_cache, out, po, pl,
             it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"], it["pstride"],
             self._kv_limit, self._tree_start, self._tree_bits, self._path_tab, self._path_len, self._counts,
-            self._block_table, self._block_table.stride(0), self.scale * _LOG2E,
+            self._block_table, self._block_table.stride(0), self.scale * _LOG2E, window or _NO_WINDOW,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             po.stride(0), po.stride(1),
@@ -859,7 +870,7 @@ class TritonDecodeAttention(AttentionBackend):
             q, k_cache, v_cache, out, self._dummy, self._dummy,
             self._arange, self._arange, self._ones, self._zeros, seq, self._no_part, self._zeros,
             seq, seq, self._no_bits, self._zeros, self._zeros, self._zeros,  # (path, counts: EXACT variant only)
-            bt, bt.stride(0), self.scale * _LOG2E,
+            bt, bt.stride(0), self.scale * _LOG2E, _NO_WINDOW,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             0, 0,

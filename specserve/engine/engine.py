@@ -138,7 +138,8 @@ class LLMEngine:
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            # with the tokenizer's post-processor: a BOS where the model's tokenizer adds one (Gemma)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             text, ids = None, list(prompt)
             vocab = self.model_config.vocab_size

@@ -1,7 +1,8 @@
 """GGUF -> HF-style model directory (cached), via the ``gguf`` package.
 
 The first load of a GGUF dequantizes every tensor to fp32, renames it from llama.cpp's names
-to HF names, undoes llama.cpp's q/k row permutation (Llama only), builds config.json from the
+to HF names, undoes llama.cpp's q/k row permutation (Llama only) and its +1 on Gemma's norm
+weights (llama.cpp scales by the weight, HF by 1 + weight), builds config.json from the
 metadata and a fast tokenizer (tokenizer.json + tokenizer_config.json with the chat template)
 from the vocabulary, and writes all of it into a cache directory keyed by the file's path,
 size and mtime. Later loads are plain HF-directory loads.
@@ -33,6 +34,7 @@ _ARCHITECTURES = {  # general.architecture -> (HF architecture, model_type)
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 _GLOBAL_NAMES = {
@@ -53,16 +55,27 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms around both sublayers: llama.cpp's ffn_norm is the pre-feedforward one there
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# llama.cpp hard-codes what Gemma 3 GGUFs leave out: every 6th layer global, local RoPE base 1e4
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """llama.cpp tensor name -> HF parameter name (ValueError for names we do not know)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
 
 
@@ -216,7 +229,27 @@ def _hf_config(meta: _Meta, reader: Any, tensor_names: set[str]) -> dict[str, An
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         "torch_dtype": "float32",
     }
+    if meta.arch == "gemma3":
+        cfg.update(_gemma3_config(meta, cfg))
     return cfg
+
+
+def _gemma3_config(meta: _Meta, cfg: dict[str, Any]) -> dict[str, Any]:
+    n_layers = cfg["num_hidden_layers"]
+    pattern = int(meta.arch_get("attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN))
+    cap = meta.arch_get("final_logit_softcapping")
+    # llama.cpp: the 27B (62 layers) scales attention by (hidden / heads) ** -0.5, the others by head_dim
+    qpas = cfg["hidden_size"] // cfg["num_attention_heads"] if n_layers == 62 else cfg["head_dim"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(meta.require("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)],
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
+        "query_pre_attn_scalar": qpas,
+        "final_logit_softcapping": None if cap is None else _f32(cap),
+        "attn_logit_softcapping": None,
+    }
 
 
 def _rope_scaling(meta: _Meta, reader: Any, tensor_names: set[str], head_dim: int) -> dict[str, Any] | None:
@@ -263,18 +296,21 @@ def _write_weights(reader: Any, meta: _Meta, hf_config: dict[str, Any], out_dir:
     n_heads = hf_config["num_attention_heads"]
     n_kv = hf_config["num_key_value_heads"]
     permute = meta.arch == "llama"
+    norm_offset = 1.0 if meta.arch == "gemma3" else 0.0
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into rope_scaling
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, meta.arch)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_qk(w, n_heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, n_kv)
+        elif norm_offset and name.endswith("norm.weight"):
+            w = w - norm_offset
         tensor = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
         if size + tensor.nbytes > _SHARD_BYTES and shards[-1]:
             shards.append({})

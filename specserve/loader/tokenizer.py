@@ -122,7 +122,7 @@ class Tokenizer:
     ) -> str:
         """Render the chat template to a prompt string (special tokens as literal text)."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
+            raise ValueError("this tokenizer has no chat template (a base model): send a plain prompt (/v1/completions) instead")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         return self._template.render(

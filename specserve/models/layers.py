@@ -85,6 +85,18 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight stored as an offset from one, normalised and scaled by (1 + weight)
+    in fp32, then cast back, as transformers does (a bf16 1 + weight would round it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = x + residual
+        return self.forward(s), s
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: normalised in fp32 by one fused op, cast back, then times the
     weight, bit for bit what transformers computes (with the weight inside the op, bf16 would round
@@ -119,19 +131,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) (tanh approximation, HF's gelu_pytorch_tanh) * up for gate_up = [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+_GATED_ACTS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2*I, H] matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one [2*I, H] matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        if hidden_act not in _GATED_ACTS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: implemented are {', '.join(_GATED_ACTS)}")
+        self.act_mul = _GATED_ACTS[hidden_act]
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.models.gemma3 import Gemma3ForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -16,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +54,8 @@ def build_model(
         raise ValueError(
             f"unsupported architecture {config.architecture!r}; supported: {', '.join(supported_architectures())}"
         )
+    if cls is not Gemma3ForCausalLM and any(config.layer_window(i) for i in range(config.num_hidden_layers)):
+        raise ValueError(f"{config.architecture} with sliding-window layers is not supported (only Gemma 3's are)")
     dtype = resolve_dtype(dtype)
     with torch.device(device), _default_dtype(dtype):
         model = cls(config)
