@@ -654,21 +654,26 @@ def test_deferred_bookkeeping_leaves_every_decision_as_it_was():
     assert len({tuple(k) for k in now}) > 3  # the loop did decide (several depths), not sit at one
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_an_explorations_first_cycle_holding_the_seconds_drafts_is_not_measured(fuse):
-    """fuse_explorations: where an exploration's second cycle is decided before the sync (decide_early),
-    the first one (in flight, its window holding the second's drafts) is charged, not measured; a
-    cycle followed early by another depth, or without the flag, stays measured."""
+@pytest.mark.parametrize("early", [False, True])
+def test_an_explorations_first_cycle_holding_the_seconds_drafts_is_not_measured(early):
+    """Where an exploration's second cycle is decided before the sync (decide_early), the first one (in
+    flight, its window holding the second's drafts) is charged, not measured; a cycle followed early by
+    another depth, or by a decision taken after the sync, stays measured."""
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
-    ctl.fuse_explorations = fuse
     picks = iter([(2, True), (2, True), (3, False), (1, True), (3, True)])
     ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: next(picks)
     reqs = [R("a")]
     ctl.decide(reqs, [3], 1, 0)  # an exploration's first cycle (depth 2)
     first = ctl._cycle
-    _, second = ctl.decide_early(reqs, [3], 1, 0)  # its second, before the first's outcome
+    if early:
+        _, second = ctl.decide_early(reqs, [3], 1, 0)  # its second, before the first's outcome
+        assert ctl._cycle is first
+    else:
+        ctl.detach_cycle()
+        ctl.decide(reqs, [3], 1, 0)
+        second = ctl.detach_cycle()
     assert second is not None and second.exploring and second.measured
-    assert ctl._cycle is first and first.measured == (not fuse)
+    assert first.measured == (not early)
     ctl.install_cycle(second)
     _, after = ctl.decide_early(reqs, [3], 1, 0)  # the exploited depth again: the second stays measured
     assert second.measured and after is not None and not after.exploring
@@ -715,9 +720,6 @@ def test_full_decisions_before_the_sync_where_sure_or_a_second_cycle():
     b.visits[0] = 40
     b._explore_again[0] = 2  # an exploration's second cycle is due: it may explore (cannot_explore: no)
     assert not b.cannot_explore(0) and b.second_cycle_due(0)
-    ctl.fuse_explorations = False
-    assert not ctl.full_early(1)
-    ctl.fuse_explorations = True
     assert ctl.full_early(1)
     del b._explore_again[0]
     assert ctl.full_early(1) == b.cannot_explore(0)  # visit 40: not an exploration turn, sure
@@ -819,12 +821,14 @@ def test_a_cycles_reference_time_is_looked_up_from_the_frozen_profile_and_comput
     ctl = controller(profiled=True)
     ref = ctl._reference()
     assert ref is not ctl.cost  # a frozen copy of the profile
-    want = ref.step_time(4, 4)
+    want = 0.064  # the profile at 4 tokens: true_ms(4) = 60 + 4 ms
+    assert ref.step_time(4, 4) == pytest.approx(want)
     for _ in range(40):  # the live model learns that steps take 3x the profile; the reference does not
         assert cycle_predicted(ctl, 3 * want) == pytest.approx(want)
     assert ctl.cost.step_time(4, 4) > 2 * want
-    with_prompt = ref.step_time(12, 4) - (ref.step_time(12, 4) - ref.step_time(4, 4))  # its prompt's share out
-    assert cycle_predicted(ctl, 0.01, prefill=8) == pytest.approx(with_prompt)
+    # 12 tokens, 8 of them prompt: T(12) = 72 ms (between 8: 68 and 16: 76) less the prompt's share
+    # T(12) - T(4) = 8 ms -> 64 ms (72 with the share left in)
+    assert cycle_predicted(ctl, 0.01, prefill=8) == pytest.approx(0.064)
     assert set(ctl._reference_steps) == {(4, 4, 4, 0), (12, 4, 4, 8)}
     live = controller(profiled=False)  # no profile: the reference is the live model, whose answer moves
     first = [cycle_predicted(live, 0.004) for _ in range(8)]
