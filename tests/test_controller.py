@@ -834,3 +834,61 @@ def test_a_cycles_reference_time_is_looked_up_from_the_frozen_profile_and_comput
     first = [cycle_predicted(live, 0.004) for _ in range(8)]
     later = [cycle_predicted(live, 0.020) for _ in range(40)]
     assert later[-1] > 2 * first[-1] and not live._reference_steps
+
+
+def test_the_adaptive_policy_config_is_validated_and_loaded_from_json(tmp_path):
+    import argparse
+    import json
+
+    from specserve.config import AdaptivePolicyConfig
+    from specserve.engine.args import add_engine_args, engine_config_from_args
+
+    for bad in ({"margin": -0.1}, {"decay": 1.5}, {"full_every": 0}, {"explore_every": 2.5}, {"z": "1"},
+                {"prior_cv": 0.0}, {"cut_min_batch": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AdaptivePolicyConfig(**bad)
+    with pytest.raises(ValueError, match="unknown key.*marign"):
+        AdaptivePolicyConfig.from_dict({"marign": 0.01})
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"margin": 0.05, "full_every": 8}))
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    cfg = engine_config_from_args(ap.parse_args(["--speculative-algorithm", "EAGLE3",
+                                                 "--speculative-adaptive-config", str(path)]))
+    assert cfg.speculative.adaptive == AdaptivePolicyConfig(margin=0.05, full_every=8)
+    assert cfg.speculative.recalibrate is False
+    path.write_text(json.dumps({"margin": 0.05, "explore": 3}))
+    with pytest.raises(ValueError, match="policy.json.*unknown key.*explore"):
+        SpeculativeConfig(adaptive=str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        SpeculativeConfig(adaptive=str(path))
+    with pytest.raises(ValueError, match="no_such.json"):
+        SpeculativeConfig(adaptive=str(tmp_path / "no_such.json"))
+    assert engine_config_from_args(ap.parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-recalibrate"])
+                                   ).speculative.recalibrate
+
+
+def test_the_controller_and_its_bandit_decide_by_the_config():
+    from specserve.config import AdaptivePolicyConfig
+
+    def full_and_explored(**policy) -> tuple[int, int]:
+        ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3, adaptive=AdaptivePolicyConfig(**policy)),
+                             cost=step_cost(CPU_LIKE))
+        assert ctl.bandit.cfg is ctl.policy
+        full = 0
+        for i in range(256):
+            if ctl.quick_arm(1) is None:
+                full += 1
+                ctl.decide([R("a")], [3], 1, 0)
+            else:
+                ctl.uniform([R("a")], ctl.bandit.chosen[0], [3])
+            ctl.observe("a", 3, 1)
+            ctl.end_cycle(0.05)
+        return full, ctl.explorations
+
+    full4, explored = full_and_explored()
+    full8, _ = full_and_explored(full_every=8)
+    _, never = full_and_explored(explore_every=0)
+    assert explored > 0 and never == 0
+    assert full8 < full4 and full4 >= 256 // 4
