@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import os
 import time
@@ -25,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 EXACT = 16
 GRID: tuple[int, ...] = (*range(1, EXACT + 1), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
                          224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 3072, 4096)
@@ -425,14 +427,16 @@ class Measurement:
 
 def measure(points: list[int], fn: Callable[[int], None], rounds: int = 3, repeats: int = 3,
             recheck_spread: float = 0.15, sync: Callable[[], None] | None = None,
-            clock: Callable[[], float] = time.perf_counter, budget_s: float = float("inf")) -> Measurement:
+            clock: Callable[[], float] = time.perf_counter, budget_s: float = float("inf"),
+            label: str = "step costs") -> Measurement:
     """Seconds of fn(n) for every n in points.
 
     Each round visits every point in turn (alternately up and down), taking the median of
     ``repeats`` calls, so a burst of background load spoils one round of many points rather than
     every round of one point. The result per point is the median over rounds; a point whose round
     medians spread by more than ``recheck_spread`` gets two more rounds (the quick re-check).
-    Past ``budget_s`` no further round starts (the first always completes).
+    Past ``budget_s`` no further round starts (the first always completes). Each round is logged
+    (``label``: what is profiled) as progress.
     """
     start = clock()
 
@@ -464,6 +468,8 @@ def measure(points: list[int], fn: Callable[[int], None], rounds: int = 3, repea
             else:
                 per[n].append(once(n))
         done += 1
+        log.info("profiling %s: round %d of %d over %d points (%.1fs)", label, done, rounds, len(points),
+                 clock() - start)
 
     def spread(n: int) -> float:
         v = per[n]
