@@ -8,7 +8,8 @@ import pytest
 from specserve.config import SpeculativeConfig
 from specserve.engine.request import Status
 from specserve.speculative.policy.bandit import batch_key
-from specserve.speculative.policy.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
+from specserve.speculative.policy.controller import SpecController
+from specserve.speculative.policy.priors import AcceptanceStats, arm_depths, arm_priors
 from specserve.speculative.policy.cost_model import CostModel, Curve
 
 
@@ -164,7 +165,7 @@ def test_a_useless_head_is_turned_off_and_rarely_tried():
         else:
             ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
         ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-        ctl.observe("a", ks[0], 0)
+        ctl.observe_request("a", ks[0], 0)
         ctl.end_cycle((true_ms(1 + ks[0]) + ks[0] * true_draft_ms(1)) * 1e-3)
     assert ctl.overall.rates()[0] < 0.1
     assert sum(v for k, v in ctl.k_histogram.items() if k) < 80  # drafted in under 20 % of decisions
@@ -230,7 +231,7 @@ def simulate(B: int, profile: dict[int, float], steps: int = 600, seed: int = 0)
             a = 0
             while a < k and rng.random() < COND[a]:
                 a += 1
-            ctl.observe(r.request_id, int(k), a)
+            ctl.observe_request(r.request_id, int(k), a)
         ctl.end_cycle(target + draft + HOST_MS * 1e-3)
         if step >= steps - 200:
             got.append(true_goodput(B, int(round(ks.mean()))))
@@ -315,7 +316,7 @@ def simulate_closed_loop(B: int, forced: int | None = None, steps: int = 3000, s
             a = 0
             while a < k and rng.random() < COND[a]:
                 a += 1
-            ctl.observe(r.request_id, int(k), a)
+            ctl.observe_request(r.request_id, int(k), a)
             got += a + 1
             if left - a - 1 <= 0:  # finished: a new user's prompt is prefilled next step
                 ctl.forget(r.request_id)
@@ -350,7 +351,7 @@ def test_observe_many_is_observe_per_request():
     steps = [(["a", "b", "c"], [3, 0, 2], [1, 0, 2]), (["a", "c"], [3, 2], [3, 0]), (["b"], [1], [1])]
     for ids, ks, acc in steps:
         for rid, k, a in zip(ids, ks, acc):
-            one.observe(rid, k, a)
+            one.observe_request(rid, k, a)
         many.observe_many(ids, ks, acc)
     assert one.per_request.keys() == many.per_request.keys() == {"a", "b", "c"}
     for rid in one.per_request:
@@ -377,7 +378,7 @@ def one_request_cycles(ctl: SpecController, n: int, after_full, cycle_s: float |
             ctl.count_off(1)
             ks = [0]
         ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-        ctl.observe("a", ks[0], min(ks[0], 2))
+        ctl.observe_request("a", ks[0], min(ks[0], 2))
         ctl.end_cycle(cycle_s if cycle_s is not None else true_ms(1 + ks[0]) * 1e-3)
         ctl.flush()
     return out
@@ -591,7 +592,7 @@ def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free
         a = 0
         while a < k and rng.random() < rates[a]:
             a += 1
-        ctl.observe(req.request_id, k, a)
+        ctl.observe_request(req.request_id, k, a)
         ctl.end_cycle(seconds)
         if rates is hard and step >= 600:
             hard_steps += 1
@@ -883,7 +884,7 @@ def test_the_controller_and_its_bandit_decide_by_the_config():
                 ctl.decide([R("a")], [3], 1, 0)
             else:
                 ctl.uniform([R("a")], ctl.bandit.chosen[0], [3])
-            ctl.observe("a", 3, 1)
+            ctl.observe_request("a", 3, 1)
             ctl.end_cycle(0.05)
         return full, ctl.explorations
 
@@ -892,3 +893,111 @@ def test_the_controller_and_its_bandit_decide_by_the_config():
     _, never = full_and_explored(explore_every=0)
     assert explored > 0 and never == 0
     assert full8 < full4 and full4 >= 256 // 4
+
+
+def _drive(narrow: bool, cfg: SpeculativeConfig, B: int, steps: int, seed: int, pipelined: bool):
+    """A drafter-shaped loop over ``steps`` steps of ``B`` requests (each replaced when done), deciding by
+    the narrow interface (decide(Batch) / observe(StepOutcome)) or by the entry points it is made of, as
+    the drafter calls them; ``pipelined``: two steps in three try to decide before the step's outcome."""
+    from itertools import count
+
+    from specserve.speculative.policy.controller import Batch, StepOutcome
+
+    rng = np.random.default_rng(seed)
+    ticks = count()
+    ctl = SpecController(cfg, defer=True, clock=lambda: next(ticks) * 1e-4,
+                         cost=CostModel(target=Curve({n: true_ms(n) * 1e-3 for n in (1, 2, 4, 8, 16, 32, 64, 128)}),
+                                        draft=Curve({1: 0.004, 64: 0.010})))
+    ids = count()
+    reqs = [[R(str(next(ids))), int(rng.integers(16, 80))] for _ in range(B)]
+    ks, seen = [0] * B, []
+    for step in range(steps):
+        ctl.flush()
+        n = B + sum(ks)
+        prefill = 24 if step % 5 == 0 else 0
+        target = true_ms(n + prefill) * 1e-3 * rng.lognormal(0, 0.08)
+        acc = []
+        for k in ks:
+            a = 0
+            while a < k and rng.random() < COND[min(a, 2)]:
+                a += 1
+            acc.append(a)
+        draft_s = 0.004 * max(ks) if any(ks) else 0.0
+        cycle_s = target + draft_s + HOST_MS * 1e-3
+        ids_now = [r.request_id for r, _ in reqs]
+        for i, a in enumerate(acc):
+            reqs[i][1] -= a + 1
+            if reqs[i][1] <= 0:
+                reqs[i] = [R(str(next(ids))), int(rng.integers(16, 80))]
+        caps = [min(cfg.num_steps, max(left - 1, 0)) for _, left in reqs]
+        batch = Batch([r for r, _ in reqs], caps, B, prefill, behind=step % 7, never_draft=int(step % 11 == 0))
+        early = pipelined and step % 3 != 0
+        if narrow:
+            nxt = ctl.decide(batch, early=True) if early else None
+            ctl.observe(StepOutcome(ids_now, list(ks), acc, n + prefill, target, cycle_s, prefill_tokens=prefill,
+                                    draft_seconds=draft_s))
+            ks = nxt if nxt is not None else ctl.decide(batch)
+        else:
+            pre_arm = pre = None
+            if early:
+                plain = ctl._cycle is None or ctl._cycle.arm == 0
+                if plain and ctl.plain_second_cycle(B):
+                    pre_arm = 0
+                elif (arm := ctl.quick_arm(B, B)) is not None:
+                    pre_arm = arm
+                elif ctl.plain_full_early(B) if plain else all(caps) and ctl.full_early(B):
+                    pre = ctl.decide_early(batch.requests, caps, B, prefill, batch.behind)
+            if any(ks) or ctl.cycle_open:
+                ctl.observe_many(ids_now, list(ks), acc)
+            ctl.observe_step(n + prefill, B, target, prefill, B)
+            if any(ks):
+                ctl.observe_draft(sum(1 for k in ks if k), max(ks), draft_s)
+            prev = ctl.detach_cycle()
+            arm = pre_arm if pre_arm is not None or pre is not None else ctl.quick_arm(B, B)
+            if pre is not None:
+                ks = pre[0]
+                ctl.install_cycle(pre[1])
+            elif arm == 0:
+                ctl.count_off(B)
+                ks = [0] * B
+            elif arm is not None:
+                ks = ctl.uniform(batch.requests, arm, caps)
+            else:
+                ks = ctl.decide(batch.requests, caps, B, prefill, batch.behind)
+                ctl.observe_decide(1e-4)
+            ctl.mixed_batch(ks, batch.never_draft)
+            ctl.finish_cycle(prev, cycle_s)
+        seen.append(list(ks))
+    snap = ctl.snapshot()
+    return seen, {k: v for k, v in snap.items() if k != "cost"}
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("B", [1, 6])
+def test_decide_and_observe_decide_as_the_entry_points_they_are_made_of(B, pipelined):
+    cfg = SpeculativeConfig(policy="adaptive", num_steps=3)
+    narrow, snap = _drive(True, cfg, B, 600, seed=B, pipelined=pipelined)
+    parts, snap_parts = _drive(False, cfg, B, 600, seed=B, pipelined=pipelined)
+    assert narrow == parts and snap == snap_parts
+    assert snap["explorations"] > 0 and len({k for ks in narrow for k in ks}) >= 3  # it did decide
+    assert snap["cycles"] > 300
+
+
+def test_an_early_decision_waits_for_what_it_needs_and_takes_effect_at_observe():
+    from specserve.speculative.policy.controller import Batch, StepOutcome
+
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
+    batch = Batch([R("a")], [3], 1)
+    ks = ctl.decide(batch)
+    in_flight = ctl._cycle
+    b = ctl.bandit
+    b.chosen[0], b.visits[0] = 2, 3  # a warm-up exploration turn: it may explore, so it waits
+    assert ctl.decide(batch, early=True) is None and ctl._next is None and b.visits[0] == 3
+    b.visits[0] = 5  # a quick turn: the pick, known before the outcome
+    assert ctl.decide(batch, early=True) == [2] and b.visits[0] == 6
+    assert ctl._cycle is in_flight and ctl._next is not None and ctl._next.arm == 2
+    nxt = ctl._next
+    ctl.observe(StepOutcome(["a"], ks, [1], 1 + ks[0], 0.05, 0.06))
+    assert ctl._cycle is nxt and ctl._next is None
+    static = SpecController(SpeculativeConfig(policy="static", num_steps=3))
+    assert static.decide(Batch([R("a"), R("b")], [3, 1], 2), early=True) == [3, 1]

@@ -1,23 +1,19 @@
 """How many tokens each request drafts next step (0 = plain decode).
 
 Policies: ``static`` (every request drafts its cap), ``threshold`` (off while more than N requests
-run, with hysteresis) and ``adaptive``, which maximises committed tokens per second:
-
-    goodput = sum_r E_r(k_r) / (T(n + P + sum_r k_r) - (T(n + P) - T(n)) + D(k))
-
-n decoding requests, P prompt tokens sharing the step (their own share left out: the same at every
-depth), E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (conditional acceptance per position, per
-request, shrunk towards the overall rate), T the target step time, D the draft time. The choice is
-among uniform depths d = 0..K (arms; a tree is off or whole) per batch-size bucket, by the measured
-goodput of ``GoodputBandit`` with these predictions as priors (``arm_priors``). Within an arm a
-request drafts min(d, its cap), less where its own acceptance is far below the mean (``arm_depths``).
-The controller holds no clock: the caller reports each cycle's wall time and accepted counts.
+run, with hysteresis) and ``adaptive``: among uniform depths d = 0..K (arms; a tree is off or whole)
+per batch-size bucket, the best measured goodput (``GoodputBandit``) with the models' predictions as
+priors (priors.py). Within an arm a request drafts min(d, its cap), less where its own acceptance is
+far below the mean (``arm_depths``). The caller reports each cycle's wall time and accepted counts
+(the controller times only its own full decisions). The narrow interface: ``decide(Batch) -> k per request`` and
+``observe(StepOutcome)``; the other public methods are its parts, for a caller that pipelines.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,95 +23,9 @@ import numpy as np
 from specserve.config import SpeculativeConfig
 from specserve.speculative.policy.bandit import GoodputBandit, batch_key, bucket_batch, shallower_tokens
 from specserve.speculative.policy.cost_model import CostModel, LinearCost
+from specserve.speculative.policy.priors import AcceptanceStats, arm_depths, arm_priors, prefill_share
 
-Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
 ACCEPT_DECAY = 0.999  # per request observed: the overall acceptance rates' memory
-
-
-def arm_depths(arms: np.ndarray, cumacc: np.ndarray, caps: np.ndarray, overall: np.ndarray,
-               relative: float = 0.5) -> np.ndarray:
-    """[arms, B] depth per request under each uniform depth d: min(d, cap), less (down to one token)
-    where the request's expected gain at a position is under ``relative`` x the mean request's at d."""
-    K = cumacc.shape[1]
-    d = np.minimum(arms[:, None], caps[None, :])
-    if K == 0:
-        return np.zeros_like(d)
-    floor = relative * overall[np.clip(arms - 1, 0, K - 1)]  # [arms]
-    worth = (cumacc[None, :, :] >= floor[:, None, None]).sum(axis=2)  # cumacc falls with depth: a prefix
-    # at least one token: a request that drafts nothing is never measured again
-    return np.where(arms[:, None] > 0, np.minimum(d, np.maximum(worth, 1)), 0)
-
-
-def prefill_share(cost: CostModel, decode_tokens: int, prefill_tokens: int, num_seqs: int) -> float:
-    """Seconds the prompt tokens add to a step of ``decode_tokens`` other tokens, by ``cost``."""
-    if prefill_tokens <= 0:
-        return 0.0
-    with_prompts = cost.step_time(decode_tokens + prefill_tokens, num_seqs)
-    return max(with_prompts - cost.step_time(max(decode_tokens, 1), num_seqs), 0.0)
-
-
-def arm_priors(arms: np.ndarray, ks: np.ndarray, cumacc: np.ndarray, n_base: int, cost: CostModel,
-               tree: Tree | None = None, prefill: int = 0) -> tuple[list[tuple[float, float]], list[float]]:
-    """The cost model's (expected tokens, seconds) of a cycle under each arm's depths ks [arms, B]
-    (``n_base`` decoding requests, ``prefill`` prompt tokens' own share left out), and its drafting seconds."""
-    B, K = cumacc.shape
-    csum = np.concatenate([np.zeros((B, 1)), np.cumsum(cumacc, axis=1)], axis=1)
-    tokens = B + csum[np.arange(B)[None, :], np.minimum(ks, K)].sum(axis=1)
-    depth = int(ks.max(initial=0))
-    if tree is None:
-        verify = ks.sum(axis=1)
-        counts = (ks[:, :, None] >= np.arange(1, depth + 1)[None, None, :]).sum(axis=1)  # [arms, depth] drafting
-    else:
-        nodes, topk = tree
-        on = (ks > 0).sum(axis=1)
-        verify = on * nodes
-        counts = np.where(np.arange(depth)[None, :] < ks.max(axis=1)[:, None],
-                          np.where(np.arange(depth)[None, :] == 0, on[:, None], on[:, None] * topk), 0)
-    draft = np.zeros(counts.shape)
-    if counts.size:
-        nz = counts > 0
-        draft[nz] = cost.draft.predict_many(counts[nz])
-    drafting = draft.sum(axis=1)
-    seconds = cost.step_times(n_base + prefill + verify, B) - prefill_share(cost, n_base, prefill, B) + drafting
-    return [(float(t), float(s)) for t, s in zip(tokens, seconds)], [float(d) for d in drafting]
-
-
-@dataclass
-class AcceptanceStats:
-    """Conditional acceptance per draft position: accepted[j] / drafted[j] (plain lists: cheaper than
-    numpy at one request per call)."""
-
-    drafted: list[float]
-    accepted: list[float]
-
-    @classmethod
-    def zeros(cls, k: int) -> "AcceptanceStats":
-        return cls([0.0] * k, [0.0] * k)
-
-    def observe(self, k: int, a: int, decay: float = 1.0) -> None:
-        if decay < 1.0:
-            self.drafted = [x * decay for x in self.drafted]
-            self.accepted = [x * decay for x in self.accepted]
-        for j in range(min(k, a + 1)):  # position j was reached iff all before it were accepted: j <= a
-            self.drafted[j] += 1
-        for j in range(a):
-            self.accepted[j] += 1
-
-    prior_strength = 4.0  # pseudo-observations of the overall rate in a request's own
-
-    def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = prior_strength,
-              unseen: float = 0.7, chain_strength: float = 8.0, first_strength: float = 2.0) -> list[float]:
-        """Per-position rates; with ``prior``, shrunk towards it by ``strength`` pseudo-observations.
-        Without, position 0 shrinks towards ``unseen`` and each later one towards the one before it."""
-        if prior is not None:
-            return [(a + strength * p) / (d + strength) for a, d, p in zip(self.accepted, self.drafted, prior)]
-        out = []
-        prev = unseen
-        for j, (d, a) in enumerate(zip(self.drafted, self.accepted)):
-            w = first_strength if j == 0 else chain_strength
-            prev = (a + w * prev) / (d + w) if d + w > 0 else prev
-            out.append(prev)
-        return out
 
 
 @dataclass
@@ -138,27 +48,32 @@ class Cycle:
 
 @dataclass(frozen=True)
 class Batch:
-    """What ``decide`` needs of the requests about to step."""
+    """The requests about to step, for ``decide``."""
 
     requests: list  # each with .request_id
     caps: list[int]  # most draft tokens each may take
     num_running: int
     prefill_tokens: int = 0  # prompt tokens sharing the step
     behind: int = 0  # tokens whose draft KV drafting would first catch up
+    never_draft: int = 0  # of ``requests``, those that cannot draft (blocks without draft KV)
 
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What one engine step did, for ``observe``."""
+    """What the step of the last decision did, for ``observe``."""
 
-    request_ids: list[str]
-    drafted: list[int]  # per request: depth it verified (0: plain)
-    accepted: list[int]  # per request
+    request_ids: list[str]  # the requests that sampled
+    drafted: list[int]  # per request: the depth it verified (0: plain)
+    accepted: list[int]  # per request: drafts accepted
     num_tokens: int  # in the target step
     seconds: float  # of the target step
+    cycle_seconds: float  # wall time from the decision to now
+    num_seqs: int | None = None  # requests in the target step (None: len(request_ids))
     prefill_tokens: int = 0  # prompt tokens before each prompt's last
-    cycle_seconds: float = 0.0  # wall time from the decision to now (ends the cycle at the next decide)
-    draft_seconds: float = 0.0  # of the draft loop, over max(drafted) steps
+    own_time: bool = True  # False: ``seconds`` includes device work queued before the step
+    draft_seconds: float = 0.0  # of its draft loop (max(drafted) steps), a catch-up after plain steps excluded
+    caught_up: int = 0  # tokens a catch-up after plain steps passed over (0: none) ...
+    catch_up_seconds: float = 0.0  # ... and its seconds
 
 
 @dataclass
@@ -194,7 +109,8 @@ class SpecController:
     _cycle_s: float = 0.0
     catch_up_cost: LinearCost = field(default_factory=LinearCost)  # catch-ups after plain decoding
     switch_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> predicted catch-up, last full decision
-    _last_outcome_s: float = 0.0  # ``observe``'s cycle seconds, for the next ``decide``
+    _next: Cycle | None = None  # an early decision's cycle: current once ``observe`` ends the one in flight
+    clock: Callable[[], float] = time.perf_counter  # times ``decide(Batch)``'s full decisions (host seconds)
 
     # Launch-path settings the drafter reads (drafter.py); not policy. ``early_verify`` is set by the
     # drafter (True on a GPU); the rest are constant and can go once the drafter uses decide/observe.
@@ -213,7 +129,8 @@ class SpecController:
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
 
     # -- observations ------------------------------------------------------------------------
-    def observe(self, request_id: str, k: int, accepted: int) -> None:
+    def observe_request(self, request_id: str, k: int, accepted: int) -> None:
+        """Request ``request_id`` verified ``k`` drafts and accepted ``accepted``."""
         c = self._cycle
         if c is not None and c.request_ids is not None and request_id in c.request_ids:
             c.tokens += accepted + 1
@@ -224,7 +141,7 @@ class SpecController:
         st.observe(k, accepted)
 
     def observe_many(self, request_ids: list[str], ks: list[int], accepted: list[int]) -> None:
-        """``observe`` for every request of a step at once (the overall rates decay once, by ACCEPT_DECAY**n)."""
+        """``observe_request`` for every request of a step (the overall rates decay once, by ACCEPT_DECAY**n)."""
         c = self._cycle
         if c is not None and c.request_ids is not None:
             mine = [a for rid, a in zip(request_ids, accepted) if rid in c.request_ids]
@@ -324,8 +241,11 @@ class SpecController:
     def mixed_batch(self, ks: list[int] | np.ndarray, never_draft: int) -> None:
         """A drafting decision where ``never_draft`` requests cannot draft: above ``nodraft_share_limit``
         of the batch its cycle is charged, not measured (it is not the arm's)."""
-        if never_draft > self.policy.nodraft_share_limit * len(ks) and any(k > 0 for k in ks):
-            self.skip_cycle()
+        self._mixed(self._cycle, ks, never_draft)
+
+    def _mixed(self, c: Cycle | None, ks: list[int] | np.ndarray, never_draft: int) -> None:
+        if c is not None and never_draft > self.policy.nodraft_share_limit * len(ks) and any(k > 0 for k in ks):
+            c.measured = False
 
     def plain_second_cycle(self, batch: int) -> bool:
         """Take the next decision now, before the sync, where it is plain decoding's second exploration
@@ -481,11 +401,78 @@ class SpecController:
         (_, predicted), = arm_priors(np.array([arm]), ks, np.zeros((batch, K)), batch, self._reference(), tree)[0]
         self.bandit.seed(batch_key(batch), arm, predicted, seconds, batch, cycles)
 
+    # -- the narrow interface: decide(Batch) -> k per request, observe(StepOutcome) --------------
+    def decide(self, batch: Batch | list, caps: list[int] | None = None, num_running: int = 0,
+               prefill_tokens: int = 0, behind: int = 0, early: bool = False) -> list[int] | None:
+        """k per request of ``batch``. ``early``: before the outcome of the step in flight (its ``observe``
+        then makes this decision current); None where the decision needs that outcome.
+        ``decide(requests, caps, num_running, prefill_tokens, behind)``: the arms weighed now."""
+        if isinstance(batch, Batch):
+            return self._decide_early(batch) if early else self._decide_now(batch)
+        return self._decide_full(batch, caps or [], num_running, prefill_tokens, behind)
+
+    def observe(self, o: StepOutcome) -> None:
+        """What the step of the last decision did; ends its cycle (and makes an early decision current)."""
+        if any(o.drafted) or self.cycle_open:
+            self.observe_many(o.request_ids, o.drafted, o.accepted)
+        n = len(o.request_ids)
+        self.observe_step(o.num_tokens, o.num_seqs or n, o.seconds, o.prefill_tokens, n, o.own_time)
+        if o.draft_seconds > 0 and any(o.drafted):
+            self.observe_draft(sum(1 for k in o.drafted if k), max(o.drafted), o.draft_seconds)
+        if o.caught_up:
+            self.skip_cycle()
+            self.observe_catch_up(o.caught_up, o.catch_up_seconds)
+        prev, self._cycle, self._next = self._cycle, self._next, None
+        self.finish_cycle(prev, o.cycle_seconds)
+
+    def _decide_now(self, batch: Batch) -> list[int]:
+        B = len(batch.requests)
+        arm = self.forced_arm if self.forced_arm is not None else self.quick_arm(B, batch.num_running)
+        if arm == 0:
+            self.count_off(B)
+            ks = [0] * B
+        elif arm is not None:
+            ks = self.uniform(batch.requests, arm, batch.caps)
+        else:
+            t0 = self.clock()
+            ks = self.decide(batch.requests, batch.caps, batch.num_running, batch.prefill_tokens, batch.behind)
+            self.observe_decide(self.clock() - t0)
+        self._mixed(self._cycle, ks, batch.never_draft)
+        return ks
+
+    def _decide_early(self, batch: Batch) -> list[int] | None:
+        """The drafter's launch-ahead decisions: the pick (or plain decoding's second exploration cycle
+        after a plain step), or a full decision sure not to need the outcome in flight."""
+        B = len(batch.requests)
+        plain = self._cycle is None or self._cycle.arm == 0
+        arm = self.forced_arm
+        if arm is None and plain and self.plain_second_cycle(B):
+            arm = 0
+        elif arm is None:
+            arm = self.quick_arm(B, batch.num_running)
+        if arm is None:
+            if self.cfg.policy == "adaptive":
+                sure = self.plain_full_early(B) if plain else all(batch.caps) and self.full_early(B)
+            else:
+                sure = self.cfg.policy == "static"
+            if not sure:
+                return None
+            ks, self._next = self.decide_early(batch.requests, batch.caps, batch.num_running,
+                                               batch.prefill_tokens, batch.behind)
+        else:
+            in_flight = self.detach_cycle()
+            ks = [0] * B if arm == 0 else self.uniform(batch.requests, arm, batch.caps)
+            if arm == 0:
+                self.count_off(B)
+            self._next, self._cycle = self.detach_cycle(), in_flight
+        self._mixed(self._next, ks, batch.never_draft)
+        return ks
+
     # -- decision ----------------------------------------------------------------------------
-    def decide(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int,
-               behind: int = 0) -> list[int]:
-        """k per request; ``behind``: tokens whose draft KV drafting would first catch up (its cost is
-        what an exploration out of plain decoding pays before its first draft)."""
+    def _decide_full(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int,
+                     behind: int = 0) -> list[int]:
+        """k per request, the arms weighed; ``behind``: tokens whose draft KV drafting would first catch
+        up (what an exploration out of plain decoding pays before its first draft)."""
         caps_a = np.asarray(caps, dtype=np.int64)
         policy = self.cfg.policy
         exploring = False
