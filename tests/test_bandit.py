@@ -661,24 +661,6 @@ def test_an_exploration_turn_whose_budget_is_spent_is_a_quick_decision():
     assert full_turns < spent_turns, (full_turns, spent_turns)
 
 
-def test_an_explorations_measured_cycle_is_in_flight_until_the_next_decision():
-    """exploration_in_flight: true right after choose returned an exploration's second cycle (the one
-    measured), false once any later decision of the bucket is counted (a full one or a quick one)."""
-    b = bandit()
-    priors = {0: (1.0, 0.010), 1: (1.6, 0.012), 2: (2.0, 0.014)}
-    seen = 0
-    for _ in range(200):
-        arm, exploring = b.choose(0, priors)
-        second = exploring and 0 not in b._explore_again
-        assert b.exploration_in_flight(0) == second
-        seen += second
-        b.observe(0, arm, priors[arm][1], priors[arm][0], priors[arm][1])
-        if second:
-            b.visits[0] += 1  # a quick decision (controller.quick_arm counts it so)
-            assert not b.exploration_in_flight(0)
-    assert seen > 3
-
-
 def test_a_chain_cycle_also_measures_the_tokens_of_every_shallower_depth():
     """The first e drafts of a depth-d chain are depth e's, so a cycle of depth 5 says what depths 1-4
     would have committed (tokens_at): their tokens per request are measured without running them."""

@@ -152,7 +152,6 @@ class GoodputBandit:
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     _explore_again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
     _plain_turn: dict[int, bool] = field(default_factory=dict)  # bucket -> plain decoding's turn to be explored
-    _measured_at: dict[int, int] = field(default_factory=dict)  # bucket -> visit of its last exploration's 2nd cycle
 
     def excess_per_request(self) -> float:
         """Measured minus predicted seconds per cycle and request, over every bucket."""
@@ -257,7 +256,6 @@ class GoodputBandit:
         self.visits[key] = visit + 1
         again = self._explore_again.pop(key, None)
         if again in est:  # an exploration's second cycle (its first paid the switch)
-            self._measured_at[key] = visit
             return again, True
         arms = self.stats.get(key, {})
         # past the warm-up the pick is among arms served in this bucket (not known by priors or seeds alone)
@@ -340,15 +338,9 @@ class GoodputBandit:
         (known without weighing), counted as ``choose`` counts it; False (nothing taken) otherwise."""
         if self._explore_again.get(key) != 0:
             return False
-        visit = self.visits.get(key, 0)
-        self.visits[key] = visit + 1
+        self.visits[key] = self.visits.get(key, 0) + 1
         del self._explore_again[key]
-        self._measured_at[key] = visit
         return True
-
-    def exploration_in_flight(self, key: int) -> bool:
-        """Whether the last decision in bucket ``key`` was an exploration's second (measured) cycle."""
-        return self._measured_at.get(key, -2) == self.visits.get(key, 0) - 1
 
     def cannot_explore(self, key: int) -> bool:
         """Whether ``choose``'s next decision in bucket ``key`` is sure not to explore: no second cycle due,

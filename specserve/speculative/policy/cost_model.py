@@ -108,10 +108,6 @@ class Curve:
         self._stale_med.clear()
         return self._med
 
-    def observed(self, g: int) -> float | None:
-        s = self.samples.get(g)
-        return median(s) if s is not None and len(s) >= self.min_samples else None
-
     def _profile_xy(self) -> tuple[np.ndarray, np.ndarray]:
         if self._pxy is None or self._pxy_of is not self.profile or len(self._pxy[0]) != len(self.profile):
             self._pxy_of = self.profile  # (a profile taken again is a new dict)
@@ -290,11 +286,6 @@ class CostModel:
 
     def step_times(self, num_tokens: np.ndarray, num_seqs: int | None = None) -> np.ndarray:
         return self.curve(num_seqs).predict_many(num_tokens)
-
-    def draft_time(self, batch_per_step: list[int]) -> float:
-        """One head forward per draft step, each over that step's active requests."""
-        b = np.array([x for x in batch_per_step if x > 0], dtype=float)
-        return float(self.draft.predict_many(b).sum()) if len(b) else 0.0
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> float | None:
         """Record a measured target step; returns what was predicted for it (None without a curve,
