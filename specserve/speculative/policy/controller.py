@@ -23,6 +23,7 @@ import numpy as np
 from specserve.config import SpeculativeConfig
 from specserve.speculative.policy.bandit import GoodputBandit, batch_key, bucket_batch, shallower_tokens
 from specserve.speculative.policy.cost_model import CostModel, LinearCost
+from specserve.speculative.policy.interface import Batch, StepOutcome
 from specserve.speculative.policy.priors import AcceptanceStats, arm_depths, arm_priors, prefill_share
 
 ACCEPT_DECAY = 0.999  # per request observed: the overall acceptance rates' memory
@@ -44,36 +45,6 @@ class Cycle:
     exploring: bool = False
     launched_early: int = 0  # requests whose drafts were launched before the last verify's sync
     tokens_at: dict[int, float] | None = None  # chains: depth e < arm -> tokens it would have committed
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The requests about to step, for ``decide``."""
-
-    requests: list  # each with .request_id
-    caps: list[int]  # most draft tokens each may take
-    num_running: int
-    prefill_tokens: int = 0  # prompt tokens sharing the step
-    behind: int = 0  # tokens whose draft KV drafting would first catch up
-    never_draft: int = 0  # of ``requests``, those that cannot draft (blocks without draft KV)
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What the step of the last decision did, for ``observe``."""
-
-    request_ids: list[str]  # the requests that sampled
-    drafted: list[int]  # per request: the depth it verified (0: plain)
-    accepted: list[int]  # per request: drafts accepted
-    num_tokens: int  # in the target step
-    seconds: float  # of the target step
-    cycle_seconds: float  # wall time from the decision to now
-    num_seqs: int | None = None  # requests in the target step (None: len(request_ids))
-    prefill_tokens: int = 0  # prompt tokens before each prompt's last
-    own_time: bool = True  # False: ``seconds`` includes device work queued before the step
-    draft_seconds: float = 0.0  # of its draft loop (max(drafted) steps), a catch-up after plain steps excluded
-    caught_up: int = 0  # tokens a catch-up after plain steps passed over (0: none) ...
-    catch_up_seconds: float = 0.0  # ... and its seconds
 
 
 @dataclass
@@ -341,11 +312,8 @@ class SpecController:
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0,
                      decode_rows: int = 0, own_time: bool = True) -> None:
-        """A target step of ``num_tokens`` for ``num_seqs`` requests took ``seconds``; of its tokens,
-        ``prefill_tokens`` were prompt tokens before each prompt's last and ``decode_rows`` one per
-        request that samples (the rest: drafts to verify). ``own_time`` False: ``seconds`` also holds
-        other device work the step queued behind (drafts still running when it was launched), so the
-        cost model does not learn the target's time from it."""
+        """A target step of ``num_tokens`` (``prefill_tokens`` of them prompt, ``decode_rows`` sampling,
+        the rest drafts) took ``seconds``; ``own_time`` False: with device work queued before it."""
         # the cycle in flight now, whenever this runs
         self._later(self._observe_step, self._cycle, num_tokens, num_seqs, seconds, prefill_tokens, decode_rows,
                     own_time)
@@ -516,10 +484,8 @@ class SpecController:
         return self.spec_on
 
     def catch_up_seconds(self, tokens: int) -> float:
-        """Predicted seconds of a catch-up over ``tokens``: by the past switches' catch-ups (fixed +
-        per token, fitted), else as one head forward over that many rows by the reference profile (a
-        draft step also computes logits per row: an over-estimate, so the first exploration waits
-        rather than overspends)."""
+        """Predicted seconds of a catch-up over ``tokens``: fitted on past catch-ups, else one head forward
+        over that many rows by the reference profile (an over-estimate: the first exploration waits)."""
         if tokens <= 0:
             return 0.0
         s = self.catch_up_cost.predict(tokens)
