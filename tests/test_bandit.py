@@ -362,7 +362,7 @@ def test_plain_decoding_measured_low_early_costs_little():
     # first two served cycles one took 2.3x as long (a prompt the cost model under-predicted).
     # Served cycles displace the seeds, so that outlier is half of what plain decoding has, and its
     # upper bound stays short of depth 1's: it is not tried again in these 150 decisions. (Kept
-    # beside the seeds, which guessed it optimistically here, it was; at 256 requests on the H200
+    # beside the seeds, which guessed it optimistically here, it was; at 256 requests on the GPU
     # they guessed it pessimistically and kept it out for good, at 0.83x its throughput: see
     # test_plain_decoding_is_served_where_start_up_seeds_put_a_depth_ahead.) What that costs: the
     # 1 % plain decoding was worth, and the explorations
@@ -467,7 +467,7 @@ def test_one_hiccup_counts_at_most_clip_times_the_arms_measured_time():
 
 
 def test_plain_decoding_is_served_where_start_up_seeds_put_a_depth_ahead():
-    # 256 requests on the H200: the start-up seeds (scratch requests, short prompts) timed plain
+    # 256 requests on the GPU: the start-up seeds (scratch requests, short prompts) timed plain
     # decoding at 8.1 ms and depth 5 at 14.5 ms a cycle, so depth 5 (2.3 tokens per request) looked
     # ~30 % better; served, plain decoding takes 5.5 ms and depth 5 13.5 ms: plain decoding is
     # ~7 % better. With seeds counted as measured cycles, plain decoding was never served there
@@ -512,7 +512,7 @@ def test_turning_drafting_on_must_repay_its_catch_up():
 
 
 def test_an_arm_known_only_by_its_prior_and_fading_seeds_is_explored_not_picked():
-    # 256 requests on the H200 (session 21): plain decoding served at 7.4 ms a cycle, depth 1 truly
+    # 256 requests on the GPU: plain decoding served at 7.4 ms a cycle, depth 1 truly
     # 16 ms (1.58 tokens per request: 0.74x plain decoding's goodput). The profile sees the target
     # forward only; start-up seeds put the depths behind plain decoding, so the bucket's warm-up
     # picks plain decoding. As the seeds fade, a depth's estimate goes back to its prior plus plain

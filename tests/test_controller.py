@@ -570,7 +570,7 @@ def test_adaptive_speculation_off_follows_the_buckets_pick_and_mixed_batches_are
 
 
 def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free():
-    # the H200 at one request (session 19's step breakdown): a plain cycle 1.4 ms, any depth ~2.2 ms
+    # the GPU at one request (a step breakdown): a plain cycle 1.4 ms, any depth ~2.2 ms
     # (the draft loop is cheap next to the verify's fixed cost). A request that turns hard (first
     # position accepted 25 % of the time) still commits ~1.8 tokens a depth-5 cycle, 1.16x plain
     # decoding's goodput: its own poor rates must not cut its depth to one token (where plain
