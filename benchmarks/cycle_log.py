@@ -144,7 +144,7 @@ class CycleLog:
             b["own"] += own
             b["raw"] += sec
             b["prompt_s"] += pf
-            if measured and pf <= self.ctl.prefill_share_limit * sec:
+            if measured and pf <= self.ctl.policy.prefill_share_limit * sec:
                 b["measured"] += 1
                 b["m_tokens"] += tokens
                 b["m_s"] += max(sec - pf, 0.2 * sec)
