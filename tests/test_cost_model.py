@@ -159,7 +159,7 @@ def test_steps_of_the_same_size_are_learnt_per_batch():
     # profile's increments, shifted by that batch's own measurements
     assert cm.step_time(32, num_seqs=2) == pytest.approx(cm.target.predict(32))
     assert cm.step_time(16, num_seqs=8) == pytest.approx(0.060 + 0.030)  # offset 0.030 at both 8 and 32
-    assert cm.samples_at(32, 8) == 3 and cm.samples_at(16, 8) == 0
+    assert len(cm.by_batch[8].samples[32]) == 3 and 16 not in cm.by_batch[8].samples
     assert set(cm.summary()["target_ms_by_batch"]) == {8, 32}
 
 

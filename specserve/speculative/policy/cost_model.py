@@ -276,11 +276,6 @@ class CostModel:
             c = self.by_batch[b] = Curve(profile, self.target.min_samples, self.target.window)
         return c
 
-    def samples_at(self, g: int, num_seqs: int) -> int:
-        """How often steps of token bucket g were measured at this batch bucket."""
-        c = self.by_batch.get(batch_bucket(num_seqs))
-        return len(c.samples.get(g, ())) if c is not None else 0
-
     def step_time(self, num_tokens: float, num_seqs: int | None = None) -> float:
         return self.curve(num_seqs).predict(num_tokens)
 
