@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from specserve.config import AdaptivePolicyConfig
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 from cycle_log import CycleLog  # noqa: E402
@@ -16,7 +18,7 @@ from cycle_log import CycleLog  # noqa: E402
 def make_log(steps, draft_calls, raw):
     log = CycleLog.__new__(CycleLog)
     log.steps, log.draft_calls, log.raw = steps, draft_calls, raw
-    log.ctl = SimpleNamespace(prefill_share_limit=0.25)
+    log.ctl = SimpleNamespace(policy=AdaptivePolicyConfig(prefill_share_limit=0.25))
     return log
 
 
