@@ -94,6 +94,81 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class AdaptivePolicyConfig:
+    """The adaptive policy's tunables (controller + bandit); docs/decisions.md says why each default."""
+
+    # controller
+    full_every: int = 4  # weigh a bucket's arms every this many decisions (keep its pick in between)
+    decide_budget: float = 0.01  # ... or less often where weighing would take more than this share of time
+    prefill_share_limit: float = 0.25  # a cycle whose prompt tokens take more of its time is charged, not measured
+    nodraft_share_limit: float = 0.1  # a drafting cycle with more requests unable to draft is charged, not measured
+    truncate_relative: float = 0.5  # a request whose expected gain at a position is under this x the mean stops there
+    cut_min_batch: int = 2  # ... in batches of at least this many requests
+    # bandit
+    decay: float = 0.995  # per decision in a bucket (~200 cycles of memory)
+    pool_decay: float = 0.998  # per cycle in any bucket: the pooled tokens per request
+    prior_cv: float = 0.3  # relative error of the cost model's predicted seconds for an arm
+    default_cv: float = 0.3  # spread of a cycle's tokens per request and of its seconds, before measured
+    prior_requests: float = 16.0  # requests' worth of the acceptance model's tokens per request
+    z: float = 1.5  # standard errors of optimism when exploring
+    margin: float = 0.02  # a better arm must beat the pick by this fraction to replace it ...
+    band: float = 0.5  # ... and by this many standard errors of the difference
+    explore_every: int = 16  # decisions per exploration turn in a bucket (0: never explore)
+    off_slower: int = 4  # upper-bound explorations this many times rarer while plain decoding is the pick
+    warm_visits: int = 32  # a bucket's first decisions ...
+    warm_every: int = 4  # ... may explore this often, each arm not yet measured whose bound beats the pick
+    min_cycles: float = 0.3  # decayed cycles plain decoding and the pick's neighbours keep
+    pick_cycles: float = 0.3  # served decayed cycles an arm needs in a bucket, past its warm-up, to be picked
+    explore_budget: float = 0.01  # share of a bucket's time explorations may lose ...
+    budget_decay: float = 0.999  # ... over this memory per decision (~1,000 cycles)
+    borrow: float = 4.0  # cycles' worth of the excess seconds per request measured in all buckets
+    cap_cycles: float = 4.0  # plain decoding's own cycles before its goodput bounds the drafting arms'
+    switch_horizon: float = 64.0  # cycles in which turning drafting on must repay its catch-up
+    clip: float = 3.0  # a cycle counts at most this x its predicted seconds x the arm's measured/predicted ratio
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            want = int if f.type in ("int", int) else float
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
+                raise ValueError(f"adaptive policy: {f.name} must be {want.__name__}, got {v!r}")
+            if v < 0 or v != v:
+                raise ValueError(f"adaptive policy: {f.name} must be >= 0, got {v!r}")
+        for name in ("decay", "pool_decay", "budget_decay"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"adaptive policy: {name} must be in (0, 1], got {getattr(self, name)!r}")
+        for name in ("full_every", "warm_every", "off_slower"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"adaptive policy: {name} must be >= 1, got {getattr(self, name)!r}")
+        if self.prior_cv <= 0:
+            raise ValueError(f"adaptive policy: prior_cv must be > 0, got {self.prior_cv!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AdaptivePolicyConfig":
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"adaptive policy: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(f.name for f in dataclasses.fields(cls))}")
+        return cls(**d)
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "AdaptivePolicyConfig":
+        import json
+
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--speculative-adaptive-config {path}: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"--speculative-adaptive-config {path}: want a JSON object, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"--speculative-adaptive-config {path}: {e}") from None
+
+
 SpecAlgorithm = Literal["EAGLE", "EAGLE3"]
 SpecPolicy = Literal["static", "threshold", "adaptive"]
 
@@ -115,8 +190,16 @@ class SpeculativeConfig:
     # the head's own dtype ("auto": the engine's). The head is small: in float32 under a bfloat16
     # target it costs little more per draft step and keeps its logits from bf16 rounding
     draft_dtype: str = "auto"
+    adaptive: AdaptivePolicyConfig = field(default_factory=AdaptivePolicyConfig)  # the adaptive policy's tunables
+    recalibrate: bool = False  # profile step costs again even where a cached profile exists
 
     def __post_init__(self) -> None:
+        if isinstance(self.adaptive, str):  # a JSON file (--speculative-adaptive-config)
+            object.__setattr__(self, "adaptive", AdaptivePolicyConfig.from_json_file(self.adaptive))
+        elif isinstance(self.adaptive, dict):
+            object.__setattr__(self, "adaptive", AdaptivePolicyConfig.from_dict(self.adaptive))
+        elif not isinstance(self.adaptive, AdaptivePolicyConfig):
+            raise ValueError(f"speculative_adaptive_config must be a JSON file or AdaptivePolicyConfig, got {self.adaptive!r}")
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"speculative_draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.algorithm not in ("EAGLE", "EAGLE3"):
@@ -235,6 +318,8 @@ class EngineConfig:
             "speculative_disable_batch_threshold": "disable_batch_threshold",
             "speculative_calibrate": "calibrate",
             "speculative_draft_dtype": "draft_dtype",
+            "speculative_adaptive_config": "adaptive",
+            "speculative_recalibrate": "recalibrate",
         }
         spec_kwargs = {spec_map[k]: v for k in list(kwargs) if k in spec_map and (v := kwargs.pop(k)) is not None}
         names = {f.name for f in dataclasses.fields(cls)}
@@ -252,4 +337,4 @@ def replace(cfg: Any, **changes: Any) -> Any:
     return dataclasses.replace(cfg, **changes)
 
 
-__all__ = ["ModelConfig", "SpeculativeConfig", "EngineConfig", "replace", "field"]
+__all__ = ["ModelConfig", "AdaptivePolicyConfig", "SpeculativeConfig", "EngineConfig", "replace", "field"]

@@ -103,14 +103,14 @@ def test_slices_run_each_engine_for_its_slice_in_turn() -> None:
     assert order[:4] == ["a", "b", "b", "a"]  # one step per turn, the order reversed every round
 
 
-def test_a_variant_sets_fields_under_its_controller() -> None:
-    name, fields = adaptive.variant("mem0:bandit.memory_s=0,full_every=8")
-    assert name == "adaptive_mem0" and fields == {"bandit.memory_s": 0, "full_every": 8}
-    ctl = SimpleNamespace(bandit=SimpleNamespace(memory_s=4.0), full_every=4)
-    llm = SimpleNamespace(engine=SimpleNamespace(drafter=SimpleNamespace(controller=ctl)))
-    adaptive.apply_variant(llm, fields)
-    assert ctl.bandit.memory_s == 0 and ctl.full_every == 8
-    with pytest.raises(ValueError, match="no field"):
-        adaptive.apply_variant(llm, {"bandit.memroy_s": 1})
+def test_a_variant_is_an_adaptive_engine_with_its_policy_config() -> None:
+    name, policy = adaptive.variant("m1:margin=0.01,full_every=8")
+    assert name == "adaptive_m1" and policy.margin == 0.01 and policy.full_every == 8 and policy.z == 1.5
+    args = SimpleNamespace(static_steps=[], threshold_n=8, threshold_steps=1, adaptive_steps=3, adaptive_calibrate=None)
+    cfgs = adaptive.configs(args, {name: policy})
+    assert cfgs[name]["speculative_adaptive_config"]["margin"] == 0.01
+    assert {k: v for k, v in cfgs[name].items() if k != "speculative_adaptive_config"} == cfgs["adaptive"]
+    with pytest.raises(ValueError, match="unknown key"):
+        adaptive.variant("m1:marign=0.01")
     with pytest.raises(ValueError):
         adaptive.variant("mem0")

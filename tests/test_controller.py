@@ -8,7 +8,8 @@ import pytest
 from specserve.config import SpeculativeConfig
 from specserve.engine.request import Status
 from specserve.speculative.policy.bandit import batch_key
-from specserve.speculative.policy.controller import AcceptanceStats, SpecController, arm_depths, arm_priors
+from specserve.speculative.policy.controller import SpecController
+from specserve.speculative.policy.priors import AcceptanceStats, arm_depths, arm_priors
 from specserve.speculative.policy.cost_model import CostModel, Curve
 
 
@@ -164,7 +165,7 @@ def test_a_useless_head_is_turned_off_and_rarely_tried():
         else:
             ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
         ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-        ctl.observe("a", ks[0], 0)
+        ctl.observe_request("a", ks[0], 0)
         ctl.end_cycle((true_ms(1 + ks[0]) + ks[0] * true_draft_ms(1)) * 1e-3)
     assert ctl.overall.rates()[0] < 0.1
     assert sum(v for k, v in ctl.k_histogram.items() if k) < 80  # drafted in under 20 % of decisions
@@ -230,7 +231,7 @@ def simulate(B: int, profile: dict[int, float], steps: int = 600, seed: int = 0)
             a = 0
             while a < k and rng.random() < COND[a]:
                 a += 1
-            ctl.observe(r.request_id, int(k), a)
+            ctl.observe_request(r.request_id, int(k), a)
         ctl.end_cycle(target + draft + HOST_MS * 1e-3)
         if step >= steps - 200:
             got.append(true_goodput(B, int(round(ks.mean()))))
@@ -315,7 +316,7 @@ def simulate_closed_loop(B: int, forced: int | None = None, steps: int = 3000, s
             a = 0
             while a < k and rng.random() < COND[a]:
                 a += 1
-            ctl.observe(r.request_id, int(k), a)
+            ctl.observe_request(r.request_id, int(k), a)
             got += a + 1
             if left - a - 1 <= 0:  # finished: a new user's prompt is prefilled next step
                 ctl.forget(r.request_id)
@@ -350,7 +351,7 @@ def test_observe_many_is_observe_per_request():
     steps = [(["a", "b", "c"], [3, 0, 2], [1, 0, 2]), (["a", "c"], [3, 2], [3, 0]), (["b"], [1], [1])]
     for ids, ks, acc in steps:
         for rid, k, a in zip(ids, ks, acc):
-            one.observe(rid, k, a)
+            one.observe_request(rid, k, a)
         many.observe_many(ids, ks, acc)
     assert one.per_request.keys() == many.per_request.keys() == {"a", "b", "c"}
     for rid in one.per_request:
@@ -377,7 +378,7 @@ def one_request_cycles(ctl: SpecController, n: int, after_full, cycle_s: float |
             ctl.count_off(1)
             ks = [0]
         ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-        ctl.observe("a", ks[0], min(ks[0], 2))
+        ctl.observe_request("a", ks[0], min(ks[0], 2))
         ctl.end_cycle(cycle_s if cycle_s is not None else true_ms(1 + ks[0]) * 1e-3)
         ctl.flush()
     return out
@@ -569,7 +570,7 @@ def test_adaptive_speculation_off_follows_the_buckets_pick_and_mixed_batches_are
 
 
 def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free():
-    # the H200 at one request (session 19's step breakdown): a plain cycle 1.4 ms, any depth ~2.2 ms
+    # the GPU at one request (a step breakdown): a plain cycle 1.4 ms, any depth ~2.2 ms
     # (the draft loop is cheap next to the verify's fixed cost). A request that turns hard (first
     # position accepted 25 % of the time) still commits ~1.8 tokens a depth-5 cycle, 1.16x plain
     # decoding's goodput: its own poor rates must not cut its depth to one token (where plain
@@ -591,7 +592,7 @@ def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free
         a = 0
         while a < k and rng.random() < rates[a]:
             a += 1
-        ctl.observe(req.request_id, k, a)
+        ctl.observe_request(req.request_id, k, a)
         ctl.end_cycle(seconds)
         if rates is hard and step >= 600:
             hard_steps += 1
@@ -654,21 +655,26 @@ def test_deferred_bookkeeping_leaves_every_decision_as_it_was():
     assert len({tuple(k) for k in now}) > 3  # the loop did decide (several depths), not sit at one
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_an_explorations_first_cycle_holding_the_seconds_drafts_is_not_measured(fuse):
-    """fuse_explorations: where an exploration's second cycle is decided before the sync (decide_early),
-    the first one (in flight, its window holding the second's drafts) is charged, not measured; a
-    cycle followed early by another depth, or without the flag, stays measured."""
+@pytest.mark.parametrize("early", [False, True])
+def test_an_explorations_first_cycle_holding_the_seconds_drafts_is_not_measured(early):
+    """Where an exploration's second cycle is decided before the sync (decide_early), the first one (in
+    flight, its window holding the second's drafts) is charged, not measured; a cycle followed early by
+    another depth, or by a decision taken after the sync, stays measured."""
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
-    ctl.fuse_explorations = fuse
     picks = iter([(2, True), (2, True), (3, False), (1, True), (3, True)])
     ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: next(picks)
     reqs = [R("a")]
     ctl.decide(reqs, [3], 1, 0)  # an exploration's first cycle (depth 2)
     first = ctl._cycle
-    _, second = ctl.decide_early(reqs, [3], 1, 0)  # its second, before the first's outcome
+    if early:
+        _, second = ctl.decide_early(reqs, [3], 1, 0)  # its second, before the first's outcome
+        assert ctl._cycle is first
+    else:
+        ctl.detach_cycle()
+        ctl.decide(reqs, [3], 1, 0)
+        second = ctl.detach_cycle()
     assert second is not None and second.exploring and second.measured
-    assert ctl._cycle is first and first.measured == (not fuse)
+    assert first.measured == (not early)
     ctl.install_cycle(second)
     _, after = ctl.decide_early(reqs, [3], 1, 0)  # the exploited depth again: the second stays measured
     assert second.measured and after is not None and not after.exploring
@@ -697,7 +703,7 @@ def test_a_plain_explorations_second_cycle_is_taken_before_the_sync_and_its_firs
     visits, explorations = b.visits.get(key, 0), ctl.explorations
     assert ctl.plain_second_cycle(2)
     assert not first.measured and key not in b._explore_again and b.visits[key] == visits + 1
-    assert b.exploration_in_flight(key) and ctl.explorations == explorations + 1
+    assert ctl.explorations == explorations + 1
     ctl.detach_cycle()
     ctl.count_off(2)
     second = ctl._cycle
@@ -715,9 +721,6 @@ def test_full_decisions_before_the_sync_where_sure_or_a_second_cycle():
     b.visits[0] = 40
     b._explore_again[0] = 2  # an exploration's second cycle is due: it may explore (cannot_explore: no)
     assert not b.cannot_explore(0) and b.second_cycle_due(0)
-    ctl.fuse_explorations = False
-    assert not ctl.full_early(1)
-    ctl.fuse_explorations = True
     assert ctl.full_early(1)
     del b._explore_again[0]
     assert ctl.full_early(1) == b.cannot_explore(0)  # visit 40: not an exploration turn, sure
@@ -819,14 +822,182 @@ def test_a_cycles_reference_time_is_looked_up_from_the_frozen_profile_and_comput
     ctl = controller(profiled=True)
     ref = ctl._reference()
     assert ref is not ctl.cost  # a frozen copy of the profile
-    want = ref.step_time(4, 4)
+    want = 0.064  # the profile at 4 tokens: true_ms(4) = 60 + 4 ms
+    assert ref.step_time(4, 4) == pytest.approx(want)
     for _ in range(40):  # the live model learns that steps take 3x the profile; the reference does not
         assert cycle_predicted(ctl, 3 * want) == pytest.approx(want)
     assert ctl.cost.step_time(4, 4) > 2 * want
-    with_prompt = ref.step_time(12, 4) - (ref.step_time(12, 4) - ref.step_time(4, 4))  # its prompt's share out
-    assert cycle_predicted(ctl, 0.01, prefill=8) == pytest.approx(with_prompt)
+    # 12 tokens, 8 of them prompt: T(12) = 72 ms (between 8: 68 and 16: 76) less the prompt's share
+    # T(12) - T(4) = 8 ms -> 64 ms (72 with the share left in)
+    assert cycle_predicted(ctl, 0.01, prefill=8) == pytest.approx(0.064)
     assert set(ctl._reference_steps) == {(4, 4, 4, 0), (12, 4, 4, 8)}
     live = controller(profiled=False)  # no profile: the reference is the live model, whose answer moves
     first = [cycle_predicted(live, 0.004) for _ in range(8)]
     later = [cycle_predicted(live, 0.020) for _ in range(40)]
     assert later[-1] > 2 * first[-1] and not live._reference_steps
+
+
+def test_the_adaptive_policy_config_is_validated_and_loaded_from_json(tmp_path):
+    import argparse
+    import json
+
+    from specserve.config import AdaptivePolicyConfig
+    from specserve.engine.args import add_engine_args, engine_config_from_args
+
+    for bad in ({"margin": -0.1}, {"decay": 1.5}, {"full_every": 0}, {"explore_every": 2.5}, {"z": "1"},
+                {"prior_cv": 0.0}, {"cut_min_batch": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AdaptivePolicyConfig(**bad)
+    with pytest.raises(ValueError, match="unknown key.*marign"):
+        AdaptivePolicyConfig.from_dict({"marign": 0.01})
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"margin": 0.05, "full_every": 8}))
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    cfg = engine_config_from_args(ap.parse_args(["--speculative-algorithm", "EAGLE3",
+                                                 "--speculative-adaptive-config", str(path)]))
+    assert cfg.speculative.adaptive == AdaptivePolicyConfig(margin=0.05, full_every=8)
+    assert cfg.speculative.recalibrate is False
+    path.write_text(json.dumps({"margin": 0.05, "explore": 3}))
+    with pytest.raises(ValueError, match="policy.json.*unknown key.*explore"):
+        SpeculativeConfig(adaptive=str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        SpeculativeConfig(adaptive=str(path))
+    with pytest.raises(ValueError, match="no_such.json"):
+        SpeculativeConfig(adaptive=str(tmp_path / "no_such.json"))
+    assert engine_config_from_args(ap.parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-recalibrate"])
+                                   ).speculative.recalibrate
+
+
+def test_the_controller_and_its_bandit_decide_by_the_config():
+    from specserve.config import AdaptivePolicyConfig
+
+    def full_and_explored(**policy) -> tuple[int, int]:
+        ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3, adaptive=AdaptivePolicyConfig(**policy)),
+                             cost=step_cost(CPU_LIKE))
+        assert ctl.bandit.cfg is ctl.policy
+        full = 0
+        for i in range(256):
+            if ctl.quick_arm(1) is None:
+                full += 1
+                ctl.decide([R("a")], [3], 1, 0)
+            else:
+                ctl.uniform([R("a")], ctl.bandit.chosen[0], [3])
+            ctl.observe_request("a", 3, 1)
+            ctl.end_cycle(0.05)
+        return full, ctl.explorations
+
+    full4, explored = full_and_explored()
+    full8, _ = full_and_explored(full_every=8)
+    _, never = full_and_explored(explore_every=0)
+    assert explored > 0 and never == 0
+    assert full8 < full4 and full4 >= 256 // 4
+
+
+def _drive(narrow: bool, cfg: SpeculativeConfig, B: int, steps: int, seed: int, pipelined: bool):
+    """A drafter-shaped loop over ``steps`` steps of ``B`` requests (each replaced when done), deciding by
+    the narrow interface (decide(Batch) / observe(StepOutcome)) or by the entry points it is made of, as
+    the drafter calls them; ``pipelined``: two steps in three try to decide before the step's outcome."""
+    from itertools import count
+
+    from specserve.speculative.policy.controller import Batch, StepOutcome
+
+    rng = np.random.default_rng(seed)
+    ticks = count()
+    ctl = SpecController(cfg, defer=True, clock=lambda: next(ticks) * 1e-4,
+                         cost=CostModel(target=Curve({n: true_ms(n) * 1e-3 for n in (1, 2, 4, 8, 16, 32, 64, 128)}),
+                                        draft=Curve({1: 0.004, 64: 0.010})))
+    ids = count()
+    reqs = [[R(str(next(ids))), int(rng.integers(16, 80))] for _ in range(B)]
+    ks, seen = [0] * B, []
+    for step in range(steps):
+        ctl.flush()
+        n = B + sum(ks)
+        prefill = 24 if step % 5 == 0 else 0
+        target = true_ms(n + prefill) * 1e-3 * rng.lognormal(0, 0.08)
+        acc = []
+        for k in ks:
+            a = 0
+            while a < k and rng.random() < COND[min(a, 2)]:
+                a += 1
+            acc.append(a)
+        draft_s = 0.004 * max(ks) if any(ks) else 0.0
+        cycle_s = target + draft_s + HOST_MS * 1e-3
+        ids_now = [r.request_id for r, _ in reqs]
+        for i, a in enumerate(acc):
+            reqs[i][1] -= a + 1
+            if reqs[i][1] <= 0:
+                reqs[i] = [R(str(next(ids))), int(rng.integers(16, 80))]
+        caps = [min(cfg.num_steps, max(left - 1, 0)) for _, left in reqs]
+        batch = Batch([r for r, _ in reqs], caps, B, prefill, behind=step % 7, never_draft=int(step % 11 == 0))
+        early = pipelined and step % 3 != 0
+        if narrow:
+            nxt = ctl.decide(batch, early=True) if early else None
+            ctl.observe(StepOutcome(ids_now, list(ks), acc, n + prefill, target, cycle_s, prefill_tokens=prefill,
+                                    draft_seconds=draft_s))
+            ks = nxt if nxt is not None else ctl.decide(batch)
+        else:
+            pre_arm = pre = None
+            if early:
+                plain = ctl._cycle is None or ctl._cycle.arm == 0
+                if plain and ctl.plain_second_cycle(B):
+                    pre_arm = 0
+                elif (arm := ctl.quick_arm(B, B)) is not None:
+                    pre_arm = arm
+                elif ctl.plain_full_early(B) if plain else all(caps) and ctl.full_early(B):
+                    pre = ctl.decide_early(batch.requests, caps, B, prefill, batch.behind)
+            if any(ks) or ctl.cycle_open:
+                ctl.observe_many(ids_now, list(ks), acc)
+            ctl.observe_step(n + prefill, B, target, prefill, B)
+            if any(ks):
+                ctl.observe_draft(sum(1 for k in ks if k), max(ks), draft_s)
+            prev = ctl.detach_cycle()
+            arm = pre_arm if pre_arm is not None or pre is not None else ctl.quick_arm(B, B)
+            if pre is not None:
+                ks = pre[0]
+                ctl.install_cycle(pre[1])
+            elif arm == 0:
+                ctl.count_off(B)
+                ks = [0] * B
+            elif arm is not None:
+                ks = ctl.uniform(batch.requests, arm, caps)
+            else:
+                ks = ctl.decide(batch.requests, caps, B, prefill, batch.behind)
+                ctl.observe_decide(1e-4)
+            ctl.mixed_batch(ks, batch.never_draft)
+            ctl.finish_cycle(prev, cycle_s)
+        seen.append(list(ks))
+    snap = ctl.snapshot()
+    return seen, {k: v for k, v in snap.items() if k != "cost"}
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("B", [1, 6])
+def test_decide_and_observe_decide_as_the_entry_points_they_are_made_of(B, pipelined):
+    cfg = SpeculativeConfig(policy="adaptive", num_steps=3)
+    narrow, snap = _drive(True, cfg, B, 600, seed=B, pipelined=pipelined)
+    parts, snap_parts = _drive(False, cfg, B, 600, seed=B, pipelined=pipelined)
+    assert narrow == parts and snap == snap_parts
+    assert snap["explorations"] > 0 and len({k for ks in narrow for k in ks}) >= 3  # it did decide
+    assert snap["cycles"] > 300
+
+
+def test_an_early_decision_waits_for_what_it_needs_and_takes_effect_at_observe():
+    from specserve.speculative.policy.controller import Batch, StepOutcome
+
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3), cost=step_cost(CPU_LIKE))
+    batch = Batch([R("a")], [3], 1)
+    ks = ctl.decide(batch)
+    in_flight = ctl._cycle
+    b = ctl.bandit
+    b.chosen[0], b.visits[0] = 2, 3  # a warm-up exploration turn: it may explore, so it waits
+    assert ctl.decide(batch, early=True) is None and ctl._next is None and b.visits[0] == 3
+    b.visits[0] = 5  # a quick turn: the pick, known before the outcome
+    assert ctl.decide(batch, early=True) == [2] and b.visits[0] == 6
+    assert ctl._cycle is in_flight and ctl._next is not None and ctl._next.arm == 2
+    nxt = ctl._next
+    ctl.observe(StepOutcome(["a"], ks, [1], 1 + ks[0], 0.05, 0.06))
+    assert ctl._cycle is nxt and ctl._next is None
+    static = SpecController(SpeculativeConfig(policy="static", num_steps=3))
+    assert static.decide(Batch([R("a"), R("b")], [3, 1], 2), early=True) == [3, 1]

@@ -42,6 +42,7 @@ Writes --output-dir/adaptive.json, adaptive.md, adaptive_sweep.png, adaptive_ram
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import bisect
 import collections
 import os
@@ -58,11 +59,12 @@ from specserve import LLM, RequestOutputKind, SamplingParams
 from specserve.bench.harness import (OtherCpu, chat_prompt_ids, make_random_head, parse_variant, run_metadata,
                                      wait_for_quiet, write_json)
 from specserve.engine.heap import freeze_startup_heap
+from specserve.config import AdaptivePolicyConfig
 
 STATIC = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static"}
 
 
-def configs(args: argparse.Namespace, variant_names: list[str] = ()) -> dict[str, dict[str, Any]]:
+def configs(args: argparse.Namespace, variants: dict[str, AdaptivePolicyConfig] | None = None) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"none": {}}
     for k in args.static_steps:
         out[f"chain{k}"] = {**STATIC, "speculative_num_steps": k}
@@ -71,27 +73,15 @@ def configs(args: argparse.Namespace, variant_names: list[str] = ()) -> dict[str
                                            "speculative_num_steps": args.threshold_steps}
     out["adaptive"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "adaptive",
                        "speculative_num_steps": args.adaptive_steps, "speculative_calibrate": args.adaptive_calibrate}
-    for name in variant_names:
-        out[name] = dict(out["adaptive"])
+    for name, policy in (variants or {}).items():  # (as a dict: the engine args go into the result JSON)
+        out[name] = {**out["adaptive"], "speculative_adaptive_config": dataclasses.asdict(policy)}
     return out
 
 
-def variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``NAME:FIELD=VALUE[,FIELD=VALUE]`` -> ("adaptive_NAME", {field path under the controller: value})."""
+def variant(spec: str) -> tuple[str, AdaptivePolicyConfig]:
+    """``NAME:FIELD=VALUE[,FIELD=VALUE]`` -> ("adaptive_NAME", the AdaptivePolicyConfig with those fields)."""
     name, fields = parse_variant(spec)
-    return f"adaptive_{name}", fields
-
-
-def apply_variant(llm: LLM, fields: dict[str, Any]) -> None:
-    """Set each dotted field path under the engine's controller (e.g. bandit.memory_s)."""
-    for path, value in fields.items():
-        *parents, last = path.split(".")
-        obj = controller(llm)
-        for p in parents:
-            obj = getattr(obj, p)
-        if not hasattr(obj, last):
-            raise ValueError(f"--variant: the controller has no field {path!r}")
-        setattr(obj, last, value)
+    return f"adaptive_{name}", AdaptivePolicyConfig.from_dict(fields)
 
 
 @dataclass
@@ -521,8 +511,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "(0: one step). On a GPU at 256 requests, one step per turn among five engines put a "
                          "spec engine held at plain decoding at 0.94x no-spec, where alone it ran 0.986x")
     ap.add_argument("--variant", default=None, action="append", metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
-                    help="one more adaptive engine (adaptive_NAME) with fields under its controller set, e.g. "
-                         "mem0:bandit.memory_s=0: an A/B in the same run, reported beside adaptive (repeatable: "
+                    help="one more adaptive engine (adaptive_NAME) with AdaptivePolicyConfig fields set, e.g. "
+                         "m1:margin=0.01,full_every=8: an A/B in the same run, reported beside adaptive (repeatable: "
                          "one engine per --variant, names distinct)")
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--threshold-n", type=int, default=4)
@@ -572,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(str(e))
     if len(variants) < len(args.variant or []):
         ap.error("--variant: two variants share a name")
-    cfgs = configs(args, list(variants))
+    cfgs = configs(args, variants)
     names = list(cfgs)
     max_c = max(cs + levels + [args.off_concurrency])
     result: dict[str, Any] = {"benchmark": "adaptive", **run_metadata(), "device": device_name(), "configs": names,
@@ -584,8 +574,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         llms[n] = LLM(args.model, kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=max(max_c, 8), seed=args.seed,
                       num_kv_blocks=args.num_kv_blocks, **kw)
-        if n in variants:
-            apply_variant(llms[n], variants[n])
         print(f"engine {n}: {time.perf_counter() - t0:.1f}s", flush=True)
     ctl = controller(llms["adaptive"])
     result["cost_profile"] = dict(ctl.cost.meta)

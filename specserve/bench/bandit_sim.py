@@ -4,7 +4,7 @@ A sweep point of ``adaptive.py`` compares engines whose rates move 2-4 % between
 configuration, so the 1-3 % the bandit (specserve/speculative/policy/bandit.py) itself may lose (explorations, a
 pick that lags, a wrong pick on noisy cycles, hysteresis holding a worse arm) cannot be read from
 it. Here each scenario fixes every depth's true goodput; the real ``GoodputBandit`` decides cycle by
-cycle as the controller drives it (a full decision one cycle in ``--full-every``, or an exploration
+cycle as the controller drives it (a full decision one cycle in ``full_every``, or an exploration
 turn; the pick kept in between), and each cycle's outcome is drawn: every request's committed tokens
 from per-position acceptance rates, the cycle's seconds from the depth's mean with a spread
 (gamma, ``time_cv``) and rare pauses. Priors are the cost model's: each depth's true time off by a
@@ -35,6 +35,7 @@ import numpy as np
 
 from specserve.bench.harness import parse_variant, run_metadata, write_json
 from specserve.speculative.policy.bandit import GoodputBandit, batch_key, shallower_tokens
+from specserve.config import AdaptivePolicyConfig
 
 # conditional acceptance per draft position of the shipped head on ShareGPT (CPU fp32 sweeps: accept
 # length 1.56 / 1.85 / 2.0 at chains 1 / 2 / 3); the GPU's bf16 runs accept a little more
@@ -132,10 +133,12 @@ SCENARIOS = {
 }
 
 
-def run(sc: Scenario, seed: int, bandit_fields: dict[str, Any], full_every: int = 4) -> dict[str, Any]:
-    """One window of ``sc`` under a bandit with ``bandit_fields``: achieved goodput / best, cycles per depth."""
+def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
+    """One window of ``sc`` under AdaptivePolicyConfig(**policy): achieved goodput / best, cycles per depth."""
     rng = np.random.default_rng(seed)
-    bandit = GoodputBandit(**bandit_fields)
+    cfg = AdaptivePolicyConfig.from_dict(policy)
+    bandit = GoodputBandit(cfg)
+    full_every = cfg.full_every
     K = len(sc.ratio) - 1
     key = batch_key(sc.batch)
     true_s = [sc.cycle_s(d) for d in range(K + 1)]  # (a cycle's time does not depend on who drafts)
@@ -244,12 +247,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bandit_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``--variant`` over GoodputBandit's fields (or scenario fields as s.FIELD)."""
+    """``--variant`` over AdaptivePolicyConfig's fields (or scenario fields as s.FIELD)."""
     name, out = parse_variant(spec)
-    known = {f.name for f in fields(GoodputBandit)} | {f"s.{f.name}" for f in fields(Scenario)}
+    known = {f.name for f in fields(AdaptivePolicyConfig)} | {f"s.{f.name}" for f in fields(Scenario)}
     bad = [k for k in out if k not in known]
     if bad:
-        raise ValueError(f"--variant: {bad} are not fields of a GoodputBandit (or s.<scenario field>)")
+        raise ValueError(f"--variant: {bad} are not fields of AdaptivePolicyConfig (or s.<scenario field>)")
+    AdaptivePolicyConfig.from_dict({k: v for k, v in out.items() if not k.startswith("s.")})  # bad values
     return name, out
 
 
@@ -257,9 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {','.join(SCENARIOS)}")
     ap.add_argument("--seeds", type=int, default=40)
-    ap.add_argument("--full-every", type=int, default=4, help="a full decision every this many cycles")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
-                    help="a bandit (or s.<scenario field>) setting beside the default; repeatable")
+                    help="AdaptivePolicyConfig fields (or s.<scenario field>) beside the default; repeatable")
     ap.add_argument("--output-file", required=True)
     args = ap.parse_args(argv)
     names = [s for s in args.scenarios.split(",") if s]
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for vname, vals in variants.items():
             sc = replace(SCENARIOS[sname], **{k[2:]: v for k, v in vals.items() if k.startswith("s.")})
             bf = {k: v for k, v in vals.items() if not k.startswith("s.")}
-            s = summarize([run(sc, seed, bf, args.full_every) for seed in range(args.seeds)])
+            s = summarize([run(sc, seed, bf) for seed in range(args.seeds)])
             results[sname][vname] = s
             print(f"{sname:16s} {vname:12s} mean {s['mean']:.4f} min {s['min']:.4f} q1 {s['q1']:.4f} "
                   f"median {s['median']:.4f} <0.97 {s['below_0.97']:.2f} share {s['share']} "

@@ -1,20 +1,10 @@
 """Start-up calibration of the adaptive controller: whole engine steps timed per (batch, depth).
 
-The start-up profile (``drafter._profile_costs``) times forwards: the target over n tokens, a
-draft step over b requests. A served step also runs scheduling, sampling, verification, commit
-and the controller itself, per request, in Python; on a GPU whose forwards replay CUDA graphs that
-host time is most of a step (H200, SmolLM2-135M: a chain-1 step of 256 requests took 25 ms, its
-forwards ~5), it grows with the depth, and no forward profile sees it. Until the bandit has
-measured an arm in a bucket it only has the profile, and while it measures it explores.
-
-So before serving, scratch requests (random prompt tokens, greedy) run through the real engine:
-for each batch size (the bandit's bucket centres, largest first, trimming requests between them)
-and each depth the controller chooses among, a few steps with every request forced to that depth,
-timed end to end as ``engine.step()``. The median step time goes to the bandit as pseudo-cycles of
-that arm (``SpecController.seed``): time only, no tokens (scratch text says nothing of
-acceptance). Everything else the steps touched is put back: the controller's acceptance and
-counters, the engine's stats, the drafter's path counts; only the live cost model keeps what
-the steps taught it, which is what it would learn from serving the same shapes.
+The forward profile misses a step's host time (scheduling, sampling, commit), most of a step where
+forwards replay CUDA graphs. So scratch requests (random prompts, greedy) run through the engine: per
+bucket batch size (largest first) and depth, a few steps with every request forced to that depth,
+timed as ``engine.step()``; the median seeds the bandit (``SpecController.seed``: time only). All
+else the steps touched is put back; only the live cost model keeps what they taught it.
 """
 
 from __future__ import annotations

@@ -1,39 +1,19 @@
 """How many tokens each request drafts next step (0 = plain decode).
 
-Policies: ``static`` (every request drafts its cap), ``threshold`` (the seed's: speculation off
-while more than N requests run, with hysteresis) and ``adaptive``, which maximises committed
-tokens per second:
-
-    goodput = sum_r E_r(k_r) / (T(n + P + sum_r k_r) - (T(n + P) - T(n)) + D(k))
-
-with n decoding requests and P prompt tokens sharing the step,
-E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (alpha: conditional acceptance at draft
-position i, per request, shrunk towards the overall rate), T the target step time vs. tokens in
-the step and D the draft time (one head forward per draft step over the requests still drafting).
-The prompt tokens' own share, T(n + P) - T(n), is left out: it is the same whatever the depth (a
-prompt is prefilled once), and in a closed loop it lands in the cycle after the one whose tokens
-finished a request, so counted it would charge a depth for its predecessor's prefills. What
-sharing the step does to the cost of verify tokens stays in: on two CPU cores a prompt added
-~100 ms to a plain cycle at 16 requests and ~89 / ~78 ms to one verifying 1 / 2 drafts per
-request (a bigger step uses the cores better). A cycle where that share is a large part of its
-time is not measured at all (``prefill_share_limit``), and that gain with it. Likewise the draft
-KV's catch-up over the tokens a verify committed is timed to the cycle of that verify
-(drafter.draft_step), not to the next one, whose depth may differ;
-the head's pass over a new request's prompt, a cost plain decoding does not have, to the cycle that
-first drafts for it (not the prompt's own cycle, which is seldom measured).
-
-The adaptive choice is made among uniform depths d = 0..K (arms; a tree is off or full) per
-batch-size bucket by ``GoodputBandit`` (spec/bandit.py): each arm's goodput is *measured* over
-the cycles it ran (as a correction to the cost model's prediction above, ``arm_priors``). Within
-an arm a request drafts min(d, its cap), less where its own acceptance is far below the average
-(``arm_depths``). The controller itself holds no clock: the drafter reports each cycle's wall
-time (``end_cycle``) and each request's accepted count (``observe``).
+Policies: ``static`` (every request drafts its cap), ``threshold`` (off while more than N requests
+run, with hysteresis) and ``adaptive``: among uniform depths d = 0..K (arms; a tree is off or whole)
+per batch-size bucket, the best measured goodput (``GoodputBandit``) with the models' predictions as
+priors (priors.py). Within an arm a request drafts min(d, its cap), less where its own acceptance is
+far below the mean (``arm_depths``). The caller reports each cycle's wall time and accepted counts
+(the controller times only its own full decisions). The narrow interface: ``decide(Batch) -> k per request`` and
+``observe(StepOutcome)``; the other public methods are its parts, for a caller that pipelines.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,105 +23,10 @@ import numpy as np
 from specserve.config import SpeculativeConfig
 from specserve.speculative.policy.bandit import GoodputBandit, batch_key, bucket_batch, shallower_tokens
 from specserve.speculative.policy.cost_model import CostModel, LinearCost
+from specserve.speculative.policy.interface import Batch, StepOutcome
+from specserve.speculative.policy.priors import AcceptanceStats, arm_depths, arm_priors, prefill_share
 
-Tree = tuple[int, int]  # (nodes verified per drafting request, topk)
-
-
-def arm_depths(arms: np.ndarray, cumacc: np.ndarray, caps: np.ndarray, overall: np.ndarray,
-               relative: float = 0.5) -> np.ndarray:
-    """[arms, B] draft depth per request under each uniform depth d: min(d, cap), less (down to one
-    token) for a request whose own acceptance is far below the average (its expected gain at a
-    position under ``relative`` x the average request's at depth d: that position is not drafted
-    for it)."""
-    K = cumacc.shape[1]
-    d = np.minimum(arms[:, None], caps[None, :])
-    if K == 0:
-        return np.zeros_like(d)
-    floor = relative * overall[np.clip(arms - 1, 0, K - 1)]  # [arms]
-    worth = (cumacc[None, :, :] >= floor[:, None, None]).sum(axis=2)  # cumacc falls with depth: a prefix
-    # at least one token: a request that drafts nothing is never measured again, and would stay at
-    # plain decoding for the rest of its life on a few unlucky early rejections
-    return np.where(arms[:, None] > 0, np.minimum(d, np.maximum(worth, 1)), 0)
-
-
-def prefill_share(cost: CostModel, decode_tokens: int, prefill_tokens: int, num_seqs: int) -> float:
-    """Seconds the prompt tokens add to a step of ``decode_tokens`` other tokens, by ``cost``."""
-    if prefill_tokens <= 0:
-        return 0.0
-    with_prompts = cost.step_time(decode_tokens + prefill_tokens, num_seqs)
-    return max(with_prompts - cost.step_time(max(decode_tokens, 1), num_seqs), 0.0)
-
-
-def arm_priors(arms: np.ndarray, ks: np.ndarray, cumacc: np.ndarray, n_base: int, cost: CostModel,
-               tree: Tree | None = None, prefill: int = 0) -> tuple[list[tuple[float, float]], list[float]]:
-    """The cost model's (expected tokens, seconds) of a cycle under each arm's depths ks [arms, B]
-    (``n_base`` decoding requests, ``prefill`` prompt tokens sharing the step, their own share
-    left out), and the drafting part of those seconds."""
-    B, K = cumacc.shape
-    csum = np.concatenate([np.zeros((B, 1)), np.cumsum(cumacc, axis=1)], axis=1)
-    tokens = B + csum[np.arange(B)[None, :], np.minimum(ks, K)].sum(axis=1)
-    depth = int(ks.max(initial=0))
-    if tree is None:
-        verify = ks.sum(axis=1)
-        # requests still drafting at draft step j, per arm: [arms, depth]
-        counts = (ks[:, :, None] >= np.arange(1, depth + 1)[None, None, :]).sum(axis=1)
-    else:
-        nodes, topk = tree
-        on = (ks > 0).sum(axis=1)
-        verify = on * nodes
-        counts = np.where(np.arange(depth)[None, :] < ks.max(axis=1)[:, None],
-                          np.where(np.arange(depth)[None, :] == 0, on[:, None], on[:, None] * topk), 0)
-    draft = np.zeros(counts.shape)
-    if counts.size:
-        nz = counts > 0
-        draft[nz] = cost.draft.predict_many(counts[nz])
-    drafting = draft.sum(axis=1)
-    seconds = cost.step_times(n_base + prefill + verify, B) - prefill_share(cost, n_base, prefill, B) + drafting
-    return [(float(t), float(s)) for t, s in zip(tokens, seconds)], [float(d) for d in drafting]
-
-
-@dataclass
-class AcceptanceStats:
-    """Conditional acceptance per draft position: accepted[j] / drafted[j] (plain lists: updated
-    per request per step, where small numpy operations would cost more than the step's decision)."""
-
-    drafted: list[float]
-    accepted: list[float]
-
-    @classmethod
-    def zeros(cls, k: int) -> "AcceptanceStats":
-        return cls([0.0] * k, [0.0] * k)
-
-    def observe(self, k: int, a: int, decay: float = 1.0) -> None:
-        if decay < 1.0:
-            self.drafted = [x * decay for x in self.drafted]
-            self.accepted = [x * decay for x in self.accepted]
-        # position j (0-based) was reached iff all before it were accepted: j <= a
-        for j in range(min(k, a + 1)):
-            self.drafted[j] += 1
-        for j in range(a):
-            self.accepted[j] += 1
-
-    prior_strength = 4.0  # pseudo-observations of the overall rate in a request's own
-
-    def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = prior_strength,
-              unseen: float = 0.7, chain_strength: float = 8.0, first_strength: float = 2.0) -> list[float]:
-        """Per-position rates; with ``prior``, shrunk towards it by ``strength`` pseudo-observations.
-
-        Without a prior, the first position is shrunk towards ``unseen`` (optimistic, so drafting
-        gets tried) by ``first_strength`` pseudo-observations, and each later one towards the rate
-        of the one before it by ``chain_strength``: a deep position drafted twice and rejected
-        twice is not taken for a rate of 0.
-        """
-        if prior is not None:
-            return [(a + strength * p) / (d + strength) for a, d, p in zip(self.accepted, self.drafted, prior)]
-        out = []
-        prev = unseen
-        for j, (d, a) in enumerate(zip(self.drafted, self.accepted)):
-            w = first_strength if j == 0 else chain_strength
-            prev = (a + w * prev) / (d + w) if d + w > 0 else prev
-            out.append(prev)
-        return out
+ACCEPT_DECAY = 0.999  # per request observed: the overall acceptance rates' memory
 
 
 @dataclass
@@ -157,21 +42,17 @@ class Cycle:
     measured: bool = True  # False: a one-off switch, charged to exploration but not the arm's measure
     requests: int = 0  # in the decision
     prefill_seconds: float = 0.0  # the live cost model's share of prompt tokens in its steps (left out)
-    exploring: bool = False  # an exploration's cycle
-    launched_early: int = 0  # requests whose drafts were launched before the last verify's sync (fused)
-    # chains: what each shallower depth e would have committed on the same drafts (min(accepted, e) + 1
-    # per request: GoodputBandit.nested_tokens)
-    tokens_at: dict[int, float] | None = None
+    exploring: bool = False
+    launched_early: int = 0  # requests whose drafts were launched before the last verify's sync
+    tokens_at: dict[int, float] | None = None  # chains: depth e < arm -> tokens it would have committed
 
 
 @dataclass
 class SpecController:
     cfg: SpeculativeConfig
     cost: CostModel = field(default_factory=CostModel)
-    # the cost model as profiled, never updated: the bandit's time ratios are measured against it,
-    # so they do not drift while the live model (self.cost) learns
-    reference: CostModel | None = None
-    bandit: GoodputBandit = field(default_factory=GoodputBandit)
+    reference: CostModel | None = None  # the profile, frozen: the bandit's time ratios are against it
+    bandit: GoodputBandit = field(default=None)  # type: ignore[assignment]  # (cfg.adaptive's)
     overall: AcceptanceStats = field(init=False)
     per_request: dict[str, AcceptanceStats] = field(default_factory=dict)
     spec_on: bool = True  # threshold policy state
@@ -182,127 +63,56 @@ class SpecController:
     switches: int = 0  # decisions where speculation went on <-> off (explorations excluded)
     k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
     cycles: int = 0  # adaptive decisions whose outcome was measured
-    full_every: int = 4  # weigh a bucket's arms every this many decisions (quick_arm in between) ...
-    # ... or less often where weighing them would take more than this share of the cycles' time
-    # (a full decision is ~0.3 ms of host time: 1/8 of a 2.5-ms GPU cycle at one request)
-    decide_budget: float = 0.01
-    # a cycle whose prompt tokens' predicted share is above this part of its time is left out of the
-    # arm's measure (charged to exploration only): what remains after subtracting a share that large
-    # is mostly the prediction's error (on two CPU cores, 150 prompt tokens cost ~1.5 decode steps).
-    # At 16-32 requests on a CPU that leaves out every prompt cycle, and a gain of drafting that
-    # shows only there. Counting them (0.75 of the cycle's time, session 19; of a plain step's,
-    # session 20) drafted where plain decoding was best: see BENCHMARKS.md, adaptive sessions 19-20
-    prefill_share_limit: float = 0.25
-    nodraft_share_limit: float = 0.1  # see mixed_batch
-    # a drafting cycle followed by plain decoding is charged the catch-up a drafting successor would run
-    # for it (EagleSpeculator._unpaid_catch_up): explorations out of plain decoding are measured as the
-    # depth's exploited cycles are. False: for A/Bs
-    charge_unpaid_catch_up: bool = True
-    # cached prompt blocks without draft KV are taken and the head catches up over them (the drafter's
-    # _catch_up_cached_prefix), not refused to drafting requests. False: for A/Bs (refused, as before
-    # session 42; then _catch_up_finished gives finishing requests draft KV where refusals pay for it)
-    catch_up_cached_prefix: bool = True
-    # an exploration of plain decoding has its measured (second) cycle taken before the sync and launched
-    # ahead, as the pick's plain steps are on a GPU (plain_second_cycle). False: for A/Bs
-    overlap_plain_explorations: bool = True
-    # a full decision due after a plain step, sure not to explore, taken before that step's sync so that
-    # plain decoding again is launched ahead (plain_full_early). False: for A/Bs
-    fuse_plain_full: bool = True
+    forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
+    # ``defer``: cycle outcomes and cost-model updates wait in ``pending`` until ``flush`` (the caller's
+    # next forward launch); no decision reads them before that
+    defer: bool = False
+    pending: list[Callable[[], None]] = field(default_factory=list)
     _cycle: Cycle | None = None
     _quick_key: int = 0  # bucket of the last quick_arm
     _plain_exploring: bool = False  # plain_second_cycle took the next decision: count_off's cycle explores
     _draft_predicted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, arm) -> seconds
-    # the frozen reference's seconds per step shape (_reference_step): one per cycle, the same few shapes
-    _reference_steps: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+    _reference_steps: dict[tuple[int, int, int, int], float] = field(default_factory=dict)  # step shape -> s
     _last_ids: list[str] = field(default_factory=list)  # requests and k of the last counted decision
     _last_ks: list[int] = field(default_factory=list)
     _was_on: bool | None = None
     _decide_s: float = 0.0  # moving averages: host seconds of a full decision, seconds of a cycle
     _cycle_s: float = 0.0
-    # seconds of the catch-ups that ended a stretch of plain decoding, against their tokens
-    catch_up_cost: LinearCost = field(default_factory=LinearCost)
-    # per bucket: the predicted catch-up of its last full decision (catch_up_seconds)
-    switch_seconds: dict[int, float] = field(default_factory=dict)
-    forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
-    # quick decisions (and forced depths) taken before the verify's host sync, so that the drafter
-    # launches the next catch-up and chain before it waits (EagleSpeculator._early_ks). False: for A/Bs
-    fuse_quick: bool = True
-    # ... and full decisions too (decide_early), so that an explored depth is timed on cycles that
-    # draft before the sync like the quick picks. Off. Sessions 27 and 31 measured it losing, but then
-    # draft_step replaced most early full decisions with a quick one (the bucket's pick: explorations
-    # did not run). Once that was fixed, one sliced sweep on the H200 (session 32) put it at 0.953 /
-    # 0.947 / 1.012 of chain 5 at 1, 4 and 16 requests against 0.941 / 0.959 / 0.970 without; two more
-    # (session 33) 0.988 / 0.949 / 1.016 and 0.954 / 0.976 / 0.930 against 0.986 / 0.931 / 1.043 and
-    # 0.950 / 0.974 / 0.912: within the runs' own spread, so it stays off
-    fuse_full: bool = False
-    # ... only those full decisions that cannot explore (GoodputBandit.cannot_explore: the turns whose
-    # exploration budget is spent, and the re-weighing turns between exploration turns): explorations
-    # stay timed as before, while the rest stop costing the lost overlap of drafting after the sync
-    # (a full decision's draft step took ~1.1 ms against a fused one's ~0.05 at one request on the
-    # H200: one in 16 cycles, ~5 % of the time; BENCHMARKS.md, GPU section, session 31)
-    fuse_exploit: bool = True
-    # the decision after an exploration's measured (second) cycle taken after the sync, where the
-    # drafter would take it before: a cycle's measure runs from its decision to the next, so with the
-    # next cycle's drafts launched before the sync that cycle holds them, not its own. Off: on the H200
-    # (session 32, one sliced sweep beside the default) 0.949 / 0.883 / 0.944 of chain 5 at 1, 4 and 16
-    # requests against 0.930 / 0.947 / 0.957
-    isolate_explorations: bool = False
-    # explorations launched like the exploited cycles they are compared with: an exploration's second
-    # cycle, whose depth is known once its first is decided, taken before the sync (its drafts fused);
-    # its first cycle (decided after a sync, its drafts not fused, and holding the second's) charged to
-    # exploration, not measured. Without it explored depths were measured ~30-40 % slow at one request
-    # against the exploited one (session 31), so whatever depth was picked stayed picked. On the H200
-    # (session 32, sliced sweep, once draft_step applied early full decisions) 0.972 / 0.960 / 0.944 of
-    # chain 5 at 1, 4 and 16 requests against 0.936 / 0.955 / 0.945 without it. With it,
-    # isolate_explorations does nothing (the measured cycle's drafts are fused)
-    fuse_explorations: bool = True
-    # where the next cycle's drafts were launched before the sync, the verify after them is launched
-    # too, right after the sync, before this step's commit (EagleSpeculator._launch_early_verify): the
-    # device then has the next verify queued behind the drafts while the host commits and schedules.
-    # The drafter turns it on on a GPU (on the CPU a forward returns when done: nothing to overlap)
-    early_verify: bool = False
-    # ... and for trees launched before the sync itself, right after the fused launch: its inputs come
-    # from the device (FusedTreeLaunch.next_ids ...: the accepted count is not known on the host yet),
-    # its attention planned at the longest the verify can leave the request (AttentionMetadata.seq_shift).
-    # After the sync the host only checks that what it launched is the step that follows (a stop
-    # token, a request's end: discarded). Level with the post-sync launch at one request on the H200
-    # (session 34: 1.70 ms a tree-32 cycle either way over 50 prompts; that cycle is device-bound), kept
-    # on as the step towards a cycle captured whole: every input of the next verify is on the device.
-    # False: for A/Bs
-    presync_verify: bool = True
-    # ... and the fused launch of steps of up to FUSED_MAX_BATCH requests replays one graph where the
-    # drafter has them (EagleSpeculator.fused_launch, built with the draft loop's graphs). False: for A/Bs
-    fused_launch_graph: bool = True
-    # a request whose own expected gain at a position is under this x the average request's drafts
-    # no further than that position (arm_depths); 0: every request drafts its arm's full depth
-    truncate_relative: float = 0.5
-    cut_min_batch: int = 2  # ... in batches of at least this many requests (see _decide_adaptive)
-    # ``defer``: a cycle's outcome (finish_cycle) and the live cost model's updates (observe_step,
-    # observe_draft) wait in ``pending`` until ``flush``, which the drafter calls once the next target
-    # forward is launched: on a GPU they then run while the device computes it, not between the
-    # verify's sync and the next launch (~0.07 ms of a ~2.4-ms cycle at 1-4 requests on the H200).
-    # No decision reads what they update before that flush: a cycle is finished after the decision
-    # that follows it in any case, and decisions price arms by the reference profile, not the live one
-    defer: bool = False
-    pending: list[Callable[[], None]] = field(default_factory=list)
+    catch_up_cost: LinearCost = field(default_factory=LinearCost)  # catch-ups after plain decoding
+    switch_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> predicted catch-up, last full decision
+    _next: Cycle | None = None  # an early decision's cycle: current once ``observe`` ends the one in flight
+    clock: Callable[[], float] = time.perf_counter  # times ``decide(Batch)``'s full decisions (host seconds)
+
+    # Launch-path settings the drafter reads (drafter.py); not policy. ``early_verify`` is set by the
+    # drafter (True on a GPU); the rest are constant and can go once the drafter uses decide/observe.
+    early_verify = False
+    fuse_quick = True
+    fuse_full = False
+    presync_verify = True
+    fused_launch_graph = True
+    catch_up_cached_prefix = True
+    charge_unpaid_catch_up = True
 
     def __post_init__(self) -> None:
+        self.policy = self.cfg.adaptive  # the adaptive policy's tunables
+        if self.bandit is None:
+            self.bandit = GoodputBandit(self.policy)
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
 
     # -- observations ------------------------------------------------------------------------
-    def observe(self, request_id: str, k: int, accepted: int) -> None:
+    def observe_request(self, request_id: str, k: int, accepted: int) -> None:
+        """Request ``request_id`` verified ``k`` drafts and accepted ``accepted``."""
         c = self._cycle
         if c is not None and c.request_ids is not None and request_id in c.request_ids:
             c.tokens += accepted + 1
         if k == 0:
             return
-        self.overall.observe(k, accepted, decay=0.999)
+        self.overall.observe(k, accepted, decay=ACCEPT_DECAY)
         st = self.per_request.setdefault(request_id, AcceptanceStats.zeros(self.cfg.num_steps))
         st.observe(k, accepted)
 
     def observe_many(self, request_ids: list[str], ks: list[int], accepted: list[int]) -> None:
-        """``observe`` for every request of a step at once: the overall rates decay once per step
-        (as per request, 0.999 each) instead of once per request, a per-request cost at 256 requests."""
+        """``observe_request`` for every request of a step (the overall rates decay once, by ACCEPT_DECAY**n)."""
         c = self._cycle
         if c is not None and c.request_ids is not None:
             mine = [a for rid, a in zip(request_ids, accepted) if rid in c.request_ids]
@@ -329,7 +139,7 @@ class SpecController:
                 st = self.per_request[rid] = AcceptanceStats.zeros(self.cfg.num_steps)
             st.observe(k, a)
         if n:
-            f = 0.999**n
+            f = ACCEPT_DECAY**n
             ov.drafted = [x * f + d for x, d in zip(ov.drafted, dr)]
             ov.accepted = [x * f + d for x, d in zip(ov.accepted, ac)]
 
@@ -339,16 +149,12 @@ class SpecController:
         return self._cycle is not None and self._cycle.request_ids is not None
 
     def quick_arm(self, batch: int, num_running: int | None = None) -> int | None:
-        """The depth this batch bucket exploits, to apply without weighing the arms again (None: weigh
-        them, ``decide``): three decisions in four (``full_every``; fewer full ones where they would cost
-        more than ``decide_budget`` of the time, ``full_decision_every``), explorations excluded. Per
-        request, a decision is milliseconds of host time at 256 requests and a tenth of a millisecond
-        at one: a real share of a GPU step either way. The threshold policy: 0 while speculation is
-        off (``num_running`` running requests, with its hysteresis), else None."""
-        self._plain_exploring = False  # (one plain_second_cycle took and draft_step did not apply: lost)
+        """The depth this batch's bucket exploits, applied without weighing the arms (None: weigh them,
+        ``decide``); the threshold policy: 0 while off (``num_running`` running requests), else None."""
+        self._plain_exploring = False  # (one plain_second_cycle took and the caller did not apply: lost)
         if self.cfg.policy == "threshold" and num_running is not None:
             return 0 if not self._threshold_on(num_running) else None
-        if self.cfg.policy != "adaptive" or self.full_every <= 1:
+        if self.cfg.policy != "adaptive" or self.policy.full_every <= 1:
             return None
         b = self.bandit
         key = batch_key(batch)
@@ -359,81 +165,64 @@ class SpecController:
         return b.chosen[key]
 
     def note_launched_early(self, n: int) -> None:
-        """``n`` requests of the cycle just decided took drafts launched before the sync (observability:
-        benchmarks/cycle_log.py sets fused cycles against the others)."""
+        """``n`` requests of the cycle just decided took drafts launched before the sync (observability)."""
         if self._cycle is not None:
             self._cycle.launched_early = n
 
     def after_exploration(self, batch: int) -> bool:
-        """Whether the next decision for ``batch`` requests must wait for the sync (isolate_explorations)."""
-        return (self.isolate_explorations and not self.fuse_explorations
-                and self.bandit.exploration_in_flight(batch_key(batch)))
+        """Whether the next decision must wait for the sync: never (kept for the drafter's calls)."""
+        return False
 
     def full_early(self, batch: int) -> bool:
         """Whether the next full decision for ``batch`` requests may be taken before the verify's sync:
-        it is sure not to explore (fuse_exploit), or it is an exploration's second cycle (fuse_explorations)."""
+        it is sure not to explore, or it is an exploration's second cycle (its depth known)."""
         if self.cfg.policy != "adaptive":
             return False
         key = batch_key(batch)
-        return ((self.fuse_exploit and self.bandit.cannot_explore(key))
-                or (self.fuse_explorations and self.bandit.second_cycle_due(key)))
+        return self.bandit.cannot_explore(key) or self.bandit.second_cycle_due(key)
 
     def plain_full_early(self, batch: int) -> bool:
-        """Whether the full decision due for ``batch`` requests after a plain step may be taken before
-        that step's sync (fuse_exploit: it is sure not to explore), so that plain decoding again is
-        launched ahead (the drafter's _plain_full_early)."""
-        return (self.cfg.policy == "adaptive" and self.fuse_plain_full and self.fuse_exploit
-                and self.bandit.cannot_explore(batch_key(batch)))
+        """Whether the full decision due after a plain step may be taken before that step's sync (it is
+        sure not to explore), so that plain decoding again can be launched ahead."""
+        return self.cfg.policy == "adaptive" and self.bandit.cannot_explore(batch_key(batch))
 
     def full_decision_every(self) -> int:
-        """``full_every``, or more decisions apart where a full one costs more than ``decide_budget``
-        of the time between them (at most 64), rounded up to a power of two: its turns (the last
-        decision of each ``every``) then fall on the bandit's exploration turns (the last of each 16),
-        which are full decisions too. Counted apart, the two made one decision in 8 a full one at
-        1-4 requests on the H200 (~0.34 ms each: 2 % of the time) where one in 16 keeps to 1 %."""
+        """``full_every``, or more apart (at most 64, a power of two: on the bandit's exploration turns)
+        where a full decision costs more than ``decide_budget`` of the time between them."""
+        p = self.policy
         if self._decide_s <= 0 or self._cycle_s <= 0:
-            return self.full_every
-        need = math.ceil(self._decide_s / (self.decide_budget * self._cycle_s))
-        return 1 << (max(self.full_every, min(need, 64)) - 1).bit_length()
+            return p.full_every
+        need = math.ceil(self._decide_s / (p.decide_budget * self._cycle_s))
+        return 1 << (max(p.full_every, min(need, 64)) - 1).bit_length()
 
     def observe_decide(self, seconds: float) -> None:
-        """Host seconds one full decision (``decide``, just taken) took: the caller's clock. An exploration's
-        is charged to its bucket's exploration budget (GoodputBandit.charge_overhead)."""
+        """Host seconds the full decision just taken took; an exploration's is charged to its bucket's budget."""
         self._decide_s = seconds if self._decide_s <= 0 else 0.9 * self._decide_s + 0.1 * seconds
         c = self._cycle
         if c is not None and c.exploring:
             self._later(self.bandit.charge_overhead, c.key, seconds)
 
     def speculation_off(self, batch: int) -> bool:
-        """Whether a request admitted now, into a batch of ``batch`` requests, will plain-decode for a
-        while: the threshold policy's state, or the adaptive policy exploiting plain decoding in that
-        batch's bucket. Such a request may take cached blocks without draft KV (and never drafts):
-        blocks filled while speculation is off have none, and recomputing their prompts cost the
-        adaptive engine held at k = 0 0.61x of a never-drafting one's throughput at 256 requests on
-        the H200 (gpu_step_breakdown_session15_finish.json). The requests that cannot draft then
-        sit in the batches of any depth explored: a cycle where they are more than
-        ``nodraft_share_limit`` of a drafting batch is left out of its arm's measure (mixed_batch)."""
+        """Whether a request admitted now into a batch of ``batch`` will plain-decode for a while (the
+        threshold policy off, or plain decoding its bucket's pick): it may take blocks without draft KV."""
         if self.cfg.policy == "threshold":
             return not self.spec_on
         return self.cfg.policy == "adaptive" and self.bandit.chosen.get(batch_key(batch)) == 0
 
     def mixed_batch(self, ks: list[int] | np.ndarray, never_draft: int) -> None:
-        """A drafting decision over a batch where ``never_draft`` requests cannot draft (cached blocks
-        without draft KV): above ``nodraft_share_limit`` of the batch its cycle does not measure the
-        arm (it runs cheaper, and commits fewer tokens per request, than the arm does: the pooled
-        tokens per request times this bucket's rate would overstate it), and is charged only."""
-        if never_draft > self.nodraft_share_limit * len(ks) and any(k > 0 for k in ks):
-            self.skip_cycle()
+        """A drafting decision where ``never_draft`` requests cannot draft: above ``nodraft_share_limit``
+        of the batch its cycle is charged, not measured (it is not the arm's)."""
+        self._mixed(self._cycle, ks, never_draft)
+
+    def _mixed(self, c: Cycle | None, ks: list[int] | np.ndarray, never_draft: int) -> None:
+        if c is not None and never_draft > self.policy.nodraft_share_limit * len(ks) and any(k > 0 for k in ks):
+            c.measured = False
 
     def plain_second_cycle(self, batch: int) -> bool:
-        """Take the next decision for ``batch`` requests now, before the verify's sync, where it is the
-        second cycle of an exploration of plain decoding (its arm known), so that the drafter launches
-        that step ahead: overlap scheduled, as plain decoding runs once picked. The exploration's first
-        cycle (the step after a drafting verify, decided after its sync, so not overlapped: a one-off
-        switch) is then charged to exploration, not measured. Measured step by step, explored plain
-        decoding ran ~1.6x the time it takes picked at 16 requests on an H100 (session 42: no-spec 1.4x
-        chain 5 there, while the adaptive engine kept drafting). True: taken; count_off applies it."""
-        if self.cfg.policy != "adaptive" or not self.overlap_plain_explorations:
+        """Take the next decision now, before the sync, where it is plain decoding's second exploration
+        cycle (launched ahead like the pick's); its first is then charged, not measured. True: taken
+        (``count_off`` applies it)."""
+        if self.cfg.policy != "adaptive":
             return False
         key = batch_key(batch)
         if not self.bandit.take_plain_second_cycle(key):
@@ -509,7 +298,7 @@ class SpecController:
 
     def _finish_cycle(self, c: Cycle, seconds: float) -> None:
         self._cycle_s = seconds if self._cycle_s <= 0 else 0.9 * self._cycle_s + 0.1 * seconds
-        measured = c.measured and c.prefill_seconds <= self.prefill_share_limit * seconds
+        measured = c.measured and c.prefill_seconds <= self.policy.prefill_share_limit * seconds
         seconds = max(seconds - c.prefill_seconds, 0.2 * seconds)
         if not measured:
             self.bandit.charge(c.key, c.arm, c.tokens, seconds)
@@ -523,11 +312,8 @@ class SpecController:
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0,
                      decode_rows: int = 0, own_time: bool = True) -> None:
-        """A target step of ``num_tokens`` for ``num_seqs`` requests took ``seconds``; of its tokens,
-        ``prefill_tokens`` were prompt tokens before each prompt's last and ``decode_rows`` one per
-        request that samples (the rest: drafts to verify). ``own_time`` False: ``seconds`` also holds
-        other device work the step queued behind (drafts still running when it was launched), so the
-        cost model does not learn the target's time from it."""
+        """A target step of ``num_tokens`` (``prefill_tokens`` of them prompt, ``decode_rows`` sampling,
+        the rest drafts) took ``seconds``; ``own_time`` False: with device work queued before it."""
         # the cycle in flight now, whenever this runs
         self._later(self._observe_step, self._cycle, num_tokens, num_seqs, seconds, prefill_tokens, decode_rows,
                     own_time)
@@ -583,11 +369,78 @@ class SpecController:
         (_, predicted), = arm_priors(np.array([arm]), ks, np.zeros((batch, K)), batch, self._reference(), tree)[0]
         self.bandit.seed(batch_key(batch), arm, predicted, seconds, batch, cycles)
 
+    # -- the narrow interface: decide(Batch) -> k per request, observe(StepOutcome) --------------
+    def decide(self, batch: Batch | list, caps: list[int] | None = None, num_running: int = 0,
+               prefill_tokens: int = 0, behind: int = 0, early: bool = False) -> list[int] | None:
+        """k per request of ``batch``. ``early``: before the outcome of the step in flight (its ``observe``
+        then makes this decision current); None where the decision needs that outcome.
+        ``decide(requests, caps, num_running, prefill_tokens, behind)``: the arms weighed now."""
+        if isinstance(batch, Batch):
+            return self._decide_early(batch) if early else self._decide_now(batch)
+        return self._decide_full(batch, caps or [], num_running, prefill_tokens, behind)
+
+    def observe(self, o: StepOutcome) -> None:
+        """What the step of the last decision did; ends its cycle (and makes an early decision current)."""
+        if any(o.drafted) or self.cycle_open:
+            self.observe_many(o.request_ids, o.drafted, o.accepted)
+        n = len(o.request_ids)
+        self.observe_step(o.num_tokens, o.num_seqs or n, o.seconds, o.prefill_tokens, n, o.own_time)
+        if o.draft_seconds > 0 and any(o.drafted):
+            self.observe_draft(sum(1 for k in o.drafted if k), max(o.drafted), o.draft_seconds)
+        if o.caught_up:
+            self.skip_cycle()
+            self.observe_catch_up(o.caught_up, o.catch_up_seconds)
+        prev, self._cycle, self._next = self._cycle, self._next, None
+        self.finish_cycle(prev, o.cycle_seconds)
+
+    def _decide_now(self, batch: Batch) -> list[int]:
+        B = len(batch.requests)
+        arm = self.forced_arm if self.forced_arm is not None else self.quick_arm(B, batch.num_running)
+        if arm == 0:
+            self.count_off(B)
+            ks = [0] * B
+        elif arm is not None:
+            ks = self.uniform(batch.requests, arm, batch.caps)
+        else:
+            t0 = self.clock()
+            ks = self.decide(batch.requests, batch.caps, batch.num_running, batch.prefill_tokens, batch.behind)
+            self.observe_decide(self.clock() - t0)
+        self._mixed(self._cycle, ks, batch.never_draft)
+        return ks
+
+    def _decide_early(self, batch: Batch) -> list[int] | None:
+        """The drafter's launch-ahead decisions: the pick (or plain decoding's second exploration cycle
+        after a plain step), or a full decision sure not to need the outcome in flight."""
+        B = len(batch.requests)
+        plain = self._cycle is None or self._cycle.arm == 0
+        arm = self.forced_arm
+        if arm is None and plain and self.plain_second_cycle(B):
+            arm = 0
+        elif arm is None:
+            arm = self.quick_arm(B, batch.num_running)
+        if arm is None:
+            if self.cfg.policy == "adaptive":
+                sure = self.plain_full_early(B) if plain else all(batch.caps) and self.full_early(B)
+            else:
+                sure = self.cfg.policy == "static"
+            if not sure:
+                return None
+            ks, self._next = self.decide_early(batch.requests, batch.caps, batch.num_running,
+                                               batch.prefill_tokens, batch.behind)
+        else:
+            in_flight = self.detach_cycle()
+            ks = [0] * B if arm == 0 else self.uniform(batch.requests, arm, batch.caps)
+            if arm == 0:
+                self.count_off(B)
+            self._next, self._cycle = self.detach_cycle(), in_flight
+        self._mixed(self._next, ks, batch.never_draft)
+        return ks
+
     # -- decision ----------------------------------------------------------------------------
-    def decide(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int,
-               behind: int = 0) -> list[int]:
-        """k per request; ``behind``: tokens whose draft KV drafting would first catch up (its cost is
-        what an exploration out of plain decoding pays before its first draft)."""
+    def _decide_full(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int,
+                     behind: int = 0) -> list[int]:
+        """k per request, the arms weighed; ``behind``: tokens whose draft KV drafting would first catch
+        up (what an exploration out of plain decoding pays before its first draft)."""
         caps_a = np.asarray(caps, dtype=np.int64)
         policy = self.cfg.policy
         exploring = False
@@ -610,7 +463,7 @@ class SpecController:
         saved = self.detach_cycle()
         ks = self.decide(requests, caps, num_running, prefill_tokens, behind)
         early = self.detach_cycle()
-        if (self.fuse_explorations and saved is not None and early is not None and saved.exploring
+        if (saved is not None and early is not None and saved.exploring
                 and early.exploring and saved.arm == early.arm and saved.key == early.key):
             saved.measured = False  # an exploration's first cycle, holding its second's drafts
         self._cycle = saved
@@ -631,10 +484,8 @@ class SpecController:
         return self.spec_on
 
     def catch_up_seconds(self, tokens: int) -> float:
-        """Predicted seconds of a catch-up over ``tokens``: by the past switches' catch-ups (fixed +
-        per token, fitted), else as one head forward over that many rows by the reference profile (a
-        draft step also computes logits per row: an over-estimate, so the first exploration waits
-        rather than overspends)."""
+        """Predicted seconds of a catch-up over ``tokens``: fitted on past catch-ups, else one head forward
+        over that many rows by the reference profile (an over-estimate: the first exploration waits)."""
         if tokens <= 0:
             return 0.0
         s = self.catch_up_cost.predict(tokens)
@@ -652,8 +503,7 @@ class SpecController:
         if K == 0 or self.cfg.num_steps == 0:
             return np.zeros(len(caps), dtype=np.int64), False
         prior = np.asarray(self.overall.rates())
-        # per-request rates shrunk towards the overall ones (AcceptanceStats.rates with a prior),
-        # for the whole batch at once
+        # per-request rates shrunk towards the overall ones (AcceptanceStats.rates with a prior): [B, K]
         zeros = [0.0] * len(prior)
         stats = [self.per_request.get(r.request_id) for r in requests]
         acc = np.array([st.accepted if st is not None else zeros for st in stats])
@@ -668,15 +518,10 @@ class SpecController:
             tree = (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk)
             arms = np.array([0, self.cfg.num_steps])
             caps = np.where(caps > 0, self.cfg.num_steps, 0)
-        # one request: the arms are its depths, measured, and nothing else in the batch to weigh it
-        # against. Cut by its own rates, a request on a hard stretch had every depth cut to one token,
-        # where plain decoding wins, and stayed at plain decoding, where its rates are never measured
-        # again: at one request on the H200 (a depth-5 cycle 2.2 ms, a plain one 1.4) that was 31 %
-        # of request-steps and 0.76x static chain 5 (session 19); 8 of 855 and 0.97x without the cut
-        relative = self.truncate_relative if len(requests) >= self.cut_min_batch else 0.0
+        # one request: no cut by its own rates (the arms are its depths, measured)
+        relative = self.policy.truncate_relative if len(requests) >= self.policy.cut_min_batch else 0.0
         depths = arm_depths(arms, cumacc, caps, overall, relative)
-        # arms that draft the same depths (a short cap, poor acceptance) are one arm: the shallowest
-        # (depths grow with the arm, so equal rows are neighbours)
+        # arms that draft the same depths are one arm, the shallowest (equal rows are neighbours)
         keep = np.concatenate([[True], (depths[1:] != depths[:-1]).any(axis=1)])
         arms, depths = arms[keep], depths[keep]
         ref = self._reference()
@@ -686,23 +531,14 @@ class SpecController:
         b = self.bandit
         pick = b.chosen.get(key)
         if pick is not None and pick > arms[-1] and not b.second_cycle_due(key):
-            # every request's cap binds below the bucket's pick (requests near their max_tokens): the
-            # pick cut to the caps, i.e. the deepest arm left, without weighing the few arms left. Weighed,
-            # the shallow ones (served near every request's end) won over deeper ones known by their
-            # priors alone, and became the bucket's pick: at one request on the H200 the next request then
-            # drafted one token a cycle until the next full decision (~5 % of cycles, session 32)
+            # every cap binds below the bucket's pick: the pick cut to the caps, not weighed again
             arm, exploring = int(arms[-1]), False
             b.visits[key] = b.visits.get(key, 0) + 1
         else:
             arm, exploring = b.choose(key, dict(zip(arms.tolist(), priors)), len(requests), switch_s)
         self._draft_predicted.update({(key, int(a)): d for a, d in zip(arms, drafting)})
         i = int(np.flatnonzero(arms == arm)[0])
-        # plain decoding: one token a request, counted now, as for a quick decision (count_off). With
-        # each request's count taken after the step instead, a plain cycle decided in full (an
-        # exploration out of drafting) paid per-request bookkeeping (observe_many over the batch)
-        # that the pick's plain cycles do not: at 256 requests on the H200 plain decoding explored out
-        # of depth 4 was put at 35,100 tok/s, where as the pick (another run) it measured 39,600,
-        # and depth 4 (35,300) was kept at 0.935x no-spec (session 37)
+        # plain decoding: one token a request, counted now, as for a quick decision (count_off)
         plain = arm == 0
         self._cycle = Cycle(key, arm, drafting[i], None if plain else {r.request_id for r in requests},
                             tokens=len(requests) if plain else 0, requests=len(requests), exploring=exploring)

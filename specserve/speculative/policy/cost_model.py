@@ -1,20 +1,17 @@
 """Measured step costs: target step time vs. tokens in the step, draft forward time vs. batch.
 
-The time of a forward is not smooth in its token count: on a 2-core CPU a forward of 1-3 tokens
-costs about the same and one of 4 nearly twice as much (matmul kernels change shape). So each
-curve is a table, exact at every count 1..EXACT and on a grid above, linear only between grid
-points. A start-up profile fills it (``measure``: median of interleaved rounds, re-measured where
-the rounds disagree). Online, every measured step lands in its bucket; once a bucket has a few
-samples their median replaces the profile there, and buckets not seen yet keep the profile's
-increments, shifted by the observed - profile difference of their seen neighbours (a real step
-adds host work to the profiled forward). A profile that is far off
-for many steps (taken under load, or a different machine state) is flagged ``stale``.
+Each curve is a table, exact at every count 1..EXACT and on a grid above, linear between grid points
+(a forward's time is not smooth in its token count). A start-up profile fills it (``measure``);
+online, a bucket's median replaces the profile once it has ``min_samples``, and unseen buckets keep
+the profile's increments shifted by their seen neighbours' offset. A profile far off for many steps
+is ``stale``.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import os
 import time
@@ -25,11 +22,11 @@ from typing import Callable
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 EXACT = 16
 GRID: tuple[int, ...] = (*range(1, EXACT + 1), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
                          224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 3072, 4096)
-FORMAT_VERSION = 5  # 4: on the static draft path the draft curve times catch-up + chain loop per step; 5: the eager
-# draft curve goes past max_num_seqs to catch-up-sized row counts (CATCH_UP_PROFILE_ROWS)
+FORMAT_VERSION = 5  # of a cached profile: another version is profiled again
 
 
 def bucket(x: float) -> int:
@@ -51,7 +48,7 @@ def batch_bucket(num_seqs: int) -> int:
 
 
 def _interp1(xs: list[float], ys: list[float], x: float) -> float:
-    """``_interp`` at one point, in plain Python: a step's host time counts (numpy costs ~30 us a call)."""
+    """``_interp`` at one point, in plain Python (cheaper than numpy for one point)."""
     n = len(xs)
     if n == 0:
         return 0.0
@@ -90,10 +87,7 @@ class Curve:
     measured: bool = False  # some bucket has min_samples observations (its median is in the table)
     _table: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     _pxy: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
-    # (median, count) per bucket with samples: an observation changes one bucket's, so a table
-    # rebuild (after every observed step, when predicted) does not take every bucket's median anew;
-    # buckets observed since the last rebuild are taken again then (an engine observes every step
-    # and predicts far less often)
+    # (median, count) per bucket with samples; buckets observed since the last table rebuild are stale
     _med: dict[int, tuple[float, int]] | None = field(default=None, repr=False)
     _stale_med: set[int] = field(default_factory=set, repr=False)
     # the table and the profile as lists, for one-point predictions (_interp1)
@@ -114,10 +108,6 @@ class Curve:
         self._stale_med.clear()
         return self._med
 
-    def observed(self, g: int) -> float | None:
-        s = self.samples.get(g)
-        return median(s) if s is not None and len(s) >= self.min_samples else None
-
     def _profile_xy(self) -> tuple[np.ndarray, np.ndarray]:
         if self._pxy is None or self._pxy_of is not self.profile or len(self._pxy[0]) != len(self.profile):
             self._pxy_of = self.profile  # (a profile taken again is a new dict)
@@ -128,8 +118,7 @@ class Curve:
         return self._pxy
 
     def profile_at(self, x: float) -> float:
-        """The profile alone (no observations), interpolated (remembered per x: every step asks it the
-        step's own count, and a plain decoding engine asks the same few)."""
+        """The profile alone (no observations), interpolated (remembered per x)."""
         if not self.profile:
             return 0.0
         self._profile_xy()  # fills the list copies (and empties the remembered points when it changed)
@@ -147,14 +136,9 @@ class Curve:
         return self._plist[-1]
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
-        """(counts, seconds) the predictions interpolate, non-decreasing in the count.
-
-        The prior is the profile shifted by the observed - profile difference of the buckets with at
-        least ``min_samples`` measurements, interpolated between them (constant past the ends; 0
-        when there are none), so unseen buckets keep the profile's increments. A measured bucket is its
-        median from ``min_samples`` on, and before that a log-average of median and prior with the
-        prior counted as one measurement (one sample moves it half-way).
-        """
+        """(counts, seconds) the predictions interpolate, non-decreasing in the count: the profile shifted
+        by the measured buckets' offsets (interpolated), a bucket with ``min_samples`` its median, one
+        with fewer a log-average of median and prior (the prior counted as one sample)."""
         if self._table is not None:
             return self._table
         med = self._medians()
@@ -164,9 +148,7 @@ class Curve:
             rx = [g for g in sorted(med) if med[g][1] >= self.min_samples]
             at = _interp(px, py, np.array(rx, dtype=float))
             if rx:
-                # what a real step adds to the profiled forward (host work, sampling, bookkeeping) is
-                # about constant per batch, not proportional: an offset, not a ratio, so the profile's
-                # increments between token counts are kept as measured
+                # an offset, not a ratio: the profile's increments between token counts are kept
                 off = np.interp(px, rx, np.array([med[g][0] for g in rx]) - at)
                 prior = dict(zip(self._plist, np.maximum(py + off, 0.1 * py).tolist()))
         pts = dict(prior)
@@ -182,8 +164,7 @@ class Curve:
         keys = sorted(pts)
         xs = np.array(keys, dtype=float)
         ys = np.array([pts[x] for x in keys])
-        # a forward over more tokens (or requests) never takes less time: a noisy low bucket must not
-        # make one more draft token look like it shortens the step
+        # a forward over more tokens (or requests) never takes less time
         self._table = (xs, np.maximum.accumulate(ys) if len(ys) else ys)
         self._tlist, self._tlist_y = self._table[0].tolist(), self._table[1].tolist()
         return self._table
@@ -199,8 +180,7 @@ class Curve:
         return _interp1(self._tlist, self._tlist_y, float(x))
 
     def predict_as_last_built(self, x: float) -> float:
-        """``predict`` from the table as last built (observations since left out), where there is one: an
-        observation drops the table, and rebuilding it costs ~20 us of host time."""
+        """``predict`` from the table as last built (observations since left out), where there is one."""
         if not self._tlist:
             return self.predict(x)
         return _interp1(self._tlist, self._tlist_y, float(x))
@@ -223,11 +203,8 @@ class Curve:
 
 @dataclass
 class LinearCost:
-    """seconds = fixed + per_unit x units, fitted by least squares over decayed sums of what was
-    measured (each observation weighs ``decay`` x the one after it). A catch-up of the draft KV is
-    a few launches per chunk plus a head pass per token: one rate per token, averaged over catch-ups
-    of a few dozen tokens at small batches, put the fixed part into every token and predicted one
-    over 50,000 tokens (256 requests after a stretch of plain decoding) many times what it costs."""
+    """seconds = fixed + per_unit x units, least squares over decayed sums (each observation weighs
+    ``decay`` x the one after it): a catch-up is a few launches plus a head pass per token."""
 
     decay: float = 0.8
     n: float = 0.0
@@ -276,9 +253,7 @@ class CostModel:
     stale_ratio: float = 1.5  # profile flagged stale once the median measured/profile ratio leaves [1/x, x]
     stale_after: int = 64  # ... over at least this many steps
     meta: dict = field(default_factory=dict)  # how the profile was taken (date, spread, rounds)
-    # the prediction error is sampled every this many steps: a prediction after an observation
-    # rebuilds the curve's table, a real share of a GPU step's host time if done at every step
-    error_every: int = 16
+    error_every: int = 16  # steps per sampled prediction error (a prediction after an observation rebuilds a table)
     _observed_steps: int = 0
 
     def curve(self, num_seqs: int | None = None) -> Curve:
@@ -301,21 +276,11 @@ class CostModel:
             c = self.by_batch[b] = Curve(profile, self.target.min_samples, self.target.window)
         return c
 
-    def samples_at(self, g: int, num_seqs: int) -> int:
-        """How often steps of token bucket g were measured at this batch bucket."""
-        c = self.by_batch.get(batch_bucket(num_seqs))
-        return len(c.samples.get(g, ())) if c is not None else 0
-
     def step_time(self, num_tokens: float, num_seqs: int | None = None) -> float:
         return self.curve(num_seqs).predict(num_tokens)
 
     def step_times(self, num_tokens: np.ndarray, num_seqs: int | None = None) -> np.ndarray:
         return self.curve(num_seqs).predict_many(num_tokens)
-
-    def draft_time(self, batch_per_step: list[int]) -> float:
-        """One head forward per draft step, each over that step's active requests."""
-        b = np.array([x for x in batch_per_step if x > 0], dtype=float)
-        return float(self.draft.predict_many(b).sum()) if len(b) else 0.0
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> float | None:
         """Record a measured target step; returns what was predicted for it (None without a curve,
@@ -418,21 +383,22 @@ class Measurement:
     @property
     def noisy(self) -> bool:
         """Too noisy to keep for later runs: the typical point's rounds disagree by > 30 %, or the
-        budget ran out before the rounds did (a loaded machine: on 2 cores an oversubscribed
-        forward can take 50x longer)."""
+        budget ran out before the rounds did."""
         return self.over_budget or median(self.spread.values()) > 0.3
 
 
 def measure(points: list[int], fn: Callable[[int], None], rounds: int = 3, repeats: int = 3,
             recheck_spread: float = 0.15, sync: Callable[[], None] | None = None,
-            clock: Callable[[], float] = time.perf_counter, budget_s: float = float("inf")) -> Measurement:
+            clock: Callable[[], float] = time.perf_counter, budget_s: float = float("inf"),
+            label: str = "step costs") -> Measurement:
     """Seconds of fn(n) for every n in points.
 
     Each round visits every point in turn (alternately up and down), taking the median of
     ``repeats`` calls, so a burst of background load spoils one round of many points rather than
     every round of one point. The result per point is the median over rounds; a point whose round
     medians spread by more than ``recheck_spread`` gets two more rounds (the quick re-check).
-    Past ``budget_s`` no further round starts (the first always completes).
+    Past ``budget_s`` no further round starts (the first always completes). Each round is logged
+    (``label``: what is profiled) as progress.
     """
     start = clock()
 
@@ -464,6 +430,8 @@ def measure(points: list[int], fn: Callable[[int], None], rounds: int = 3, repea
             else:
                 per[n].append(once(n))
         done += 1
+        log.info("profiling %s: round %d of %d over %d points (%.1fs)", label, done, rounds, len(points),
+                 clock() - start)
 
     def spread(n: int) -> float:
         v = per[n]

@@ -1,0 +1,43 @@
+"""The policy's two hooks, as SGLang's adaptive speculation meets its worker:
+
+    ks = controller.decide(Batch(requests, caps, num_running))   # k per request, 0 = plain decode
+    ... run the step ...
+    controller.observe(StepOutcome(ids, drafted, accepted, num_tokens, seconds, cycle_seconds))
+
+``decide(batch, early=True)`` is the launch-ahead form: taken before the outcome of the step in
+flight, or None where the decision needs it; that step's ``observe`` then makes it current.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The requests about to step, for ``decide``."""
+
+    requests: list  # each with .request_id
+    caps: list[int]  # most draft tokens each may take
+    num_running: int
+    prefill_tokens: int = 0  # prompt tokens sharing the step
+    behind: int = 0  # tokens whose draft KV drafting would first catch up
+    never_draft: int = 0  # of ``requests``, those that cannot draft (blocks without draft KV)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the step of the last decision did, for ``observe``."""
+
+    request_ids: list[str]  # the requests that sampled
+    drafted: list[int]  # per request: the depth it verified (0: plain)
+    accepted: list[int]  # per request: drafts accepted
+    num_tokens: int  # in the target step
+    seconds: float  # of the target step
+    cycle_seconds: float  # wall time from the decision to now
+    num_seqs: int | None = None  # requests in the target step (None: len(request_ids))
+    prefill_tokens: int = 0  # prompt tokens before each prompt's last
+    own_time: bool = True  # False: ``seconds`` includes device work queued before the step
+    draft_seconds: float = 0.0  # of its draft loop (max(drafted) steps), a catch-up after plain steps excluded
+    caught_up: int = 0  # tokens a catch-up after plain steps passed over (0: none) ...
+    catch_up_seconds: float = 0.0  # ... and its seconds
