@@ -16,7 +16,8 @@ import triton_interpreter  # noqa: E402  (after the cache dir: it imports specse
 
 triton_interpreter.prepare()  # before any test module imports the kernels
 
-torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS", "2")))
+# OMP_NUM_THREADS where set (make test: 2): more threads than free cores spin and run several times slower
+torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS") or os.environ.get("OMP_NUM_THREADS") or 2))
 
 
 def pytest_unconfigure(config):

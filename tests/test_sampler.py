@@ -71,3 +71,11 @@ def test_logprobs_contain_chosen_and_top():
     d = sampler.top_logprobs(logits, torch.tensor([3]), 2)[0]  # chosen among the top: no duplicate
     assert list(d) == [3, 1] and abs(d[3] - want[3].item()) < 1e-5
     assert list(sampler.top_logprobs(logits, torch.tensor([9]), 0)[0]) == [9]
+
+
+def test_logprobs_rows_keep_their_own_top_n():
+    """One batch computes the largest n asked for; each row keeps the n its request asked for."""
+    logits = torch.tensor([[0.5, 4.0, -1.0, 3.0, 2.5], [1.0, 0.0, 2.0, 3.0, 4.0], [1.0, 0.0, 2.0, 3.0, 4.0]])
+    lps = sampler.top_logprobs_on_device(logits, torch.tensor([0, 4, 1]), 3)
+    d = lps.dicts([0, 4, 1], [3, 0, 1])
+    assert [list(x) for x in d] == [[0, 1, 3, 4], [4], [1, 4]]
