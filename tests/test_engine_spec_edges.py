@@ -101,15 +101,15 @@ def test_stops_inside_accepted_drafts(plain, spec):
     where they end a plain one: tokens a verify accepted past the stop are dropped."""
     prompt = "Here is a long story about a brave knight and a dragon:"
     full = plain.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0]
-    word = full.text.split()[6]
-    stop_tok = full.token_ids[10]
-    params = [SamplingParams(max_tokens=24, stop=[word], **GREEDY),
-              SamplingParams(max_tokens=24, stop=[word], include_stop_str_in_output=True, **GREEDY),
-              SamplingParams(max_tokens=24, stop_token_ids=[stop_tok], **GREEDY)]
+    words = full.text.split()
+    # stops at many positions, so that some land inside a verify's accepted run, some at its end
+    params = ([SamplingParams(max_tokens=24, stop=[w], **GREEDY) for w in words[2:10]]
+              + [SamplingParams(max_tokens=24, stop=[w], include_stop_str_in_output=True, **GREEDY) for w in words[3:10:2]]
+              + [SamplingParams(max_tokens=24, stop_token_ids=[t], **GREEDY) for t in full.token_ids[3:18:2]])
     before = spec.engine.get_stats().spec_accepted_tokens
-    for sp in params:
-        r = plain.generate([prompt], sp)[0].outputs[0]
-        g = spec.generate([prompt], sp)[0].outputs[0]
+    ref, got = plain.generate([prompt] * len(params), params), spec.generate([prompt] * len(params), params)
+    for r, g in zip(ref, got):
+        r, g = r.outputs[0], g.outputs[0]
         assert r.finish_reason == "stop" and len(r.token_ids) < 24
         assert (g.text, g.token_ids, g.finish_reason, g.stop_reason) == (r.text, r.token_ids, r.finish_reason,
                                                                          r.stop_reason)
@@ -134,7 +134,7 @@ def test_preemption_under_sampled_speculation(chat_prompts):
     llm = LLM(num_kv_blocks=16, max_num_seqs=6, **STATIC, **CHAIN)
     sps = [SamplingParams(temperature=0.9, top_k=5, seed=i, max_tokens=24, logprobs=5, ignore_eos=True)
            for i in range(6)]
-    outs = llm.chat(chat_prompts[8:14], sps)
+    outs = llm.chat(chat_prompts[14:20], sps)  # 18 blocks of prompt alone, 16 in the cache
     st = llm.engine.get_stats()
     assert st.num_preemptions > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
@@ -146,13 +146,14 @@ def test_preemption_under_sampled_speculation(chat_prompts):
 def test_adaptive_policy_with_trees_under_preemption(plain, chat_prompts):
     """The adaptive policy over a tree shape, in a KV cache that preempts: greedy output is the plain
     engine's token for token, sampled top-k requests stay in their top k, the policy chose depths."""
-    llm = LLM(num_kv_blocks=16, max_num_seqs=6, speculative_algorithm="EAGLE3", **TREE)
+    # (a step budget of 128 tokens and 4 requests: the start-up cost profile measures fewer points)
+    llm = LLM(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=128, speculative_algorithm="EAGLE3", **TREE)
     assert llm.engine.config.speculative.policy == "adaptive"
-    convs = chat_prompts[8:14]
+    convs = chat_prompts[10:14]  # 269 prompt tokens + 4 x 24 in 256 slots
     sp = SamplingParams(max_tokens=24, **GREEDY)
     assert _ids(llm.chat(convs, sp)) == _ids(plain.chat(convs, sp))
     sampled = llm.chat(convs, [SamplingParams(temperature=0.9, top_k=5, seed=i, max_tokens=16, logprobs=5,
-                                              ignore_eos=True) for i in range(6)])
+                                              ignore_eos=True) for i in range(4)])
     _check_top_k(sampled, 5)
     st = llm.engine.get_stats()
     assert st.num_preemptions > 0 and sum(st.k_histogram.values()) > 0
