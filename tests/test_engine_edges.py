@@ -106,7 +106,8 @@ def test_prefill_without_chunking_waits_for_a_whole_budget():
         while eng.has_unfinished_requests():
             done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
         long_prompt = tok.encode("A long list: " + text)[:150]  # longer than the whole budget: chunked even so
-        return (st.num_running, st.num_waiting), [done["s0"], done["s1"]], llm.generate([long_prompt], sp)[0].outputs[0].token_ids
+        long_out = llm.generate([long_prompt], sp)[0].outputs[0].token_ids
+        return (st.num_running, st.num_waiting), [done["s0"], done["s1"]], long_out
 
     whole, chunks = run(False), run(True)
     assert whole[0] == (1, 1) and chunks[0] == (2, 0)

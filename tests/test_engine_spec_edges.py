@@ -104,7 +104,8 @@ def test_stops_inside_accepted_drafts(plain, spec):
     words = full.text.split()
     # stops at many positions, so that some land inside a verify's accepted run, some at its end
     params = ([SamplingParams(max_tokens=24, stop=[w], **GREEDY) for w in words[2:10]]
-              + [SamplingParams(max_tokens=24, stop=[w], include_stop_str_in_output=True, **GREEDY) for w in words[3:10:2]]
+              + [SamplingParams(max_tokens=24, stop=[w], include_stop_str_in_output=True, **GREEDY)
+                 for w in words[3:10:2]]
               + [SamplingParams(max_tokens=24, stop_token_ids=[t], **GREEDY) for t in full.token_ids[3:18:2]])
     before = spec.engine.get_stats().spec_accepted_tokens
     ref, got = plain.generate([prompt] * len(params), params), spec.generate([prompt] * len(params), params)
