@@ -6,11 +6,13 @@ import tempfile
 import pytest
 import torch
 
-# one cache (GGUF conversions, cost profiles) per test session, removed at its end: tests neither read
-# nor write the user's ~/.cache/specserve, and a fresh machine's run is what every run is
+# one cache (GGUF conversions, cost profiles, matplotlib's) per test session, removed at its end: tests
+# neither read nor write the user's HOME, and a fresh machine's run is what every run is
 _SESSION_CACHE = tempfile.mkdtemp(prefix="specserve-tests-")
-_CACHE_BEFORE = os.environ.get("SPECSERVE_CACHE_DIR")
-os.environ["SPECSERVE_CACHE_DIR"] = _SESSION_CACHE
+_SESSION_ENV = {"SPECSERVE_CACHE_DIR": _SESSION_CACHE,
+                "MPLCONFIGDIR": os.path.join(_SESSION_CACHE, "matplotlib")}  # (the plots' font cache: not in HOME)
+_ENV_BEFORE = {k: os.environ.get(k) for k in _SESSION_ENV}
+os.environ.update(_SESSION_ENV)
 
 import triton_interpreter  # noqa: E402  (after the cache dir: it imports specserve)
 
@@ -21,10 +23,11 @@ torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS") or os.environ
 
 
 def pytest_unconfigure(config):
-    if _CACHE_BEFORE is None:
-        os.environ.pop("SPECSERVE_CACHE_DIR", None)
-    else:
-        os.environ["SPECSERVE_CACHE_DIR"] = _CACHE_BEFORE
+    for k, v in _ENV_BEFORE.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
