@@ -25,7 +25,7 @@ serve: install
 	$(BIN)/specserve serve $(ARGS)
 
 test: install
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+import transformers
 
 from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
@@ -27,8 +28,6 @@ from specserve.loader import (
 )
 from specserve.models import build_model
 from hf_reference import hf_smollm2, release
-
-transformers = pytest.importorskip("transformers")
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import ModelConfig
 from specserve.loader.hf_config import normalize_hf_config
 from specserve.models import build_model, default_eagle3_aux_layers
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 BLOCK = 4  # small blocks so sequences span several of them

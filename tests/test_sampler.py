@@ -31,13 +31,51 @@ def test_sampling_matches_distribution_and_seed_reproducible():
     toks = sampler.sample(logits.expand(20000, 3), sb, g)
     freq = torch.bincount(toks, minlength=3).float() / 20000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.02)
-    a = sampler.sample(torch.randn(1, 1000).expand(2, 1000).clone(), _sb([SamplingParams(seed=7)] * 2,
-                       [torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)]))
-    assert a[0] == a[1]
+
+
+def test_seeded_rows_repeat_their_seed_and_differ_across_seeds():
+    """Rows with the same seed draw the same tokens; other seeds, other tokens (flat logits over 1000
+    tokens: two seeds agree on one row with p ~1e-3, on all 8 rows never)."""
+    logits = torch.zeros(8, 1000)
+
+    def draw(seed):
+        return sampler.sample(logits, _sb([SamplingParams(seed=seed)] * 8,
+                                          [torch.Generator().manual_seed(seed + i) for i in range(8)]))
+
+    assert torch.equal(draw(7), draw(7))
+    assert not torch.equal(draw(7), draw(8))
+
+
+def test_temperature_reshapes_the_distribution():
+    """Frequencies follow softmax(logits / T): T = 0.5 squares the odds of [0.5, 0.3, 0.2], T = 2
+    takes their square root (each ~0.1 apart, far beyond the 0.02 tolerance)."""
+    base = torch.tensor([0.5, 0.3, 0.2])
+    logits = torch.log(base)[None].expand(20000, 3)
+    for t in (0.5, 2.0):
+        g = torch.Generator().manual_seed(3)
+        toks = sampler.sample(logits, _sb([SamplingParams(temperature=t)] * 20000), g)
+        freq = torch.bincount(toks, minlength=3).float() / 20000
+        want = base ** (1 / t) / (base ** (1 / t)).sum()
+        assert torch.allclose(freq, want, atol=0.02), (t, freq, want)
+        assert not torch.allclose(freq, base, atol=0.05)
 
 
 def test_logprobs_contain_chosen_and_top():
-    logits = torch.tensor([[1.0, 3.0, 2.0]])
-    d = sampler.top_logprobs(logits, torch.tensor([0]), 2)[0]
-    assert set(d) == {0, 1, 2}
-    assert abs(sum(torch.tensor(list(d.values())).exp().tolist()) - 1) < 1e-5
+    """The chosen token (here outside the top 3 of 10) plus the top 3, with the raw distribution's values."""
+    logits = torch.tensor([[0.5, 4.0, -1.0, 3.0, 2.5, 0.0, 1.0, -2.0, 2.0, 0.2]])
+    want = torch.log_softmax(logits, -1)[0]
+    d = sampler.top_logprobs(logits, torch.tensor([6]), 3)[0]
+    assert list(d) == [6, 1, 3, 4]  # chosen first, then the top 3 in order
+    for tok, lp in d.items():
+        assert abs(lp - want[tok].item()) < 1e-5
+    d = sampler.top_logprobs(logits, torch.tensor([3]), 2)[0]  # chosen among the top: no duplicate
+    assert list(d) == [3, 1] and abs(d[3] - want[3].item()) < 1e-5
+    assert list(sampler.top_logprobs(logits, torch.tensor([9]), 0)[0]) == [9]
+
+
+def test_logprobs_rows_keep_their_own_top_n():
+    """One batch computes the largest n asked for; each row keeps the n its request asked for."""
+    logits = torch.tensor([[0.5, 4.0, -1.0, 3.0, 2.5], [1.0, 0.0, 2.0, 3.0, 4.0], [1.0, 0.0, 2.0, 3.0, 4.0]])
+    lps = sampler.top_logprobs_on_device(logits, torch.tensor([0, 4, 1]), 3)
+    d = lps.dicts([0, 4, 1], [3, 0, 1])
+    assert [list(x) for x in d] == [[0, 1, 3, 4], [4], [1, 4]]

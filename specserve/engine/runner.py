@@ -78,7 +78,7 @@ class LaunchedStep:
         toks = (self.host_tokens if self.host_tokens is not None else self.tokens).tolist()
         lps = None
         if self.logprobs is not None:
-            all_lps = self.logprobs.dicts(toks)
+            all_lps = self.logprobs.dicts(toks, self.logprobs_wanted)  # each row its own top n
             lps = [[all_lps[i]] if w is not None else None for i, w in enumerate(self.logprobs_wanted)]
         return CommitResult(token_ids=[[t] for t in toks], logprobs=lps)
 

@@ -123,7 +123,8 @@ class TopLogprobs:
         return TopLogprobs(fn(self.chosen), None if self.vals is None else fn(self.vals),
                            None if self.ids is None else fn(self.ids))
 
-    def dicts(self, tokens: list[int]) -> list[dict[int, float]]:
+    def dicts(self, tokens: list[int], wanted: list[int | None] | None = None) -> list[dict[int, float]]:
+        """Per row: the chosen token, then row r's top ``wanted[r]`` (default: all n computed)."""
         chosen = self.chosen.tolist()
         vals_l = self.vals.tolist() if self.vals is not None else None
         ids_l = self.ids.tolist() if self.ids is not None else None
@@ -131,7 +132,8 @@ class TopLogprobs:
         for r, tok in enumerate(tokens):
             d = {tok: chosen[r]}
             if vals_l is not None and ids_l is not None:
-                for i, v in zip(ids_l[r], vals_l[r]):
+                n = len(ids_l[r]) if wanted is None else wanted[r] or 0
+                for i, v in zip(ids_l[r][:n], vals_l[r][:n]):
                     d.setdefault(i, v)
             out.append(d)
         return out
