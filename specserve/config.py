@@ -89,6 +89,7 @@ class SpeculativeConfig:
     # the head's own dtype ("auto": the engine's). The head is small: in float32 under a bfloat16
     # target it costs little more per draft step and keeps its logits from bf16 rounding
     draft_dtype: str = "auto"
+    refresh_cost_profile: bool = False  # adaptive: measure the cost profile even where one is cached
 
     def __post_init__(self) -> None:
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -209,6 +210,7 @@ class EngineConfig:
             "speculative_disable_batch_threshold": "disable_batch_threshold",
             "speculative_calibrate": "calibrate",
             "speculative_draft_dtype": "draft_dtype",
+            "speculative_refresh_cost_profile": "refresh_cost_profile",
         }
         spec_kwargs = {spec_map[k]: v for k in list(kwargs) if k in spec_map and (v := kwargs.pop(k)) is not None}
         names = {f.name for f in dataclasses.fields(cls)}

@@ -10,6 +10,7 @@ from specserve.config import KV_CACHE_DTYPES, EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="HF directory with tokenizer.json (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -55,20 +56,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-calibrate", default=None, action=argparse.BooleanOptionalAction,
                    help="adaptive policy: time engine steps of every draft depth per batch size at start-up "
                         "(default: on where steps replay CUDA graphs)")
+    s.add_argument("--speculative-refresh-cost-profile", default=None, action="store_true",
+                   help="adaptive policy: measure the start-up cost profile again even where one is cached")
     s.add_argument("--speculative-draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft head's dtype (default auto: the engine's --dtype)")
 
 
 ENGINE_FIELDS = (
-    "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "model", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_kv_blocks", "kv_cache_dtype", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
     "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
-    "max_cudagraph_capture_size", "exact_tree_attention", "overlap_schedule",
+    "max_cudagraph_capture_size", "exact_tree_attention", "overlap_schedule", "cpu_weight_packing",
 )
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
     "speculative_num_draft_tokens", "speculative_policy", "speculative_disable_batch_threshold",
-    "speculative_calibrate", "speculative_draft_dtype",
+    "speculative_calibrate", "speculative_draft_dtype", "speculative_refresh_cost_profile",
 )
 
 

@@ -13,34 +13,40 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from specserve.attention.base import AttentionMetadata, forward_context
-from specserve.attention.triton_backend import TritonBackend
 from specserve.engine.gc_pauses import no_collection
+
+if TYPE_CHECKING:
+    from specserve.attention.triton_backend import TritonBackend
 
 log = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
-def capture_sizes(limit: int) -> list[int]:
-    """Padded token counts to capture: the standard ladder up to ``limit`` (steps of 256 past 512),
-    plus the limit itself so every step up to it replays.
-
-    The default limit is the whole step budget (EngineConfig.graph_token_limit): a small model's
-    forward stays launch-bound far past 512 tokens. SmolLM2-135M on the H200 at 256 requests ran
-    eager steps of 1,024-2,048 tokens (verifies of 3 drafts with a prompt chunk) in ~25 ms against
-    ~1.5 ms replayed (gpu_step_breakdown_session16_profile.json)."""
-    if limit < 1:
-        raise ValueError(f"need a positive token limit for CUDA graphs, got {limit}")
-    ladder = CAPTURE_SIZES + tuple(range(768, limit + 1, 256))
-    sizes = [s for s in ladder if s <= limit]
+def ladder(limit: int, steps: tuple[int, ...] = CAPTURE_SIZES) -> list[int]:
+    """The padded sizes up to ``limit``: ``steps`` below it, then the limit itself (every size replays)."""
+    sizes = [s for s in steps if s <= limit]
     if not sizes or sizes[-1] != limit:
         sizes.append(limit)
     return sizes
+
+
+def pad_to(sizes: list[int], n: int) -> int | None:
+    """The smallest of sorted ``sizes`` >= n, or None past the largest."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def capture_sizes(limit: int) -> list[int]:
+    """Padded token counts to capture: the ladder up to ``limit`` (steps of 256 past 512), plus the limit."""
+    if limit < 1:
+        raise ValueError(f"need a positive token limit for CUDA graphs, got {limit}")
+    return ladder(limit, CAPTURE_SIZES + tuple(range(768, limit + 1, 256)))
 
 
 def fit_sizes(attn: TritonBackend, sizes: list[int]) -> list[int]:
@@ -150,7 +156,7 @@ class CUDAGraphRunner:
         return num_tokens <= self.sizes[-1]
 
     def padded_size(self, num_tokens: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]  # (callers check fits())
 
     @property
     def is_current(self) -> bool:
