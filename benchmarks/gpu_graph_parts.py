@@ -82,24 +82,24 @@ def main(argv: list[str] | None = None) -> None:
         row = {"tokens": n_tok, "wall_s": wall, "tok_s": n_tok / wall,
                "target_ms": {n: device_ms(g.graphs[n], args.reps) for n in g.sizes if n <= max(32, K)},
                "verify_tokens": K}
-        if dr.tree_launch is not None:
-            tl = dr.tree_launch
+        if dr.pipeline.tree_launch is not None:
+            tl = dr.pipeline.tree_launch
             row["fused_tree_launch_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in tl.graphs.items() if k[0] == 1}
-            row["expansion_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in dr.tree_runner.graphs.items() if k[0] == 1}
-        if dr.fused_launch is not None:
-            fl = dr.fused_launch
+            row["expansion_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in dr.proposer.tree_runner.graphs.items() if k[0] == 1}
+        if dr.pipeline.fused_launch is not None:
+            fl = dr.pipeline.fused_launch
             row["fused_launch_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in fl.graphs.items()
                                       if k[1] == 1 and k[2] == dr.max_k and k[3] == dr.max_k}
-            row["chain_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in dr.chain_runner.graphs.items() if k[0] == 1}
+            row["chain_ms"] = {str(k): device_ms(gr, args.reps) for k, gr in dr.proposer.chain_runner.graphs.items() if k[0] == 1}
         if args.kernels:
             parts = {}
-            if dr.tree_launch is not None:
-                parts["fused_tree_launch"] = next(gr for k, gr in dr.tree_launch.graphs.items() if k[0] == 1)
-                parts["expansion"] = next(gr for k, gr in dr.tree_runner.graphs.items() if k[0] == 1)
-            if dr.fused_launch is not None:
-                parts["fused_launch"] = next(gr for k, gr in dr.fused_launch.graphs.items()
+            if dr.pipeline.tree_launch is not None:
+                parts["fused_tree_launch"] = next(gr for k, gr in dr.pipeline.tree_launch.graphs.items() if k[0] == 1)
+                parts["expansion"] = next(gr for k, gr in dr.proposer.tree_runner.graphs.items() if k[0] == 1)
+            if dr.pipeline.fused_launch is not None:
+                parts["fused_launch"] = next(gr for k, gr in dr.pipeline.fused_launch.graphs.items()
                                              if k[1] == 1 and k[2] == dr.max_k and k[3] == dr.max_k)
-                parts["chain"] = next(gr for k, gr in dr.chain_runner.graphs.items() if k[0] == 1)
+                parts["chain"] = next(gr for k, gr in dr.proposer.chain_runner.graphs.items() if k[0] == 1)
             row["kernels"] = {p: kernels(gr) for p, gr in parts.items()}
             for p, ks in row["kernels"].items():
                 print(f"  {name} {p}: {ks[0]['per_replay']:.0f} launches, {ks[0]['us']:.0f} us", flush=True)

@@ -77,10 +77,10 @@ def instrument(llm: LLM, sync: bool) -> tuple[dict[str, list[float]], Wrapped]:
         wrap(d, "_launch_early_verify", "early verify launch (in verify)", acc, sync, wrapped)
         wrap(d, "_verify_all", "acceptance (in verify)", acc, sync, wrapped)
         wrap(d, "_early_matches", "early plan check (in verify)", acc, sync, wrapped)
-        if d.catch_up_runner is not None:
-            wrap(d.catch_up_runner, "run", "catch-up runner", acc, sync, wrapped)
-        if d.chain_runner is not None:
-            wrap(d.chain_runner, "run", "chain runner", acc, sync, wrapped)
+        if d.catch_up.runner is not None:
+            wrap(d.catch_up.runner, "run", "catch-up runner", acc, sync, wrapped)
+        if d.proposer.chain_runner is not None:
+            wrap(d.proposer.chain_runner, "run", "chain runner", acc, sync, wrapped)
         wrap(d.target, "compute_logits", "target.compute_logits", acc, sync, wrapped)
         for name in ("quick_arm", "uniform", "count_off", "finish_cycle", "observe_many", "observe_step", "flush"):
             wrap(d.controller, name, f"controller.{name}", acc, sync, wrapped)
@@ -169,16 +169,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # requests are never caught up (their blocks keep no draft KV); "...+nofull": the adaptive
         # controller's full decisions are taken after the verify's sync (fuse_full off); "...+noearly":
         # no verify is launched before the commit (early_verify off); "...+nograph": the fused launch
-        # step by step, not as one graph (fused_launch_graph off); "...+norope": the head's rotary by
-        # torch ops, not one kernel with its KV write
+        # step by step, not as one graph (fused_launch_graph off)
         spec, _, opt = n.partition("+")
         base, _, forced = spec.partition("@")
-        if opt == "norope":
-            os.environ["SPECSERVE_DRAFT_ROPE_KERNEL"] = "0"
-        try:
-            engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
-        finally:
-            os.environ.pop("SPECSERVE_DRAFT_ROPE_KERNEL", None)
+        engines[n] = LLM(**engine_args(base, args.model, args.head, max(cs), args.num_kv_blocks))
         if forced:
             engines[n].engine.drafter.controller.forced_arm = int(forced)
         if opt == "nofinish":
@@ -189,8 +183,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[n].engine.drafter.controller.early_verify = False
         elif opt == "nograph":
             engines[n].engine.drafter.controller.fused_launch_graph = False
-        elif opt and opt != "norope":
-            raise SystemExit(f"unknown option +{opt} (nofinish, nofull, noearly, nograph, norope)")
+        elif opt:
+            raise SystemExit(f"unknown option +{opt} (nofinish, nofull, noearly, nograph)")
     need = max(args.requests_per_c * c for c in cs)
     prompts = chat_prompt_ids(engines[names[0]].tokenizer, min(need, 592) + 8, seed=0)
     warm, prompts = prompts[-8:], prompts[:-8]
@@ -218,8 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             d = engines[n].engine.drafter
             bm = engines[n].engine.blocks.stats
             extra = {"prefix_hits": bm.prefix_hits, "prefix_refused": bm.prefix_refused,  # engine totals so far
-                     "finish_catch_ups": getattr(d, "finish_catch_ups", None),
-                     "finish_catch_up_tokens": getattr(d, "finish_catch_up_tokens", None)}
+                     "finish_catch_ups": d.finish.requests,
+                     "finish_catch_up_tokens": d.finish.tokens}
             point["configs"][n] = {**extra, "tok_s": got["tok_s"], "steady_tok_s": got["steady_tok_s"],
                                    "steady_s": got["steady_s"], "engine_steps": got["engine_steps"],
                                    "ms_per_step": got["ms_per_step"], "k_histogram": got["k_histogram"],

@@ -41,10 +41,10 @@ from specserve import LLM, SamplingParams  # noqa: E402
 PHASES = [("", "step"), ("scheduler", "schedule"), ("scheduler", "commit"), ("", "_output"),
           ("runner", "prepare"), ("runner", "forward"), ("runner", "launch_sampling"), ("runner", "execute"),
           ("runner", "launch"),
-          ("drafter", "verify_step"), ("drafter", "draft_step"), ("drafter", "_catch_up"),
-          ("drafter", "_draft_chain_static"), ("drafter", "_draft_tree_static"), ("drafter", "_verify_all"),
-          ("drafter", "_record"), ("drafter", "_keep_all_features"), ("drafter", "_draft"),
-          ("drafter.chain_runner", "run"), ("drafter.catch_up_runner", "run"), ("", "_detokenize")]
+          ("drafter", "verify_step"), ("drafter", "draft_step"), ("drafter.catch_up", "__call__"),
+          ("drafter.proposer", "propose"), ("drafter", "_accept"),
+          ("drafter", "_record"), ("drafter.features", "keep_plain"), ("drafter.cycle", "draft"),
+          ("drafter.proposer.chain_runner", "run"), ("drafter.catch_up.runner", "run"), ("", "_detokenize")]
 
 
 def label(llm: LLM) -> list[tuple[Any, str]]:

@@ -1,12 +1,12 @@
 """Device time of the target's attention for one request's verify step, per tree mode (issue #8).
 
 Session 36: at C = 1 a tree-32 cycle took ~0.13 ms more with exact trees than with shared tiles,
-and sharing the ranges below the tree (``SPECSERVE_EXACT_SHARED_PREFIX``) did not change that.
+and sharing the ranges below the tree (``share_tree_prefix``) did not change that.
 This times the attention alone, SmolLM2's shapes (9 query heads, 3 KV heads, head dim 64, bf16,
 16-token pages), ``--layers`` launches captured in one CUDA graph as the engine's verify graph
 has them (the grid of a graph for 25..32 tokens; exact modes with the EXACT kernel), for:
   decode   one token, causal (plain decoding's step: the floor),
-  shared   the tree as tiles of five tokens (SPECSERVE_EXACT_TREES=0),
+  shared   the tree as tiles of five tokens (exact_trees=False),
   exact    each tree token alone over its one-token decode ranges (the default),
   prefix   exact, ranges wholly below the tree shared by tiles of several tokens.
 With ``--module FILE`` a second copy of ``triton_backend.py`` (e.g. the previous commit's) is timed

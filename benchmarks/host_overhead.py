@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[n].engine.drafter.controller.forced_arm = forced
         if scattered:  # (its graphs are captured again at their next replay: what they write changed)
             engines[n].engine.drafter.target.set_feature_sink(None)
-            engines[n].engine.drafter.features_in_forward = False
+            engines[n].engine.drafter.features.in_forward = False
         serve(engines[n], prompts[:16], 8, [8] * 16)  # warm-up
     if not args.no_gc_freeze:
         freeze_startup_heap()
@@ -295,7 +295,7 @@ def decisions_of(llm: LLM) -> dict[str, Any]:
 
 
 # a speculative engine's per-step bookkeeping, by where it lives (``time_calls``)
-TIMED_CALLS = {"drafter": ("draft_step", "verify_step"),
+TIMED_CALLS = {"drafter": ("draft_step", "verify_step", "plain_step"),
                "controller": ("quick_arm", "count_off", "decide", "_decide_adaptive", "flush", "_finish_cycle",
                               "_observe_step", "_reference_step"),
                "bandit": ("observe",), "cost": ("observe_step",)}

@@ -89,7 +89,7 @@ class SpeculativeConfig:
     # the head's own dtype ("auto": the engine's). The head is small: in float32 under a bfloat16
     # target it costs little more per draft step and keeps its logits from bf16 rounding
     draft_dtype: str = "auto"
-    refresh_cost_profile: bool = False  # adaptive: measure the cost profile even where one is cached
+    recalibrate: bool = False  # profile step costs again even where a cached profile exists
 
     def __post_init__(self) -> None:
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -155,9 +155,8 @@ class EngineConfig:
     # CUDA graphs for steps of up to this many tokens (larger steps run eagerly); None: the whole
     # step budget (max_num_batched_tokens). The drafter raises it to cover every verify it may ask for
     max_cudagraph_capture_size: int | None = None
-    # Triton: each tree token attends as plain decoding of its committed path will, bit for bit, so
-    # greedy tree speculation is lossless in bf16 too (slower verifies: each token's keys read apart).
-    # None: on, unless SPECSERVE_EXACT_TREES=0
+    # Triton: each tree token attends as plain decoding of its committed path will, bit for bit, so greedy
+    # tree speculation is lossless in bf16 too (slower verifies). None: on
     exact_tree_attention: bool | None = None
     cpu_weight_packing: bool = True  # CPU: linear weights pre-packed for oneDNN (flat cost in tokens per step)
     # the target's KV cache: "auto" (the model's dtype) or 8-bit floats ("fp8" = "fp8_e4m3", "fp8_e5m2"),
@@ -210,7 +209,7 @@ class EngineConfig:
             "speculative_disable_batch_threshold": "disable_batch_threshold",
             "speculative_calibrate": "calibrate",
             "speculative_draft_dtype": "draft_dtype",
-            "speculative_refresh_cost_profile": "refresh_cost_profile",
+            "speculative_recalibrate": "recalibrate",
         }
         spec_kwargs = {spec_map[k]: v for k in list(kwargs) if k in spec_map and (v := kwargs.pop(k)) is not None}
         names = {f.name for f in dataclasses.fields(cls)}

@@ -254,7 +254,7 @@ def test_one_seat_profiles_catch_up_sized_head_forwards(tmp_path, monkeypatch):
     from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM
-    from specserve.speculative.drafter import CATCH_UP_PROFILE_ROWS
+    from specserve.speculative.profile import CATCH_UP_PROFILE_ROWS
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(str(tmp_path / "m"), vocab=64, layers=4)

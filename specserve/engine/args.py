@@ -56,10 +56,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-calibrate", default=None, action=argparse.BooleanOptionalAction,
                    help="adaptive policy: time engine steps of every draft depth per batch size at start-up "
                         "(default: on where steps replay CUDA graphs)")
-    s.add_argument("--speculative-refresh-cost-profile", default=None, action="store_true",
-                   help="adaptive policy: measure the start-up cost profile again even where one is cached")
     s.add_argument("--speculative-draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft head's dtype (default auto: the engine's --dtype)")
+    s.add_argument("--speculative-recalibrate", default=None, action="store_true",
+                   help="adaptive policy: profile step costs again instead of reusing the cached profile "
+                        "(kept per model, device and settings under SPECSERVE_CACHE_DIR)")
 
 
 ENGINE_FIELDS = (
@@ -71,7 +72,7 @@ ENGINE_FIELDS = (
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
     "speculative_num_draft_tokens", "speculative_policy", "speculative_disable_batch_threshold",
-    "speculative_calibrate", "speculative_draft_dtype", "speculative_refresh_cost_profile",
+    "speculative_calibrate", "speculative_draft_dtype", "speculative_recalibrate",
 )
 
 

@@ -191,7 +191,7 @@ class LLMEngine:
             result = self._plain_step(plan, None if ahead is None else ahead[1])
         touched = self.scheduler.commit(plan, result, self._detokenize)  # append tokens, stops, free
         if d is not None:
-            d.draft_step(plan, result, launched_ahead=self._ahead is not None)  # decide k, draft for the next step
+            d.draft_step(plan, result)  # decide k, draft for the next step
         self._account(plan)
         outputs = [out for r in touched if (out := self._output(r)) is not None]
         self.step_ended = gc_pauses.clock()

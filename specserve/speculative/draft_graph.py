@@ -1,6 +1,6 @@
 """The EAGLE chain draft loop (topk = 1, greedy) on static buffers, replayed as CUDA graphs on the GPU.
 
-The eager loop (``EagleSpeculator._draft_chain``) builds metadata on the host at every draft step
+The eager loop (``propose.Proposer``) builds metadata on the host at every draft step
 and reads each step's tokens back (a host sync per step). Here everything a draft step needs is
 computed on the device from a few per-request numbers written once per engine step:
 
@@ -22,8 +22,6 @@ through a Triton backend of its own, as CUDA graphs per padded token count (``Ca
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -31,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, write_kv
-from specserve.engine.gc_pauses import no_collection
+from specserve.engine.cuda_graph import GraphStats, capture_each, ladder, pad_to, replay_or_eager
 from specserve.engine.host_copy import host_buffer, host_to_device
-from specserve.engine.cuda_graph import ladder, pad_to
 from specserve.engine.kv_cache import kv_slot
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.speculative.accept import accept_chains_on_device
@@ -79,8 +76,7 @@ class TorchDecodeAttention(AttentionBackend):
         bt = self.block_tables[:B]
         L = self._max_kv if self._max_kv is not None else bt.shape[1] * self.block_size
         kj = torch.arange(L, device=q.device)
-        blk = bt.gather(1, (kj // self.block_size)[None, :].expand(B, -1))
-        kv_slots = blk * self.block_size + (kj % self.block_size)[None, :]
+        kv_slots = kv_slot(bt, kj[None, :], self.block_size, torch.arange(B, device=q.device)[:, None])
         valid = kj[None, :] < self._seq[:, None]
         kv_slots = torch.where(valid, kv_slots, torch.zeros_like(kv_slots))
         qp = q[:, None].transpose(1, 2)  # [B, H, 1, D]
@@ -89,49 +85,6 @@ class TorchDecodeAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=valid[:, None, None, :],
                                              scale=self.scale, enable_gqa=h != kvh)
         return out.transpose(1, 2).reshape(B, h, d)
-
-
-@dataclass
-class GraphStats:
-    graphs: int = 0
-    seconds: float = 0.0
-    bytes: int = 0
-
-
-def capture_each(keys: list[tuple[int, ...]], body: Callable[..., None], device: torch.device,
-                 pool: Any = None, prepare: Callable[..., None] | None = None
-                 ) -> tuple[dict[tuple[int, ...], torch.cuda.CUDAGraph], GraphStats]:
-    """A CUDA graph of ``body(*key)`` per key (largest first, so smaller ones reuse the pool's
-    memory), each after one eager warm-up run (compiles Triton kernels, settles allocations);
-    ``prepare(*key)`` first, outside the graph (what the body reads, written by the host)."""
-    torch.cuda.synchronize(device)
-    free_before = torch.cuda.mem_get_info(device)[0]
-    t0 = time.perf_counter()
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
-    with no_collection():
-        for key in keys:
-            if prepare is not None:
-                prepare(*key)
-            body(*key)
-            torch.cuda.synchronize(device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                body(*key)
-            graphs[key] = g
-    torch.cuda.synchronize(device)
-    stats = GraphStats(len(graphs), time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0]))
-    return graphs, stats
-
-
-def replay_or_eager(graphs: dict, key: tuple[int, ...], body: Callable[..., None]) -> str:
-    """Replay ``key``'s graph, or run ``body(*key)`` eagerly where it has none; the path taken."""
-    graph = graphs.get(key)
-    if graph is not None:
-        graph.replay()
-        return "graph"
-    body(*key)
-    return "eager"
 
 
 class ChainDraftRunner:
@@ -329,9 +282,7 @@ class CatchUpRunner:
         from specserve.engine.cuda_graph import capture_per_size
 
         self.last.zero_()
-        outputs: dict[int, Any] = {}
-        secs, nbytes = capture_per_size(self.attn, self.sizes, self._graph_body, self.device, self.graphs,
-                                        outputs, pool)
+        secs, nbytes = capture_per_size(self.attn, self.sizes, self._graph_body, self.device, self.graphs, {}, pool)
         self.stats = GraphStats(len(self.graphs), secs, nbytes)
         return self.stats
 
@@ -340,10 +291,9 @@ FUSED_MAX_BATCH = 4  # requests per step the fused launch graphs cover (where a 
 
 
 class FusedLaunchRunner:
-    """The fused launch (EagleSpeculator._launch_fused: the verify's accepted counts, the catch-up over
-    every verified row, the next chain) as one CUDA graph per (catch-up size, padded batch, drafts
-    verified, drafts to make): one launch where the host issued ~25 (at one request on the H200 that
-    launch took ~0.8 ms of host time of a ~1.7-ms cycle, and the cycle is host-bound).
+    """The fused launch (pipeline.launch_fused: the verify's accepted counts, the catch-up over every
+    verified row, the next chain) as one CUDA graph per (catch-up size, padded batch, drafts verified,
+    drafts to make): one launch where the host issued ~25.
 
     Everything the graph reads comes in one host-to-device copy of ``meta`` (``write``): for each
     verified row the row of the draft after it (``nxt``), its index in its request (``j``), its
@@ -355,7 +305,7 @@ class FusedLaunchRunner:
     ``capture`` (the CPU under Triton's interpreter, in tests) the same body runs eagerly."""
 
     def __init__(self, cu: CatchUpRunner, chain: ChainDraftRunner, device: torch.device) -> None:
-        from specserve.attention.triton_backend import TritonDecodeAttention
+        from specserve.attention.triton_decode import TritonDecodeAttention
 
         self.chain = chain
         self.device = device

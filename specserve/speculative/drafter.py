@@ -114,6 +114,8 @@ class EagleSpeculator:
             engine.scheduler.on_finish = self.finish.on_finish
         self.cycle = CycleClock(self.controller, engine, self.max_k,
                                 time_on_device=cfg.policy == "adaptive" and self.device.type == "cuda")
+        self._launched_ahead = False  # the next step, plain, went to the device already (launch_ahead)
+        self._t0 = 0.0  # clock() at the start of the current plain step
         self.calibration: dict[str, Any] | None = None  # what the start-up calibration measured
         self.cost_profile_path: str | None = None
         if cfg.policy == "adaptive" and self.runner.graphs is None:
@@ -181,6 +183,7 @@ class EagleSpeculator:
     def plain_step(self, plan: StepPlan, launched: LaunchedStep | None = None) -> LaunchedStep:
         """A plain step's forward, features kept and sampling queued (``launched``: done a step ahead)."""
         self._t0 = clock()
+        self._launched_ahead = False
         self.pipeline.reset()
         if launched is None:
             inputs, out = self.runner.launch_forward(plan)
@@ -195,6 +198,7 @@ class EagleSpeculator:
         """The next plain step launched before ``after``'s tokens are read back."""
         inputs, out = self.runner.launch_forward(plan, after)
         self._paths["plain_ahead"] += 1
+        self._launched_ahead = True  # (the next decision is plain decoding: draft_step applies it)
         return self._launch_plain(plan, inputs, out)
 
     def _launch_plain(self, plan: StepPlan, inputs, out) -> LaunchedStep:
@@ -372,9 +376,8 @@ class EagleSpeculator:
 
     # -- draft ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft_step(self, plan: StepPlan, result: CommitResult, launched_ahead: bool = False) -> None:
-        """Decide k per request for the next step, then catch up and draft (``launched_ahead``: the next
-        step is plain, on the device already)."""
+    def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
+        """Decide k per request for the next step, then catch up and draft."""
         if self.finish.due:
             self.finish.run()  # first: before any block is reserved again
         now = clock()
@@ -385,7 +388,7 @@ class EagleSpeculator:
         if not candidates:
             self.controller.finish_cycle(prev, prev_s)
             return
-        ks, early, decide_s = self._decide(candidates, launched_ahead)
+        ks, early, decide_s = self._decide(candidates, self._launched_ahead)
         ctl = self.controller
         if ks is None:  # plain decoding again: nothing per request
             if prev is not None:
@@ -415,7 +418,7 @@ class EagleSpeculator:
         ctl, pipe = self.controller, self.pipeline
         pre, pipe.pre_arm = pipe.pre_arm, None
         pre_ks, pipe.pre_ks = pipe.pre_ks, None
-        early = None if pre_ks is None else _early_decision(candidates, *pre_ks)
+        early = None if pre_ks is None else self._early_decision(candidates, *pre_ks)
         arm = ctl.forced_arm
         if launched_ahead:
             arm = 0
@@ -446,20 +449,21 @@ class EagleSpeculator:
         return ks, early, decide_s
 
 
-def _early_decision(candidates: list[Request], ids: list[str], ks: list[int], cycle: Any
-                    ) -> tuple[list[int], Any] | None:
-    """A full decision taken before the sync (for requests ``ids``) as it applies to ``candidates``: as
-    taken, or for those left where some stopped, in the same batch bucket; None for another batch."""
-    now = [r.request_id for r in candidates]
-    if now == ids:
-        return ks, cycle
-    by_id = dict(zip(ids, ks))
-    if not now or any(i not in by_id for i in now) or (cycle is not None and batch_key(len(now)) != cycle.key):
-        return None
-    if cycle is not None and cycle.request_ids is not None:
-        cycle.request_ids &= set(now)
-        cycle.requests = len(now)
-    return [by_id[i] for i in now], cycle
+    @staticmethod
+    def _early_decision(candidates: list[Request], ids: list[str], ks: list[int], cycle: Any
+                        ) -> tuple[list[int], Any] | None:
+        """A full decision taken before the sync (for requests ``ids``) as it applies to ``candidates``: as
+        taken, or for those left where some stopped, in the same batch bucket; None for another batch."""
+        now = [r.request_id for r in candidates]
+        if now == ids:
+            return ks, cycle
+        by_id = dict(zip(ids, ks))
+        if not now or any(i not in by_id for i in now) or (cycle is not None and batch_key(len(now)) != cycle.key):
+            return None
+        if cycle is not None and cycle.request_ids is not None:
+            cycle.request_ids &= set(now)
+            cycle.requests = len(now)
+        return [by_id[i] for i in now], cycle
 
 
 def build_speculator(engine: "LLMEngine") -> EagleSpeculator:

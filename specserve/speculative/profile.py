@@ -45,7 +45,7 @@ def load_or_profile_costs(d: Any) -> tuple[CostModel, str]:
 
     key = cost_profile_key(d.engine, d.head.config, d.cfg.resolved_num_draft_tokens, d.runner.graphs is not None)
     path = os.path.join(cache_root(), "profiles", hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
-    cost = None if d.cfg.refresh_cost_profile else CostModel.load(path)
+    cost = None if d.cfg.recalibrate else CostModel.load(path)
     if cost is not None:
         cost.meta["source"] = f"cache {path}"
         log.info("cost model loaded from %s (profiled %s)", path, cost.meta.get("date"))

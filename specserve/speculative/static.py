@@ -27,7 +27,7 @@ def decode_attention(d: Any, rows: int, triton: bool) -> Any:
     tables = torch.zeros(rows, -(-d.engine.max_model_len // bs), dtype=torch.long, device=d.device)
     caches, scale = d.attn.kv_caches, hc.head_dim**-0.5
     if triton:
-        from specserve.attention.triton_backend import TritonDecodeAttention
+        from specserve.attention.triton_decode import TritonDecodeAttention
 
         return TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads, block_tables=tables)
     return TorchDecodeAttention(caches, bs, scale, tables)

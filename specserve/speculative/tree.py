@@ -97,15 +97,9 @@ def tree_is_final(cands: list[Candidate], num_nodes: int, frontier_best: float) 
     return heapq.nlargest(num_nodes, (c.score for c in cands))[-1] >= frontier_best
 
 
-# -- the same on the device: trees as tensors, no host sync (the tree's graphed cycle) -------------
-#
-# A batch of trees of ``num_nodes`` tokens each (the root and num_nodes - 1 drafts) is one long tensor
-# [B, tree_width(num_nodes)]: per request its node tokens, parents (node indices; the root's own index,
-# 0, so gathers need no special case), depths, and each node's ancestor bits (bit j set iff node j is
-# it or an ancestor: a row of its attention mask packed, as the Triton attention reads it).
-
-
 def tree_width(num_nodes: int) -> int:
+    """Packed trees [B, 4 * N]: per request its tokens | parents (the root's: 0) | depths | ancestor bits
+    (bit j set iff node j is it or an ancestor: a mask row as the Triton attention reads it)."""
     return 4 * num_nodes
 
 

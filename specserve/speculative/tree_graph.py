@@ -1,6 +1,6 @@
 """The EAGLE-2 tree expansion on static buffers, replayed as CUDA graphs on the GPU.
 
-The eager expansion (``EagleSpeculator._draft_tree``) reads every depth's candidates back to the
+The eager expansion (``propose.Proposer``) reads every depth's candidates back to the
 host (a sync per depth) and grows its attention buffers as it goes. Here the whole expansion runs
 on the device from the numbers written once per engine step:
 
@@ -39,7 +39,8 @@ from specserve.engine.cuda_graph import pad_to
 from specserve.engine.kv_cache import kv_slot
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.speculative.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
+from specserve.engine.cuda_graph import GraphStats, capture_each, replay_or_eager
+from specserve.speculative.draft_graph import batch_buckets
 from specserve.speculative.accept import accept_trees, compact_tree_kv
 from specserve.speculative.tree import select_trees, tree_fields, tree_width
 
@@ -124,7 +125,8 @@ class TreeDraftRunner:
         kvb.index_copy_(1, lanes[:, 0], kvb.index_select(1, src))
         # every depth's position, lane slot and key count ([D - 1, R])
         pos = base[None, :] + self._steps[:, None]
-        slots = (lanes.gather(1, (pos // bs - first[None, :]).t()).t() * bs + pos % bs).contiguous()
+        lane_pos = (pos - first[None, :] * bs).t()  # [R, D - 1]: positions within each slot's lane
+        slots = kv_slot(lanes, lane_pos, bs, torch.arange(R, device=self.device)[:, None]).t().contiguous()
         seqs = (pos + 1).to(torch.int32)
         front_idx = torch.arange(K, device=self.device).expand(B, -1)  # candidate slot of each frontier node
         front_h = h[:, None, :].expand(B, K, h.shape[-1]).reshape(R, -1)
