@@ -7,7 +7,7 @@ import triton.language as tl
 
 
 @triton.jit
-def paged_attention_kernel_attention_kernel(
+def paged_attention_kernel(
     Q, K_cache, V_cache, O, PartO, PartLse,
     item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,  # [items] int32
     kv_limit, tree_start, tree_bits,  # [tokens] int32, int32, int64

@@ -220,6 +220,7 @@ class EagleSpeculator:
     def verify_step(self, plan: StepPlan) -> CommitResult:
         """A step that verifies drafts: one target forward, one host sync, acceptance."""
         t0 = clock()
+        self._launched_ahead = False
         pipe = self.pipeline
         pipe.reset()
         early = pipe.take(plan)

@@ -27,8 +27,9 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
     """What a cached profile is valid for: model, shapes, device, step limits, the head's shape (not its
     path), and what changes a step's kernels (graphs, K/V dtype, CPU weight packing and its row threshold)."""
     dev_name = torch.cuda.get_device_name(e.device) if e.device.type == "cuda" else "cpu"
-    sc = e.config.speculative
+    sc = getattr(e.config, "speculative", None)
     draft_dtype = sc.draft_dtype if sc is not None else "auto"
+    kv_dtype = getattr(e.config, "kv_cache_dtype", "auto")
     packing = f"packed>={packed_min_rows(e.dtype)}" if e.packed_linears else "unpacked"
     if e.packed_linears and cpu_packing.ROW_BUCKETS:  # steps of many rows run padded
         packing += f",rows>{cpu_packing.EXACT_ROWS}/{cpu_packing.ROW_BUCKETS_PER_OCTAVE}"
@@ -36,7 +37,7 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
             f"{dev_name}|{e.dtype}|{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|"
             f"{e.config.max_num_seqs}|{num_draft_tokens}|graphs={graphs}|{packing}"
             + ("" if draft_dtype == "auto" else f"|draft={draft_dtype}")
-            + ("" if e.config.kv_cache_dtype == "auto" else f"|kv={e.config.kv_cache_dtype}"))
+            + ("" if kv_dtype == "auto" else f"|kv={kv_dtype}"))
 
 
 def load_or_profile_costs(d: Any) -> tuple[CostModel, str]:
