@@ -45,12 +45,10 @@ PARITY_CONFIG = "chain3"
 def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, dict[str, Any], float]:
     """``name``: a CONFIGS entry, or one with "+noearly" (no verify launched before the commit)."""
     base, _, opt = name.partition("+")
-    if opt not in ("", "noearly", "nopresync", "nograph", "norope", "nofused"):
+    if opt not in ("", "noearly", "nopresync", "nograph"):
         raise SystemExit(f"unknown option +{opt} in {name!r} (noearly: no verify launched before the commit, "
                          "nopresync: a tree's next verify launched after the sync, not before it, "
-                         "nograph: the fused launch step by step, not as one graph, norope: the head's "
-                         "rotary by torch ops, not one kernel with the KV write, nofused: no fused launch "
-                         "at all: the next drafts after the verify's sync)")
+                         "nograph: the fused launch step by step, not as one graph)")
     spec = dict(CONFIGS[base])
     if spec:
         spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
@@ -58,20 +56,13 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
     # a fixed KV size: engines built earlier in this process still hold GPU memory
     kw = dict(model=None if args.model == "default" else args.model, dtype=dtype, max_num_seqs=1, num_kv_blocks=args.num_kv_blocks, **spec)
     t0 = time.perf_counter()
-    if opt == "norope":
-        os.environ["SPECSERVE_DRAFT_ROPE_KERNEL"] = "0"
-    try:
-        llm = LLM(**kw)
-    finally:
-        os.environ.pop("SPECSERVE_DRAFT_ROPE_KERNEL", None)
+    llm = LLM(**kw)
     if opt == "noearly":
         llm.engine.drafter.controller.early_verify = False
     elif opt == "nopresync":
         llm.engine.drafter.controller.presync_verify = False
     elif opt == "nograph":
         llm.engine.drafter.controller.fused_launch_graph = False
-    elif opt == "nofused":
-        llm.engine.drafter.fused_launch = llm.engine.drafter.tree_launch = llm.engine.drafter.tree_verify = None
     return llm, kw, time.perf_counter() - t0
 
 
@@ -87,7 +78,7 @@ def graph_report(llm: LLM) -> dict[str, Any]:
     }
     d = e.drafter
     if d is not None:
-        cu, ch = d.catch_up_runner, d.chain_runner
+        cu, ch = d.catch_up.runner, d.proposer.chain_runner
         out.update({
             "catch_up_graphs": len(cu.graphs) if cu else 0,
             "catch_up_token_counts": cu.sizes if cu else [],

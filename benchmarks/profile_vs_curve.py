@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable
-from unittest import mock
 
 import torch
 
@@ -89,12 +88,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     S, bs = args.max_num_seqs, 16
     blocks = S * -(-(args.context + max(tokens)) // bs) + 16
     kw = {} if model is None else {"model": model}
-    with mock.patch.dict(os.environ, SPECSERVE_COST_PROFILE="refresh"):  # the profile taken now, by this engine
-        llm = LLM(**kw, load_format=load_format, device=args.device, max_num_seqs=S, num_kv_blocks=blocks,
-                  max_num_batched_tokens=max(max(tokens), 2 * S), max_model_len=args.context + max(tokens) + 16,
-                  speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="adaptive",
-                  speculative_calibrate=False, speculative_num_steps=args.num_steps, speculative_eagle_topk=args.topk,
-                  speculative_num_draft_tokens=args.num_draft_tokens)
+    llm = LLM(**kw, load_format=load_format, device=args.device, max_num_seqs=S, num_kv_blocks=blocks,
+              max_num_batched_tokens=max(max(tokens), 2 * S), max_model_len=args.context + max(tokens) + 16,
+              speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="adaptive",
+              speculative_calibrate=False, speculative_num_steps=args.num_steps, speculative_eagle_topk=args.topk,
+              speculative_num_draft_tokens=args.num_draft_tokens,
+              speculative_recalibrate=True)  # the profile taken now, by this engine
     eng = llm.engine
     runner, target, cost = eng.runner, eng.drafter.target, eng.drafter.controller.cost
     dev = torch.device(args.device)

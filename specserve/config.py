@@ -263,9 +263,8 @@ class EngineConfig:
     # CUDA graphs for steps of up to this many tokens (larger steps run eagerly); None: the whole
     # step budget (max_num_batched_tokens). The drafter raises it to cover every verify it may ask for
     max_cudagraph_capture_size: int | None = None
-    # Triton: each tree token attends as plain decoding of its committed path will, bit for bit, so
-    # greedy tree speculation is lossless in bf16 too (slower verifies: each token's keys read apart).
-    # None: on, unless SPECSERVE_EXACT_TREES=0
+    # Triton: each tree token attends as plain decoding of its committed path will, bit for bit, so greedy
+    # tree speculation is lossless in bf16 too (slower verifies). None: on
     exact_tree_attention: bool | None = None
     cpu_weight_packing: bool = True  # CPU: linear weights pre-packed for oneDNN (flat cost in tokens per step)
     # the target's KV cache: "auto" (the model's dtype) or 8-bit floats ("fp8" = "fp8_e4m3", "fp8_e5m2"),

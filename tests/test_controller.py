@@ -416,38 +416,44 @@ class _Req(SimpleNamespace):
 def _timed_drafter(monkeypatch, clock: list[float]):
     """The drafter's cycle timing with a fake clock (``clock[0]``): a drafter whose catch-up costs 1 ms a
     row and whose draft step 10 ms; returns it, the cycle times it finishes, and a request maker."""
+    from specserve.speculative import cycle as cycle_mod
     from specserve.speculative import drafter as drafter_mod
+    from specserve.speculative.state import Caps
 
     monkeypatch.setattr(drafter_mod, "clock", lambda: clock[0])
+    monkeypatch.setattr(cycle_mod, "clock", lambda: clock[0])
     d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
     d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1))
     d.controller.forced_arm = 1
-    d.max_k, d.states, d._time_catch_up, d._drafted_last, d._cycle_head = 1, {}, False, False, None
-    d._finished, d._reuse_lost, d._fused, d._pre_arm, d._pre_ks, d._ahead = [], 0.0, None, None, None, None
-    d.device, d._steady_s, d._steady_count = SimpleNamespace(type="cpu"), {}, 0
-    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], _reserve=lambda r, n: True),
-                               step_started=0.0, step_ended=0.0, max_model_len=10**6)
+    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], reserve=lambda r, n: True),
+                               config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=2048),
+                               step_started=0.0, step_ended=0.0, max_model_len=10**6, device=SimpleNamespace(type="cpu"))
+    d.cycle = cycle_mod.CycleClock(d.controller, d.engine, 1, time_on_device=False)
+    d.caps = Caps(1, 1, 1, 10**6)
+    d.finish = SimpleNamespace(due=False)
+    d.pipeline = SimpleNamespace(pre_arm=None, pre_ks=None, adopt_fused=lambda todo: todo)
+    d._launched_ahead = False
 
-    def draft(todo, time_catch_up=False):
-        rows = sum(r.num_computed_tokens - d.states[r.request_id].draft_pos for r, _ in todo)
-        for r, _ in todo:
-            d.states[r.request_id].draft_pos = r.num_computed_tokens
-        clock[0] += 1e-3 * rows  # the catch-up
-        catch_up = 1e-3 * rows
+    def catch_up(reqs):
+        rows = sum(r.num_computed_tokens - r.spec.draft_pos for r in reqs)
+        for r in reqs:
+            r.spec.draft_pos = r.num_computed_tokens
+        clock[0] += 1e-3 * rows
+
+    def propose(todo, h):
         clock[0] += 0.010  # the draft step
-        return catch_up
 
-    d._draft = draft
+    d.catch_up = catch_up
+    d.proposer = SimpleNamespace(propose=propose)
     seen: list[float] = []
     finish = d.controller.finish_cycle
     d.controller.finish_cycle = lambda c, s: (seen.append(round(s, 6)) if c is not None else None, finish(c, s))
 
     def req(rid, prompt):
-        d.states[rid] = SimpleNamespace(draft_pos=0)
         return _Req(request_id=rid, status=Status.RUNNING, num_computed_tokens=prompt,
-                               all_token_ids=[0] * (prompt + 1),
-                               num_prompt_tokens=prompt, num_output_tokens=0, no_draft_kv=False,
-                               params=SimpleNamespace(max_spec_tokens=None, max_tokens=None))
+                    all_token_ids=[0] * (prompt + 1), spec=SimpleNamespace(draft_pos=0),
+                    num_prompt_tokens=prompt, num_output_tokens=0, no_draft_kv=False,
+                    params=SimpleNamespace(max_spec_tokens=None, max_tokens=None))
 
     return d, seen, req
 
@@ -479,7 +485,7 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     d, seen, req = _timed_drafter(monkeypatch, clock)
     reqs = [req(str(i), 20) for i in range(4)]
     for r in reqs:
-        d.states[r.request_id].draft_pos = r.num_computed_tokens  # caught up already
+        r.spec.draft_pos = r.num_computed_tokens  # caught up already
     for step in range(6):  # each commits its draft and a bonus token; a new request's prompt in step 3
         _step(d, clock, reqs, 2, req("new", 200) if step == 3 else None)
     # cycle i ends in step i + 1: its step's 100 ms, the 10 ms draft before it, the 5 ms rest of
@@ -489,7 +495,7 @@ def test_the_heads_pass_over_a_new_prompt_is_charged_to_the_depth_that_drafts_fo
     assert seen == pytest.approx([0.131, 0.123, 0.123, 0.100 + 0.010 + 0.200 + 0.010 + 0.005, 0.125], abs=1e-6)
     # every second of the engine's own steps but step 0's target forward and the last step's outputs,
     # timed once (the caller's 50 ms between steps in none)
-    assert sum(seen) + d._cycle_head == pytest.approx(clock[0] - 0.100 - 6 * 0.050 - 0.005, abs=1e-6)
+    assert sum(seen) + d.cycle.head == pytest.approx(clock[0] - 0.100 - 6 * 0.050 - 0.005, abs=1e-6)
 
 
 @pytest.mark.parametrize("decision", ["quick", "full"])
@@ -504,17 +510,16 @@ def test_a_drafting_cycle_followed_by_plain_decoding_is_charged_its_catch_up(mon
     if decision == "full":
         d.controller.quick_arm = lambda batch, running=None: None
         d.controller.decide = lambda requests, caps, running, prefill, behind=0: [0] * len(requests)
-        d._prefill_tokens_next_step = lambda: 0
     reqs = [req(str(i), 20) for i in range(4)]
     for r in reqs:
-        d.states[r.request_id].draft_pos = r.num_computed_tokens
+        r.spec.draft_pos = r.num_computed_tokens
     for step in range(5):
         d.controller.forced_arm = 1 if step < 3 else (0 if decision == "quick" else None)
         _step(d, clock, reqs, 2 if step <= 3 else 1)  # (step 3 verifies cycle 2's drafts)
     # cycles 0-2 draft (cycle 2 ended by the plain decision of step 3), cycle 3 decodes plainly: its
     # step and outputs, nothing drafted (the patched full decision opens no cycle)
     assert seen == pytest.approx([0.131, 0.123, 0.123] + ([0.105] if decision == "quick" else []), abs=1e-6)
-    assert d._steady_s  # (on a CPU the steady catch-ups' host time is their time)
+    assert d.cycle.steady_s  # (on a CPU the steady catch-ups' host time is their time)
 
 
 def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():

@@ -184,22 +184,22 @@ def test_cost_profile_key_follows_cpu_packing(monkeypatch) -> None:
 
     from specserve.models import cpu_packing
     from specserve.models.eagle3 import Eagle3Config
-    from specserve.speculative import drafter
+    from specserve.speculative import drafter, profile
 
     head = Eagle3Config.from_json(Path(drafter.DEFAULT_HEAD) / "config.json")
     eng = SimpleNamespace(model_name="m", model_config="cfg", device=torch.device("cpu"), dtype=torch.float32,
                           packed_linears=7, config=SimpleNamespace(max_num_batched_tokens=2048, max_num_seqs=32))
     monkeypatch.setitem(cpu_packing._MIN_ROWS, torch.float32, 2)
-    two = drafter.cost_profile_key(eng, head, 4, False)
-    assert drafter.cost_profile_key(eng, head, 4, False) == two  # stable
+    two = profile.cost_profile_key(eng, head, 4, False)
+    assert profile.cost_profile_key(eng, head, 4, False) == two  # stable
     monkeypatch.setitem(cpu_packing._MIN_ROWS, torch.float32, 4)
-    four = drafter.cost_profile_key(eng, head, 4, False)
+    four = profile.cost_profile_key(eng, head, 4, False)
     eng.packed_linears = 0
-    unpacked = drafter.cost_profile_key(eng, head, 4, False)
+    unpacked = profile.cost_profile_key(eng, head, 4, False)
     assert len({two, four, unpacked}) == 3
-    assert drafter.cost_profile_key(eng, head, 4, True) != unpacked  # graphs change the kernels too
+    assert profile.cost_profile_key(eng, head, 4, True) != unpacked  # graphs change the kernels too
     eng.config.kv_cache_dtype = "fp8"  # and an 8-bit K/V cache what attention reads
-    assert drafter.cost_profile_key(eng, head, 4, False) != unpacked
+    assert profile.cost_profile_key(eng, head, 4, False) != unpacked
 
 
 def test_linear_cost_separates_a_fixed_part_from_the_rate_per_unit():
@@ -255,7 +255,7 @@ def test_one_seat_profiles_catch_up_sized_head_forwards(tmp_path, monkeypatch):
     from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM
-    from specserve.speculative.drafter import CATCH_UP_PROFILE_ROWS
+    from specserve.speculative.profile import CATCH_UP_PROFILE_ROWS
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(str(tmp_path / "m"), vocab=64, layers=4)

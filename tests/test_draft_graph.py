@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.speculative.drafter import DEFAULT_HEAD, PENDING, EagleSpeculator
+from specserve.speculative.drafter import DEFAULT_HEAD, EagleSpeculator
+from specserve.speculative.state import PENDING
 from specserve.speculative.tree import tree_fields
 from tiny_model import make_random_head, make_tiny_model
 
@@ -32,7 +33,7 @@ def tiny(tmp_path_factory):
 def host_drafts(dr, r) -> list[int]:
     """``r``'s drafts with their values (a host sync where the static loop left them on the device)."""
     d = r.draft_token_ids
-    st = dr.states.get(r.request_id)
+    st = r.spec
     if d and d[0] == PENDING and st is not None and st.device_drafts is not None:
         toks, row = st.device_drafts
         return toks[row, : len(d)].tolist()
@@ -41,7 +42,7 @@ def host_drafts(dr, r) -> list[int]:
 
 def host_tree(dr, r) -> tuple[list[int], list[int]]:
     """``r``'s tree (tokens, parents), read back where the expansion selected it on the device."""
-    st = dr.states.get(r.request_id)
+    st = r.spec
     if st is not None and st.device_tree is not None:
         trees, row = st.device_tree
         tok, par, _, _ = tree_fields(trees[row : row + 1], dr.max_k + 1)
@@ -72,14 +73,13 @@ def record_trees(llm: LLM) -> list[list[tuple[str, list[int], list[int]]]]:
     """Every draft step's (request, tree tokens, tree parents)."""
     dr = llm.engine.drafter
     log: list[list[tuple[str, list[int], list[int]]]] = []
-    orig = dr._draft
+    orig = dr.proposer.propose
 
-    def wrapped(todo, **kw):
-        catch_up_s = orig(todo, **kw)
+    def wrapped(todo, h):
+        orig(todo, h)
         log.append([(r.request_id, *host_tree(dr, r)) for r, _ in todo])
-        return catch_up_s
 
-    dr._draft = wrapped
+    dr.proposer.propose = wrapped
     return log
 
 
@@ -90,7 +90,7 @@ def run(model: str | None, head: str, static: str | None, prompts, params, catch
     if static is not None:
         llm.engine.drafter.enable_static_draft(attention=static)
     if catch_up_tokens is not None:  # a smaller static catch-up: larger catch-ups run in groups of requests
-        llm.engine.drafter.catch_up_runner.attn.max_num_tokens = catch_up_tokens
+        llm.engine.drafter.catch_up.runner.attn.max_num_tokens = catch_up_tokens
     log = record_drafts(llm)
     if prompts and isinstance(prompts[0][0], dict):
         outs = llm.chat(prompts, params)
@@ -102,7 +102,7 @@ def run(model: str | None, head: str, static: str | None, prompts, params, catch
 def assert_same_drafts(log: list, ref_log: list) -> int:
     """Each request drafts what it drafts in ``ref_log`` step for step, except that a fused launch may
     draft a request near its end shorter (a prefix: its cap after the most the verify could commit,
-    drafter._capped), in one of its last 2k + 2 draft steps; past that the two runs may part. Returns
+    Caps.after_verify), in one of its last 2k + 2 draft steps; past that the two runs may part. Returns
     the draft steps compared."""
     def per_request(lg: list) -> dict:
         out: dict = {}
@@ -139,16 +139,16 @@ def test_a_request_near_its_end_rides_a_fused_launch_with_no_drafts(tiny):
     dr.enable_static_draft(attention="torch")
     dr.controller.early_verify = True
     launched, early = [], []
-    launch_fused, launch_early = dr._launch_fused, dr._launch_early_verify
-    dr._launch_fused = lambda targets, *a: (launched.append([kk for _, _, kk in targets]), launch_fused(targets, *a))[1]
-    dr._launch_early_verify = lambda targets, *a: (early.append(dr._early), launch_early(targets, *a),
-                                                   early.append(dr._early))[1]
+    launch_fused, launch_early = dr.pipeline.launch_fused, dr.pipeline.launch_early_verify
+    dr.pipeline.launch_fused = lambda targets, *a: (launched.append([kk for _, _, kk in targets]), launch_fused(targets, *a))[1]
+    dr.pipeline.launch_early_verify = lambda targets, *a: (early.append(dr.pipeline.early), launch_early(targets, *a),
+                                                   early.append(dr.pipeline.early))[1]
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], sp)]
     assert out == ref
     with_zero = [i for i, nk in enumerate(launched) if 0 in nk and any(nk)]
     # unfused for a binding cap: only steps whose every request is at its end (the last one, alone)
     assert len(with_zero) >= 4 and dr.path_counts.get("unfused:k", 0) <= 3
-    # (an early verify launched sets dr._early; none where a request drafts nothing next)
+    # (an early verify launched sets dr.pipeline.early; none where a request drafts nothing next)
     launched_early = [b is not None for b in early[1::2]]
     assert sum(launched_early) > 5 and len(launched_early) == len(launched)
     assert not any(launched_early[i] for i in with_zero)
@@ -265,7 +265,7 @@ def test_static_chain_drafts_verified_from_the_device(tiny, budget):
                 nxt = ref[int(r.request_id)][r.num_output_tokens :]
                 want = (nxt[:2] + [(nxt[2] + 1) % 64 if len(nxt) > 2 else 0])[: len(r.draft_token_ids)]
                 if r.draft_token_ids[0] == PENDING:
-                    toks, row = dr.states[r.request_id].device_drafts
+                    toks, row = r.spec.device_drafts
                     with torch.inference_mode():
                         toks[row, : len(want)] = torch.tensor(want)
                 else:
@@ -553,21 +553,21 @@ def test_early_verify_runs_the_next_verify_launched_before_the_commit(tiny, budg
         dr.enable_static_draft(attention="torch")
         assert dr.controller.early_verify is False  # (a CPU default)
         dr.controller.early_verify = early
-        verify_all = dr._verify_all
+        verify_all = dr._accept
 
         def two_right_then_wrong(sampling, *a, **kw):
             """Drafts the fused launch left on the device, rewritten once this verify's outcome is known
             (before either run reads them): two right then one wrong, so accepted counts vary."""
             results = verify_all(sampling, *a, **kw)
             for s, res in zip(sampling, results):
-                row, kk = (dr._fused or {}).get(s.req.request_id, (0, 0))
+                row, kk = (dr.pipeline.fused or {}).get(s.req.request_id, (0, 0))
                 nxt = ref[int(s.req.request_id.rsplit("-", 1)[-1])][s.req.num_output_tokens + len(res.tokens):] + [0] * 3
                 if kk:
                     with torch.inference_mode():
-                        dr._fused_toks[row, :kk] = torch.tensor([nxt[0], nxt[1], (nxt[2] + 1) % 64][:kk])
+                        dr.pipeline.fused_toks[row, :kk] = torch.tensor([nxt[0], nxt[1], (nxt[2] + 1) % 64][:kk])
             return results
 
-        dr._verify_all = two_right_then_wrong
+        dr._accept = two_right_then_wrong
         eng, outs, n = llm.engine, {}, 0
         for i, p in enumerate(PROMPTS[:-1]):
             eng.add_request(str(i), p, sp)
@@ -611,7 +611,10 @@ def test_sampled_requests_keep_the_eager_loop(tiny):
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=3)
     llm.engine.drafter.enable_static_draft()
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=1))
-    assert "chain:eager" not in llm.engine.drafter.path_counts  # the q distributions need the eager loop
+    paths, st = llm.engine.drafter.path_counts, llm.engine.stats
+    # they drafted (verified drafts every step), through the eager loop: the q distributions need it
+    assert st.spec_verify_steps >= 4 and st.spec_draft_tokens > 2 * st.spec_verify_steps, st
+    assert paths["catch_up:torch"] >= 4 and not any(k.startswith("chain:") for k in paths), paths
 
 
 
@@ -624,11 +627,11 @@ def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", gr
     if device == "cpu" and static:
         dr.enable_static_draft(attention="torch")
     if not graphs:
-        dr.tree_runner.graphs.clear()
-        dr.catch_up_runner.graphs.clear()
-        if dr.tree_launch is not None:
-            dr.tree_launch.graphs.clear()
-            dr.tree_verify.graphs.clear()
+        dr.proposer.tree_runner.graphs.clear()
+        dr.catch_up.runner.graphs.clear()
+        if dr.pipeline.tree_launch is not None:
+            dr.pipeline.tree_launch.graphs.clear()
+            dr.pipeline.tree_verify.graphs.clear()
     log = record_trees(llm)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     paths = dict(dr.path_counts)
@@ -667,12 +670,12 @@ def _gpu_run(model, head, graphs: bool, prompts, params, **engine):
     llm = LLM(model=model, device="cuda", dtype="float32", num_kv_blocks=256, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", **engine)
     dr = llm.engine.drafter
-    assert dr.chain_runner is not None and dr.catch_up_runner is not None
+    assert dr.proposer.chain_runner is not None and dr.catch_up.runner is not None
     if not graphs:
-        dr.chain_runner.graphs.clear()
-        dr.catch_up_runner.graphs.clear()
-        if dr.fused_launch is not None:
-            dr.fused_launch.graphs.clear()
+        dr.proposer.chain_runner.graphs.clear()
+        dr.catch_up.runner.graphs.clear()
+        if dr.pipeline.fused_launch is not None:
+            dr.pipeline.fused_launch.graphs.clear()
     log = record_drafts(llm)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     return llm, out, log
@@ -709,8 +712,8 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     llm = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=5)
     dr = llm.engine.drafter
-    n_graphs = len(dr.chain_runner.graphs)
-    assert n_graphs == len(dr.chain_runner.batch_sizes) * 5
+    n_graphs = len(dr.proposer.chain_runner.graphs)
+    assert n_graphs == len(dr.proposer.chain_runner.batch_sizes) * 5
     assert dr.graph_memory_bytes >= 0
 
     def no_capture(*a, **k):
@@ -730,7 +733,7 @@ def test_gpu_switching_k_never_recaptures_or_runs_eagerly(tiny, monkeypatch):
     plain = LLM(model=model, device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=256)
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     assert out2 == [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], params2)]
-    assert len(dr.chain_runner.graphs) == n_graphs
+    assert len(dr.proposer.chain_runner.graphs) == n_graphs
     assert "chain:eager" not in dr.path_counts and dr.path_counts["chain:graph"] > 0
     assert dr.path_counts["fused_launch:graph"] > 0  # (steps of up to two requests) and never eagerly
     # decode/verify steps all replay target graphs (prompts are short: prefill steps fit too)
@@ -781,7 +784,7 @@ def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
                   **({} if budget is None else {"max_num_batched_tokens": budget}))
         dr = llm.engine.drafter
         dr.enable_static_draft(attention="torch", fused_launch=fused)
-        assert (dr.tree_launch is not None) == fused
+        assert (dr.pipeline.tree_launch is not None) == fused
         dr.controller.early_verify = early
         dr.controller.presync_verify = presync
         eng, outs, n = llm.engine, {}, 0
@@ -827,9 +830,9 @@ def test_draft_head_in_its_own_dtype(tiny, static):
     dr = llm.engine.drafter
     if static is not None:
         dr.enable_static_draft(attention=static)
-        assert dr.chain_runner.h0.dtype == torch.float32
+        assert dr.proposer.chain_runner.h0.dtype == torch.float32
     assert dr.head.fc.weight.dtype == torch.float32 and dr.attn.kv_caches[0][0].dtype == torch.float32
-    assert llm.engine.dtype == torch.bfloat16 and dr.features.dtype == torch.bfloat16
+    assert llm.engine.dtype == torch.bfloat16 and dr.features.features.dtype == torch.bfloat16
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)]
     assert out == ref and llm.engine.stats.spec_draft_tokens > 50
     with pytest.raises(ValueError, match="speculative_draft_dtype"):

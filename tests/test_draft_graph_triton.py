@@ -13,7 +13,7 @@ from triton_interpreter import triton_tests_device  # noqa: E402
 DEVICE = triton_tests_device()
 CUDA = DEVICE.type == "cuda"
 
-from specserve.attention.triton_backend import TritonDecodeAttention  # noqa: E402
+from specserve.attention.triton_decode import TritonDecodeAttention  # noqa: E402
 from specserve.speculative.draft_graph import TorchDecodeAttention  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
@@ -79,6 +79,7 @@ def test_cost_profile_times_the_static_draft_path(tmp_path):
     from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM, SamplingParams
+    from specserve.speculative.profile import profile_costs
 
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
     head = make_random_head(model, str(tmp_path / "head"), std=0.3)
@@ -91,17 +92,17 @@ def test_cost_profile_times_the_static_draft_path(tmp_path):
         d.enable_static_draft(attention="triton")
         if profile:
             calls = {"chain": 0, "catch_up": 0}
-            for name, runner in (("chain", d.chain_runner), ("catch_up", d.catch_up_runner)):
+            for name, runner in (("chain", d.proposer.chain_runner), ("catch_up", d.catch_up.runner)):
                 def counted(*a, _run=runner.run, _n=name, **kw):
                     calls[_n] += 1
                     return _run(*a, **kw)
                 runner.run = counted
-            cost = d._profile_costs()
+            cost = profile_costs(d)
             assert cost.meta["draft_path"].startswith("static")
             assert sorted(cost.draft.profile) == [1, 2, 3, 4]
             assert all(s > 0 for s in cost.draft.profile.values())
             assert calls["chain"] >= 4 * 3 and calls["catch_up"] == calls["chain"]  # every point, every round
-            del d.chain_runner.run, d.catch_up_runner.run
+            del d.proposer.chain_runner.run, d.catch_up.runner.run
         log = record_drafts(llm)
         outs.append(([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)], log))
     assert outs[0] == outs[1]
@@ -118,7 +119,7 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
 
     from specserve import LLM
     from specserve.speculative import draft_graph
-    from specserve.speculative.drafter import PENDING
+    from specserve.speculative.state import PENDING
 
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
     head = make_random_head(model, str(tmp_path / "head"), std=0.3)
@@ -133,7 +134,7 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
         if fused:
             monkeypatch.setattr(draft_graph, "FUSED_MAX_BATCH", max_batch)
             dr.enable_static_draft(attention="triton", fused_launch=True)
-            assert dr.fused_launch is not None and dr.fused_launch.batch_sizes[-1] == max_batch
+            assert dr.pipeline.fused_launch is not None and dr.pipeline.fused_launch.batch_sizes[-1] == max_batch
         log = record_drafts(llm)
         logged = dr.draft_step
 
@@ -147,7 +148,7 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
                 nxt = ref[int(r.request_id.rsplit("-", 1)[-1])][r.num_output_tokens:] + [0] * 3
                 want = [nxt[0], nxt[1], (nxt[2] + 1) % 64][:k]
                 if r.draft_token_ids[0] == PENDING:
-                    toks, row = dr.states[r.request_id].device_drafts
+                    toks, row = r.spec.device_drafts
                     with torch.inference_mode():
                         toks[row, :k] = torch.tensor(want)
                 else:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.speculative.catch_up import catch_up_slots
 from tiny_model import make_random_head, make_tiny_model
 
 
@@ -33,8 +34,8 @@ def spec_llm(model: str, head: str, **kw) -> LLM:
 def stored(llm: LLM, req, n: int) -> torch.Tensor:
     """The feature rows kept for positions 0..n-1 of ``req``."""
     d = llm.engine.drafter
-    _, slots = d._catch_up_slots([req], [0], [n])
-    return d.features[torch.as_tensor(slots)]
+    _, slots = catch_up_slots([req], [0], [n], llm.engine.config.block_size)
+    return d.features.features[torch.as_tensor(slots)]
 
 
 def reference(model: str, head: str, tokens: list[int]) -> torch.Tensor:
@@ -64,26 +65,26 @@ def test_kept_features_are_the_targets_at_each_position(tiny, policy, in_forward
     plain = LLM(model=model, device="cpu", max_num_seqs=4, block_size=4, kv_cache_memory_gb=KV_GB)
     future = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, sp))}
     d = llm.engine.drafter
-    assert d.features_in_forward and d.target.feature_sink is d.features  # EAGLE-3: the forward writes them
-    if not in_forward:  # the drafter's own scatter after each forward (EAGLE heads; before session 44)
+    fs = d.features
+    assert fs.in_forward and d.target.feature_sink is fs.features  # EAGLE-3: the forward writes them
+    if not in_forward:  # the drafter's own scatter after each forward (EAGLE heads)
         d.target.set_feature_sink(None)
-        d.features_in_forward = False
-    draft = d._draft
+        fs.in_forward = False
+    propose = d.proposer.propose
 
-    def two_right_then_wrong(todo, **kw):
+    def two_right_then_wrong(todo, h):
         # (a random head's drafts are seldom accepted: the greedy continuation's next two tokens, then
         # a wrong one, so that every verify keeps some drafts' rows and drops others)
-        s = draft(todo, **kw)
+        propose(todo, h)
         for r, k in todo:
             nxt = future[r.request_id][r.num_output_tokens :]
             r.draft_token_ids = (nxt[:2] + [(nxt[2] + 1) % 64 if len(nxt) > 2 else 0])[:k]
-        return s
 
     if policy != "tree":  # (a tree's own candidates: with 4 per node some are accepted)
-        d._draft = two_right_then_wrong
+        d.proposer.propose = two_right_then_wrong
     moved = []
     compact = d._compact
-    d._compact = lambda s, path: (moved.append(path != list(range(1, len(path) + 1))), compact(s, path))[1]
+    d._compact = lambda trees: (moved.extend(p != list(range(1, len(p) + 1)) for _, p in trees), compact(trees))[1]
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"r{i}", p, sp)
     for _ in range(20):
@@ -95,8 +96,8 @@ def test_kept_features_are_the_targets_at_each_position(tiny, policy, in_forward
     else:
         assert st.spec_draft_tokens == 0
     if in_forward:  # each step shape's write was checked once (plain, and verify where drafted), and held
-        assert d.features_in_forward and not d.path_counts["feature_sink:fallback"]
-        assert {verify for verify, _ in d._sink_checked} == ({False} if policy == "off" else {False, True})
+        assert fs.in_forward and not d.path_counts["feature_sink:fallback"]
+        assert {verify for verify, _ in fs.checked} == ({False} if policy == "off" else {False, True})
     assert_features_are_the_targets(llm, model, head, prompts, more_than=15)
 
 
@@ -125,7 +126,7 @@ def test_a_forward_that_writes_the_features_elsewhere_is_caught_and_they_are_sca
     for _ in range(12):
         llm.engine.step()
     assert d.path_counts["feature_sink:fallback"] == 1
-    assert not d.features_in_forward and d.target.feature_sink is None
+    assert not d.features.in_forward and d.target.feature_sink is None
     assert llm.engine.stats.spec_draft_tokens > 0
     assert_features_are_the_targets(llm, model, head, prompts, more_than=8)
 
@@ -140,17 +141,19 @@ def test_catch_up_slots_are_the_block_tables(tiny):
         reqs.append(llm.engine.requests[f"r{i}"])
     llm.engine.step()
     starts, q_lens = [2, 0, 5], [6, 2, 1]
-    positions, slots = d._catch_up_slots(reqs, starts, q_lens)
+    bs = llm.engine.config.block_size
+    positions, slots = catch_up_slots(reqs, starts, q_lens, bs)
     want_pos = [p for a, q in zip(starts, q_lens) for p in range(a, a + q)]
     assert positions.tolist() == want_pos
-    assert slots.tolist() == d._slots(reqs, q_lens, want_pos)
+    owner = [r for r, q in zip(reqs, q_lens) for _ in range(q)]
+    assert slots.tolist() == [r.kv.block_table[p // bs] * bs + p % bs for r, p in zip(owner, want_pos)]
     assert slots.dtype == np.int64
 
 
 def test_catch_up_of_a_request_that_stopped_inside_its_accepted_drafts(tiny):
     """A stop inside the drafts a verify accepted leaves the request's KV ahead of its last token
     (commit advances num_computed_tokens by every accepted draft before it appends them): its
-    catch-up (_catch_up_finished) covers the positions whose next token is known, no further."""
+    catch-up (FinishCatchUp) covers the positions whose next token is known, no further."""
     model, head = tiny
     llm = spec_llm(model, head, speculative_policy="static")
     llm.engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -158,10 +161,10 @@ def test_catch_up_of_a_request_that_stopped_inside_its_accepted_drafts(tiny):
         llm.engine.step()
     d = llm.engine.drafter
     r = llm.engine.requests["r"]
-    st = d.states["r"]
+    st = r.spec
     assert st.draft_pos == r.num_computed_tokens == r.num_tokens - 1  # caught up by the last draft step
     st.draft_pos -= 3  # three positions behind, as after a verify
     r.num_computed_tokens += 2  # and two more accepted drafts computed, then a stop before them
     with torch.inference_mode():  # (as draft_step runs it)
-        d._catch_up([r])
+        d.catch_up([r])
     assert st.draft_pos == r.num_tokens - 1

@@ -316,7 +316,7 @@ def test_adaptive_times_few_steady_catch_ups_and_stays_lossless(smollm2_dummy_di
     Unfused: a fused catch-up (launched before the verify's sync) is timed with its cycle instead."""
     from specserve.loader import load_model_source
     from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
-    from specserve.speculative.drafter import CATCH_UP_TIMING_EVERY
+    from specserve.speculative.cycle import CATCH_UP_TIMING_EVERY
 
     mc = load_model_source(smollm2_dummy_dir).config
     torch.manual_seed(2)
@@ -330,11 +330,11 @@ def test_adaptive_times_few_steady_catch_ups_and_stays_lossless(smollm2_dummy_di
                           speculative_policy="adaptive", speculative_calibrate=False)
     assert spec == plain
     d = llm.engine.drafter
-    assert d._steady_count >= 30  # drafting steps after a drafting step
-    assert d._steady_s  # the timed ones' mean, by rows
+    assert d.cycle.steady_count >= 30  # drafting steps after a drafting step
+    assert d.cycle.steady_s  # the timed ones' mean, by rows
     # switches (the first draft of each batch) and new row buckets are timed too: a few more than 1 in 8
-    assert d.catch_ups_timed <= d._steady_count / CATCH_UP_TIMING_EVERY + 12
-    assert d.catch_ups_timed >= 1
+    assert d.cycle.catch_ups_timed <= d.cycle.steady_count / CATCH_UP_TIMING_EVERY + 12
+    assert d.cycle.catch_ups_timed >= 1
 
 
 def test_spec_engine_overlaps_its_plain_steps_on_the_gpu(smollm2_dummy_dir, tmp_path):
@@ -379,7 +379,7 @@ def test_plain_steps_keep_the_features_their_graph_wrote(smollm2_dummy_dir, tmp_
               speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "head"),
               speculative_num_steps=3, speculative_policy="threshold", speculative_disable_batch_threshold=0)
     d, runner = llm.engine.drafter, llm.engine.runner
-    assert d.features_in_forward and d.target.feature_sink is d.features
+    assert d.features.in_forward and d.target.feature_sink is d.features.features
     forward, rows = runner.forward, []
 
     def keep_rows(inputs, copy=True):
@@ -392,11 +392,11 @@ def test_plain_steps_keep_the_features_their_graph_wrote(smollm2_dummy_dir, tmp_
     prompts = _prompts(6, seed=4)
     llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts))
     assert runner.path_counts["target:graph"] > 20 and d.path_counts["plain_ahead"] > 10
-    # the drafter's own check of each step shape's write (_check_feature_sink) found nothing to fall back from
-    assert d.features_in_forward and not d.path_counts["feature_sink:fallback"] and d._sink_checked
+    # the drafter's own check of each step shape's write (FeatureStore.check_sink) found nothing to fall back from
+    assert d.features.in_forward and not d.path_counts["feature_sink:fallback"] and d.features.checked
     last = {}  # slot -> the row of the last step that computed it
     for slots, aux in rows:
         for i, s in enumerate(slots.tolist()):
             last[s] = aux[i]
-    got = d.features[torch.tensor(list(last), device="cuda")]
+    got = d.features.features[torch.tensor(list(last), device="cuda")]
     assert torch.equal(got, torch.stack(list(last.values())))

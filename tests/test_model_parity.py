@@ -14,7 +14,8 @@ from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import ModelConfig
 from specserve.loader.hf_config import normalize_hf_config
-from specserve.models import build_model, default_eagle3_aux_layers
+from specserve.models import build_model
+from specserve.models.eagle3 import default_aux_layer_ids
 
 TOL = 1e-4
 BLOCK = 4  # small blocks so sequences span several of them
@@ -220,7 +221,7 @@ def test_tree_mixed_with_plain_decode_in_one_batch() -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_aux_hidden_states_are_layer_inputs(kind: str) -> None:
     hf, ours, config = _make_pair(kind, num_layers=6)
-    assert default_eagle3_aux_layers(30) == (2, 15, 27)
+    assert default_aux_layer_ids(30) == (2, 15, 27)
     ids = (0, 2, 3, 5)
     ours.set_aux_hidden_layers(ids)
     run = PagedRunner(ours, config)

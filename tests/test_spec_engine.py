@@ -25,20 +25,20 @@ def cost_profile_once_per_key():
     loaded) once, and every engine gets its own copy of it, as from the disk cache."""
     import copy
 
-    from specserve.speculative.drafter import EagleSpeculator, cost_profile_key
+    from specserve.speculative import profile
 
-    load, taken = EagleSpeculator._load_or_profile_costs, {}
+    load, taken = profile.load_or_profile_costs, {}
 
-    def once(self, head_path):
-        key = cost_profile_key(self.engine, self.head.config, self.cfg.resolved_num_draft_tokens,
-                               self.runner.graphs is not None)
+    def once(d):
+        key = profile.cost_profile_key(d.engine, d.head.config, d.cfg.resolved_num_draft_tokens,
+                                       d.runner.graphs is not None)
         if key not in taken:
-            taken[key] = load(self, head_path), self.cost_profile_path  # (kept unused: copies go out)
-        cost, self.cost_profile_path = taken[key]
-        return copy.deepcopy(cost)
+            taken[key] = load(d)
+        cost, path = taken[key]
+        return copy.deepcopy(cost), path
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(EagleSpeculator, "_load_or_profile_costs", once)
+    mp.setattr(profile, "load_or_profile_costs", once)
     yield
     mp.undo()
 
@@ -258,7 +258,7 @@ def test_adaptive_off_gives_finishing_requests_draft_kv_for_the_prefix_cache(ran
     for _ in range(4):
         assert [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)] == reference
     assert llm.engine.get_stats().prefix_cache_refused > 0
-    assert d.finish_catch_ups > 0 and d.finish_catch_up_tokens > 0
+    assert d.finish.requests > 0 and d.finish.tokens > 0
     last = llm.chat(chat_prompts, SP)
     assert [o.outputs[0].token_ids for o in last] == reference
     bs = llm.engine.config.block_size
@@ -272,7 +272,7 @@ def test_adaptive_off_spends_nothing_on_finishing_requests_without_reuse(random_
     llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
     llm.chat(chat_prompts[:10], SP)
     d = llm.engine.drafter
-    n0 = d.finish_catch_ups
+    n0 = d.finish.requests
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm.chat([[{"role": "user", "content": f"Tell me about item {i} of the list."}] for i in range(16)], sp)
-    assert d.finish_catch_ups - n0 <= 2, (n0, d.finish_catch_ups)
+    assert d.finish.requests - n0 <= 2, (n0, d.finish.requests)

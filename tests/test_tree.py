@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from specserve.speculative.tree import (Candidate, DraftTree, select_tree, tree_is_final, verify_tree_greedy,
-                                 verify_tree_sampled)
+from specserve.speculative.accept import accept_greedy, accept_tree_sampled
+from specserve.speculative.tree import Candidate, DraftTree, select_tree, tree_is_final
 
 
 def lg(p):
@@ -51,9 +51,9 @@ def test_greedy_verify_walks_matching_children():
     t = select_tree(7, _cands(), 4)  # nodes: 1=a(10) 2=b(11) 3=c(12, under a) 4=e(14, under b)
     # target: after root -> 11 (b), after b -> 14 (e), after e -> 99
     argmax = [11, 0, 14, 0, 99]
-    r = verify_tree_greedy(t, argmax)
+    r = accept_greedy(t, argmax)
     assert r.path == [2, 4] and r.tokens == [11, 14, 99] and r.num_accepted == 2
-    r = verify_tree_greedy(t, [42, 0, 0, 0, 0])
+    r = accept_greedy(t, [42, 0, 0, 0, 0])
     assert r.path == [] and r.tokens == [42]
 
 
@@ -65,7 +65,7 @@ def test_sampled_verify_matches_target_distribution():
     n = 20000
     first = torch.zeros(3)
     for _ in range(n):
-        first[verify_tree_sampled(t, probs, g).tokens[0]] += 1
+        first[accept_tree_sampled(t, probs, g).tokens[0]] += 1
     assert torch.allclose(first / n, probs[0], atol=0.015)
 
 

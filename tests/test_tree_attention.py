@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.speculative.tree_attention import TreeDraftBackend
+from specserve.attention.tree_draft import TreeDraftBackend
 
 BS, KVH, H, D = 4, 2, 4, 8
 

@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from specserve.speculative.tree import (Candidate, DraftTree, bits_to_mask, accept_trees, select_tree, select_trees, tree_fields, tree_width,
-                                 verify_tree_greedy)
+from specserve.speculative.accept import accept_chains_on_device, accept_greedy, accept_trees
+from specserve.speculative.tree import (Candidate, DraftTree, bits_to_mask, select_tree, select_trees, tree_fields,
+                                        tree_width)
 from specserve.speculative.tree_graph import candidate_depths
 
 
@@ -64,7 +65,7 @@ def test_select_trees_is_select_tree(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_accept_trees_is_verify_tree_greedy(device):
+def test_accept_trees_is_accept_greedy(device):
     rng = random.Random(1)
     topk, depth, n, V = 3, 4, 10, 6  # a small vocabulary: many picks match, paths of every length
     lengths = set()
@@ -90,7 +91,7 @@ def test_accept_trees_is_verify_tree_greedy(device):
         accepted, path, bonus = (x.cpu() for x in accept_trees(t.to(device), p.to(device), d.to(device),
                                                                picks.to(device), depth))
         for b in range(B):
-            ref = verify_tree_greedy(trees[b], picks[b].tolist())
+            ref = accept_greedy(trees[b], picks[b].tolist())
             a = int(accepted[b])
             lengths.add(a)
             assert a == ref.num_accepted
@@ -124,3 +125,31 @@ def test_select_trees_smaller_sizes_are_their_own_best(device):
         assert torch.equal(m[b, : k + 1, : k + 1].bool(), ref.mask())
         cut += select_tree(0, cs32, n - 1).truncated(k).tokens != ref.tokens
     assert cut > 0  # (a cut of the larger tree would differ somewhere)
+
+
+def test_chains_accepted_on_the_device_are_the_hosts():
+    """accept_chains_on_device (the fused launch's, eager and graphed) = accept_greedy on each chain."""
+    rng = random.Random(0)
+    for _ in range(50):
+        ks = [rng.randint(0, 4) for _ in range(rng.randint(1, 5))]
+        K, B = max(max(ks), 1), len(ks)
+        ids, picks, drafts = [], [], []
+        for k in ks:
+            d = [rng.randint(0, 3) for _ in range(k)]
+            drafts.append(d)
+            ids += [9] + d  # the last committed token, then the drafts
+            picks += [rng.randint(0, 3) for _ in range(k + 1)]
+        first = [sum(k + 1 for k in ks[:b]) for b in range(B)]
+        T = len(ids)
+        req = [b for b, k in enumerate(ks) for _ in range(k + 1)]
+        j = [i - first[b] for i, b in enumerate(req)]
+        nxt = [min(i + 1, first[b] + ks[b]) for i, b in enumerate(req)]
+        drow = [min(first[b] + i, T - 1) for b in range(B) for i in range(K)]
+        valid = [int(i < ks[b]) for b in range(B) for i in range(K)]
+        t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+        acc, row_ids = accept_chains_on_device(t(ids), t(picks), t(nxt), t(j), t(req), t(drow), t(valid), t(first))
+        for b, d in enumerate(drafts):
+            want = accept_greedy(DraftTree.chain(9, d), picks[first[b] : first[b] + ks[b] + 1])
+            assert acc[b].item() == want.num_accepted
+            a = want.num_accepted  # rows 0..a of the catch-up pair their feature with the token after them
+            assert row_ids[first[b] : first[b] + a + 1].tolist() == want.tokens

@@ -389,7 +389,7 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, o
 
 def test_exact_tree_attention_is_an_engine_flag(monkeypatch):
     """``--no-exact-tree-attention`` reaches the engine config (the runner hands it to the backend);
-    unset, the backend follows SPECSERVE_EXACT_TREES (on by default); off, trees plan as shared tiles."""
+    unset, the backend's exact trees are on; off, trees plan as shared tiles."""
     import argparse
 
     from specserve.engine.args import add_engine_args, engine_config_from_args
@@ -400,11 +400,8 @@ def test_exact_tree_attention_is_an_engine_flag(monkeypatch):
     assert engine_config_from_args(parser.parse_args(["--no-exact-tree-attention"])).exact_tree_attention is False
     caches = [(torch.zeros(16, 4, 2, 16, device=DEVICE), torch.zeros(16, 4, 2, 16, device=DEVICE))]
     opts = dict(num_heads=4, max_num_tokens=16, max_num_seqs=2, max_blocks_per_seq=8, block_n=16)
-    monkeypatch.delenv("SPECSERVE_EXACT_TREES", raising=False)
     assert TritonBackend(caches, 4, 0.25, **opts).exact_trees
-    monkeypatch.setenv("SPECSERVE_EXACT_TREES", "0")
-    assert not TritonBackend(caches, 4, 0.25, **opts).exact_trees
-    assert TritonBackend(caches, 4, 0.25, exact_trees=True, **opts).exact_trees
+    assert not TritonBackend(caches, 4, 0.25, exact_trees=False, **opts).exact_trees
     tree = AttentionMetadata(query_lens=[5], seq_lens=[20], slot_mapping=torch.arange(15, 20, device=DEVICE),
                              block_tables=torch.arange(5, device=DEVICE)[None], tree_masks={0: TREE.to(DEVICE)})
     for exact in (False, True):
@@ -433,5 +430,5 @@ def test_a_spec_engine_on_this_backend_keeps_the_features_its_forward_wrote(tmp_
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
     d = llm.engine.drafter
     assert llm.engine.stats.spec_draft_tokens > 0  # verify steps ran (a random head's drafts: seldom accepted)
-    assert d.features_in_forward and not d.path_counts["feature_sink:fallback"]
-    assert {verify for verify, _ in d._sink_checked} == {False, True}
+    assert d.features.in_forward and not d.path_counts["feature_sink:fallback"]
+    assert {verify for verify, _ in d.features.checked} == {False, True}

@@ -228,7 +228,7 @@ def test_draft_rope_tables_are_apply_rope_bit_for_bit(dtype, heads, kv_heads, he
 def test_decode_attention_forward_rope_matches_rotary_then_forward():
     """TritonDecodeAttention.forward_rope (the draft loop's: rotary + KV write in one kernel, then
     attention) equals apply_rope, its plain forward, and the cache it leaves."""
-    from specserve.attention.triton_backend import TritonDecodeAttention
+    from specserve.attention.triton_decode import TritonDecodeAttention
     from specserve.models.eagle3 import Eagle3Config, DraftAttention, apply_rope, rope_cos_sin
 
     H, KVH, D, bs, nb = 4, 2, 32, 4, 16
@@ -265,9 +265,9 @@ def test_decode_attention_forward_rope_matches_rotary_then_forward():
 def test_fused_head_step_takes_one_rotary_kernel_and_matches_the_torch_ops(monkeypatch):
     """A bf16 draft step of a fused head with rope tables over TritonDecodeAttention: the rotary and
     KV write go through rope_and_cache (apply_rope is not called), and the hidden output and the
-    cache match the torch ops' (SPECSERVE_FUSED_OPS=0's path) up to bf16 rounding."""
+    cache match the torch ops' (layers.FUSED_OPS off) up to bf16 rounding."""
     from specserve.attention.base import forward_context
-    from specserve.attention.triton_backend import TritonDecodeAttention
+    from specserve.attention.triton_decode import TritonDecodeAttention
     from specserve.models import eagle3, layers
 
     H, KVH, D, bs, nb = 4, 2, 32, 4, 16

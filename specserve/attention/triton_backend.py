@@ -21,19 +21,12 @@ position + 1; steps with trees do not take windows). A request with a tree
 mask has kv_limit = seq_len and tree_start = seq_len - q_len for all its tokens (trees of at most
 64 tokens: the bits are one int64).
 
-Exact trees (``exact_trees``, on by default): a tree token's result must be bit for bit what plain
-decoding computes for that token once its path is committed, or greedy speculation is not lossless
-in bf16 (the sums of the online softmax and of P @ V round differently when the ancestors' keys sit
-between other tree nodes' masked keys). So each tree token is a tile of its own that reads its
-keys as plain decoding will hold them: the prefix, then its ancestors in order at consecutive
-positions (key ``tree_start + r`` is the tree node of the r-th set bit of its row), split into the
-same key ranges a one-token decode step takes (128-key chunks up to ``128 * split_tiles`` keys),
-and merges its own partial outputs. Its path (the bit indices of its row's set bits) comes from a
-table a small kernel builds from the bits once a step, at layer 0's launch. With
-``share_tree_prefix`` (default on) the ranges wholly below the tree are read by tiles of several
-tree tokens instead (rows are computed apart, so each token's sums stay its own), which write each
-token's rows to that token's part slots.
-The target's matmuls are row-invariant in token count on the H200 (benchmarks/results/gpu_session35).
+Exact trees (``exact_trees``, on by default): each tree token is a tile of its own that reads its keys
+as plain decoding will hold them once its path is committed (the prefix, then its ancestors at
+consecutive positions: key ``tree_start + r`` is the node of the r-th set bit of its row, from a path
+table built once a step), over the key ranges a one-token decode step takes, so greedy tree speculation
+is lossless in bf16. ``share_tree_prefix``: ranges wholly below the tree are read by tiles of several
+tree tokens, each token's rows written to its own part slots.
 
 CUDA graphs: ``plan`` writes every per-step number into preallocated device buffers (one packed
 host->device copy plus device->device copies; no host sync), and ``forward`` only reads them, so
@@ -49,15 +42,12 @@ count (padding up to a captured size) write their K/V into ``scratch_slot``.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
-import triton
-import triton.language as tl
-
 from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, write_kv
+from specserve.attention.triton_kernels import merge_kernel, paged_attention_kernel, path_table_kernel
 from specserve.engine.host_copy import host_buffer, host_to_device
 
 MAX_TREE_TOKENS = 64  # tree masks are packed into one int64 per token
@@ -65,8 +55,8 @@ GRAPH_BLOCK_M = 16  # rows per program for steps of <= LARGE_STEP_TOKENS tokens 
 LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; never split
 LARGE_STEP_TOKENS = 512
 SMALL_PLAN_TOKENS = 32  # steps of at most this many tokens are planned in plain Python
-_LOG2E = 1.4426950408889634
-_NO_WINDOW = 1 << 30  # the kernel's window for layers without one: hides no key
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the kernel's window for layers without one: hides no key
 
 # packed int32 metadata sections: per work item, per split tile (merge), per token
 _ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part", "pstride")
@@ -74,223 +64,6 @@ _MERGE_FIELDS = ("tok", "len", "first", "count")
 # room for exact trees' one-token tiles beyond a step's usual items: 32 tree tokens x 16 key ranges
 # (2048 keys); a step needing more runs its trees as shared tiles (``exact_fallbacks`` counts them)
 EXACT_EXTRA_ITEMS = 512
-
-
-@triton.jit
-def _paged_attention_kernel(
-    Q, K_cache, V_cache, O, PartO, PartLse,
-    item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,  # [items] int32
-    kv_limit, tree_start, tree_bits,  # [tokens] int32, int32, int64
-    path_tab, path_len,  # [tokens, 64], [tokens] int32: exact trees' paths (_path_table_kernel)
-    counts,  # [2] int32: the step's work items, merges
-    block_table,  # [max_seqs, max_blocks] int32
-    bt_stride, qk_scale,  # qk_scale = softmax scale * log2(e)
-    window,  # keys below kv_limit - window are hidden (sliding-window layers; else a huge value)
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,  # K and V caches share their layout
-    stride_pi, stride_ph,  # partial outputs: [parts, kv_heads, BLOCK_M, HEAD_DIM]; lse: [parts, kv_heads, BLOCK_M]
-    G: tl.constexpr,  # query heads per KV head
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EXACT: tl.constexpr,  # steps with exact trees: path tiles, and items looped up to the planned count
-):
-    kvh = tl.program_id(1)
-    if EXACT:
-        n_items = tl.load(counts)
-        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            _attend_item(item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
-                         item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-                         kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-                         stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True)
-    else:  # (one item a program: the plain kernel, as fast as before exact trees)
-        _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
-                     item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-                     kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
-                     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-                     stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False)
-
-
-@triton.jit
-def _path_table_kernel(tree_bits, path_tab, path_len):
-    """Once per step with exact trees (program t: token t): ``path_tab[t, r]`` = the bit index of the
-    r-th set bit of the token's tree row (its ancestors root first, then itself), ``path_len[t]`` =
-    how many. Every layer's attention then maps a tree token's virtual keys with one load."""
-    t = tl.program_id(0)
-    bits = tl.load(tree_bits + t)
-    b = tl.arange(0, 64)
-    flag = ((bits >> b.to(tl.int64)) & 1).to(tl.int32)
-    rank = tl.cumsum(flag, axis=0) - flag  # set bits below bit b
-    tl.store(path_tab + t * 64 + rank, b, mask=flag != 0)
-    tl.store(path_len + t, tl.sum(flag, axis=0))
-
-
-@triton.jit
-def _key_block(j, hi, q, m_i, l_i, acc, limit, window, tstart, bits, req, kvh, K_cache, V_cache,
-               block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
-               path, path_base, path_end, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT: tl.constexpr):
-    """One block of keys ``j`` into the online softmax. EXACT: keys in [path_base, path_end) are the
-    tree token's path (virtual key ``path_base + r`` is read at ``path_base + path[r]``)."""
-    j_ok = j < hi
-    pos = j
-    if EXACT:
-        on_path = (j >= path_base) & (j < path_end)
-        pos = tl.where(j >= path_base, path_base + tl.load(path + (j - path_base), mask=on_path, other=0), j)
-    blk = tl.load(block_table + req * bt_stride + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
-    kv_off = blk * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
-    kv_mask = j_ok[:, None] & d_ok[None, :]
-    # (an 8-bit float cache is widened to the queries' dtype: the same products as a bf16 cache's)
-    k = tl.load(K_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-
-    jj = j[None, :]
-    shift = tl.minimum(tl.maximum(jj - tstart[:, None], 0), 63).to(tl.int64)
-    in_tree = ((bits[:, None] >> shift) & 1) != 0
-    allowed = (jj < limit[:, None]) & (jj >= limit[:, None] - window) & ((jj < tstart[:, None]) | in_tree)
-    s = tl.where(allowed, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(V_cache + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _attend_item(
-    item, kvh, Q, K_cache, V_cache, O, PartO, PartLse,
-    item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
-    kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-    stride_pi, stride_ph,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EXACT: tl.constexpr,
-):
-    n_q = tl.load(item_len + item)
-    req = tl.load(item_req + item).to(tl.int64)
-    t0 = tl.load(item_tok + item)
-    lo = tl.load(item_lo + item)
-    hi = tl.load(item_hi + item)
-    part = tl.load(item_part + item)
-
-    rows = tl.arange(0, BLOCK_M)
-    q_off = rows // G
-    row_ok = q_off < n_q
-    tok = (t0 + q_off).to(tl.int64)
-    head = kvh * G + rows % G
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    limit = tl.load(kv_limit + tok, mask=row_ok, other=0)
-    tstart = tl.load(tree_start + tok, mask=row_ok, other=0)
-    bits = tl.load(tree_bits + tok, mask=row_ok, other=0)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk leaves no NaN
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    path = path_tab  # (the plain variant reads no path: keys map to themselves)
-    path_base = hi
-    path_end = hi
-    if EXACT:
-        # one tree token alone in its tile: its keys are the prefix then its path, at consecutive
-        # (virtual) positions, as plain decoding will hold them (module docstring: exact trees)
-        base = tl.load(tree_start + t0)
-        if (n_q == 1) & (base < tl.load(kv_limit + t0)):
-            path_end = base + tl.load(path_len + t0)
-            limit = tl.zeros_like(limit) + path_end
-            tstart = limit
-            path = path_tab + t0.to(tl.int64) * 64
-            path_base = base
-    # key blocks wholly below every row's window are skipped (kept aligned to BLOCK_N)
-    lo = tl.maximum(lo, (tl.min(tl.where(row_ok, limit, hi), axis=0) - window) // BLOCK_N * BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _key_block(j, hi, q, m_i, l_i, acc, limit, window, tstart, bits, req, kvh, K_cache,
-                                   V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
-                                   d, d_ok, path, path_base, path_end, PAGE, DOT_PRECISION, EXACT)
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    io_mask = row_ok[:, None] & d_ok[None, :]
-    tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=io_mask & (part < 0))
-    # one of several work items of its tile: partial output + log2-sum-exp for the merge kernel
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-    if EXACT:  # pstride > 0: each token's rows go to its own part slots (exact trees merge per token)
-        pstride = tl.load(item_pstride + item)
-        slot = (tl.maximum(part, 0) + q_off * pstride).to(tl.int64)
-        prow = tl.where(pstride > 0, rows - q_off * G, rows)
-        tl.store(PartO + slot[:, None] * stride_pi + kvh * stride_ph + prow[:, None] * HEAD_DIM + d[None, :], out,
-                 mask=io_mask & (part >= 0))
-        tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + prow, lse, mask=row_ok & (part >= 0))
-    else:
-        slot = tl.maximum(part, 0).to(tl.int64)
-        tl.store(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :], out,
-                 mask=io_mask & (part >= 0))
-        tl.store(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, lse, mask=row_ok & (part >= 0))
-
-
-@triton.jit
-def _merge_kernel(
-    PartO, PartLse, O,
-    merge_tok, merge_len, merge_first, merge_count,  # [split tiles] int32
-    counts,  # [2] int32: the step's work items, merges
-    stride_ot, stride_oh, stride_pi, stride_ph,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    EXACT: tl.constexpr,
-):
-    kvh = tl.program_id(1)
-    if EXACT:
-        n_merges = tl.load(counts + 1)
-        for t in range(tl.program_id(0), n_merges, tl.num_programs(0)):
-            _merge_tile(t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
-                        stride_ot, stride_oh, stride_pi, stride_ph, G, BLOCK_M, HEAD_DIM, BLOCK_D)
-    else:
-        _merge_tile(tl.program_id(0), kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
-                    stride_ot, stride_oh, stride_pi, stride_ph, G, BLOCK_M, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def _merge_tile(
-    t, kvh, PartO, PartLse, O, merge_tok, merge_len, merge_first, merge_count,
-    stride_ot, stride_oh, stride_pi, stride_ph,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    n_q = tl.load(merge_len + t)
-    t0 = tl.load(merge_tok + t)
-    first = tl.load(merge_first + t)
-    count = tl.load(merge_count + t)
-
-    rows = tl.arange(0, BLOCK_M)
-    q_off = rows // G
-    row_ok = (q_off < n_q) & (count > 0)
-    tok = (t0 + q_off).to(tl.int64)
-    head = kvh * G + rows % G
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    wsum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for i in range(0, count):
-        slot = (first + i).to(tl.int64)
-        lse = tl.load(PartLse + slot * (stride_pi // HEAD_DIM) + kvh * BLOCK_M + rows, mask=row_ok,
-                      other=float("-inf"))
-        o = tl.load(PartO + slot * stride_pi + kvh * stride_ph + rows[:, None] * HEAD_DIM + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        wsum = wsum * alpha + w
-        m = m_new
-    out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
-    tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _pack_rows(mask: np.ndarray) -> np.ndarray:
@@ -326,7 +99,7 @@ def _cdiv(a: np.ndarray, b: np.ndarray | int) -> np.ndarray:
     return -(-a // b)
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -372,25 +145,18 @@ class TritonBackend(AttentionBackend):
         self.scratch_slot = num_blocks * block_size - 1 if scratch_slot is None else scratch_slot
         self.block_n = block_n
         self.num_warps = num_warps
-        # 2 beat Triton's default (3) on the H200 at decode batch 1/16/64 (benchmarks/gpu_decode.py)
-        self.num_stages = num_stages  # None: Triton's default
+        self.num_stages = num_stages  # None: Triton's default (docs/decisions.md: 2 for decode)
         self.device = k0.device
         dev = self.device
         self.split_kv = split_kv
         target = target_programs if target_programs is not None else _default_target_programs(dev)
         self.split_tiles = max(1, -(-target // self.num_kv_heads))  # split below this many tiles
-        # SPECSERVE_ATTN_MIN_SPLIT_KEYS: for A/Bs of the split-K threshold (a large value: no splits)
-        self.min_split_keys = min_split_keys if min_split_keys is not None else int(
-            os.environ.get("SPECSERVE_ATTN_MIN_SPLIT_KEYS", "128"))
+        self.min_split_keys = 128 if min_split_keys is None else min_split_keys  # keys a tile needs to split
 
-        self.exact_trees = exact_trees if exact_trees is not None else \
-            os.environ.get("SPECSERVE_EXACT_TREES", "1") != "0"
+        self.exact_trees = exact_trees is not False  # (None: the default, on)
         self.exact_fallbacks = 0  # steps whose trees ran as shared tiles for want of room
-        # exact trees: the key ranges below a tree read once by tiles of several of its tokens (on
-        # by default since session 36: 50/50 prompts equal in bf16 and fp32 on the H200, and the
-        # attention of a 32-token tree at 1000 keys half the time); SPECSERVE_EXACT_SHARED_PREFIX=0 for A/Bs
-        self.share_tree_prefix = share_tree_prefix if share_tree_prefix is not None else \
-            os.environ.get("SPECSERVE_EXACT_SHARED_PREFIX", "1") != "0"
+        # exact trees: the key ranges below a tree read once by tiles of several of its tokens
+        self.share_tree_prefix = share_tree_prefix is not False  # (None: the default, on)
         self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
         self._tree_step = False  # the last plan has tree masks
         self.capture_exact = False  # set while graphs that replay steps with trees are captured
@@ -441,7 +207,7 @@ class TritonBackend(AttentionBackend):
         """Rows per program: a pure function of the step's token count, so a graph captured for a
         padded size and the plan of any step that replays it agree."""
         bm = GRAPH_BLOCK_M if num_tokens <= LARGE_STEP_TOKENS else LARGE_BLOCK_M
-        return max(bm, _next_pow2(self.group))
+        return max(bm, next_pow2(self.group))
 
     def can_split(self, num_tokens: int) -> bool:
         """Steps of fewer tokens than ``split_tiles`` (so fewer tiles too) split their keys."""
@@ -472,9 +238,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {T} tokens")
         trees = meta.tree_masks or {}
         block_m = self.block_m_for(T)
-        # the same work list either way. On the H200's host numpy costs ~0.15 ms a step whatever its
-        # size, plain Python ~0.02 ms plus ~1.5 us per work item (a request's keys split up to five
-        # ways at low batch): 0.02 ms at 1 request, 0.49 ms at 64 (gpu_step_breakdown --profile)
+        # the same work list either way (docs/decisions.md: plain Python below SMALL_PLAN_TOKENS)
         _check_trees(trees, q_list)
         exact = self.exact_trees and bool(trees)
         shifted = meta.seq_shift is not None
@@ -655,9 +419,8 @@ class TritonBackend(AttentionBackend):
         B = len(q_lens)
         offs = self._offsets
         if isinstance(cols[0], list):
-            # the small path's entries alone, with zeros over what the last plan wrote past them:
-            # (index, value) pairs in one copy and a scatter on the device, where the whole buffer
-            # (~270 KB for a target of 8192 tokens) was zeroed, filled and copied every step
+            # the small path's entries alone, zeros over what the last plan wrote past them:
+            # (index, value) pairs in one copy and a scatter on the device
             idx: list[int] = []
             vals: list[int] = []
             n_items = len(_ITEM_FIELDS)
@@ -764,14 +527,14 @@ class TritonBackend(AttentionBackend):
             n_items, n_merges = self._num_items, self._num_merges
         it, po, pl = self._item, self._part_o, self._part_lse
         if exact and layer == 0:  # (every model runs its layer 0 first)
-            _path_table_kernel[(n,)](self._tree_bits, self._path_tab, self._path_len)
-        block_d = max(16, _next_pow2(self.head_dim))
+            path_table_kernel[(n,)](self._tree_bits, self._path_tab, self._path_len)
+        block_d = max(16, next_pow2(self.head_dim))
         extra = {} if self.num_stages is None else {"num_stages": self.num_stages}
-        _paged_attention_kernel[(n_items, self.num_kv_heads)](
+        paged_attention_kernel[(n_items, self.num_kv_heads)](
             q, k_cache, v_cache, out, po, pl,
             it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"], it["pstride"],
             self._kv_limit, self._tree_start, self._tree_bits, self._path_tab, self._path_len, self._counts,
-            self._block_table, self._block_table.stride(0), self.scale * _LOG2E, window or _NO_WINDOW,
+            self._block_table, self._block_table.stride(0), self.scale * LOG2E, window or NO_WINDOW,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             po.stride(0), po.stride(1),
@@ -782,7 +545,7 @@ class TritonBackend(AttentionBackend):
         )
         if n_merges:
             mg = self._merge
-            _merge_kernel[(n_merges, self.num_kv_heads)](
+            merge_kernel[(n_merges, self.num_kv_heads)](
                 po, pl, out, mg["tok"], mg["len"], mg["first"], mg["count"], self._counts,
                 out.stride(0), out.stride(1), po.stride(0), po.stride(1),
                 G=self.group, BLOCK_M=self._block_m, HEAD_DIM=self.head_dim, BLOCK_D=block_d, EXACT=exact,
@@ -793,90 +556,3 @@ class TritonBackend(AttentionBackend):
 
 def max_blocks_per_seq(max_model_len: int, block_size: int, num_blocks: int) -> int:
     return min(num_blocks, math.ceil(max_model_len / block_size))
-
-
-class TritonDecodeAttention(AttentionBackend):
-    """One query token per request, with all metadata on the device: the draft loop's attention.
-
-    ``set_step(slots, seq_lens)`` takes device tensors (computed inside a captured graph, e.g.
-    from base positions + the step index), so nothing is planned on the host. Request b's token
-    writes its K/V at ``slots[b]`` and attends to the first ``seq_lens[b]`` keys of row b of
-    ``block_tables`` (a static [max_seqs, max_blocks] int64 buffer the caller fills). Keys are
-    not split over programs: one program per (request, KV head), enough for a one-layer head.
-    """
-
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float, *,
-                 num_heads: int, block_tables: torch.Tensor, block_n: int = 64, num_warps: int = 4) -> None:
-        super().__init__(kv_caches, block_size, scale)
-        k0 = kv_caches[0][0]
-        _, page, self.num_kv_heads, self.head_dim = k0.shape
-        if page != block_size:
-            raise ValueError(f"cache block size {page} != block_size {block_size}")
-        self.num_heads = num_heads
-        self.group = num_heads // self.num_kv_heads
-        self.block_tables = block_tables
-        self.block_n = block_n
-        self.num_warps = num_warps
-        dev = k0.device
-        n = block_tables.shape[0]
-        self._arange = torch.arange(n, dtype=torch.int32, device=dev)
-        self._ones = torch.ones(n, dtype=torch.int32, device=dev)
-        self._zeros = torch.zeros(n, dtype=torch.int32, device=dev)
-        self._no_part = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self._no_bits = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._dummy = torch.zeros(1, dtype=torch.float32, device=dev)  # partial outputs: never written
-        self._slots: torch.Tensor | None = None
-        self._seq32: torch.Tensor | None = None
-
-    def plan(self, meta: AttentionMetadata) -> None:  # pragma: no cover - the interface's host path
-        raise NotImplementedError("TritonDecodeAttention takes device metadata through set_step()")
-
-    def set_step(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_kv: int | None = None) -> None:
-        self._slots = slots
-        self._seq32 = seq_lens.to(torch.int32)
-
-    @property
-    def supports_fused_rope(self) -> bool:  # type: ignore[override]
-        return self.kv_caches[0][0].is_cuda
-
-    def forward_rope(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     num_heads: int, positions: torch.Tensor | None = None) -> torch.Tensor:
-        from specserve.models.triton_ops import rope_and_cache
-
-        assert self._slots is not None and self._seq32 is not None, "set_step() first"
-        kv = self.kv_caches[layer]
-        if qkv.dtype != kv[0].dtype and not is_fp8(kv[0].dtype):
-            raise ValueError(f"the fused rotary kernel needs qkv in the cache's dtype {kv[0].dtype}, got {qkv.dtype}")
-        q = rope_and_cache(qkv, cos, sin, kv, self._slots, num_heads, self.num_kv_heads, self.head_dim, positions)
-        return self._attend(layer, q)
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        assert self._slots is not None and self._seq32 is not None, "set_step() first"
-        write_kv(self.kv_caches[layer], self._slots, k, v)
-        return self._attend(layer, q)
-
-    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention of q [B, H, D] over the cache, this step's K/V already written."""
-        k_cache, v_cache = self.kv_caches[layer]
-        n = q.shape[0]
-        if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):  # (8-bit caches: q's dtype)
-            q = q.to(k_cache.dtype)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
-        seq, bt = self._seq32, self.block_tables
-        block_d = max(16, _next_pow2(self.head_dim))
-        _paged_attention_kernel[(n, self.num_kv_heads)](
-            q, k_cache, v_cache, out, self._dummy, self._dummy,
-            self._arange, self._arange, self._ones, self._zeros, seq, self._no_part, self._zeros,
-            seq, seq, self._no_bits, self._zeros, self._zeros, self._zeros,  # (path, counts: EXACT variant only)
-            bt, bt.stride(0), self.scale * _LOG2E, _NO_WINDOW,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            0, 0,
-            G=self.group, BLOCK_M=max(GRAPH_BLOCK_M, _next_pow2(self.group)), BLOCK_N=self.block_n,
-            HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=False,
-            num_warps=self.num_warps, num_stages=2,
-        )
-        return out

@@ -181,7 +181,7 @@ def spec_snapshot(llm: LLM) -> dict[str, Any]:
             "prefix_hits": st.prefix_cache_hits, "prefix_refused": st.prefix_cache_refused}
     if ctl is not None:
         snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions,
-                    finish_catch_ups=getattr(llm.engine.drafter, "finish_catch_ups", 0))
+                    finish_catch_ups=llm.engine.drafter.finish.requests)
     # which code path each step took (fused or not and why, graph or eager): where engines' cycles differ
     paths: collections.Counter[str] = collections.Counter()
     for part in (getattr(llm.engine, "runner", None), llm.engine.drafter):  # (a test's fake engine has none)

@@ -10,6 +10,7 @@ from specserve.config import KV_CACHE_DTYPES, EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="HF directory with tokenizer.json (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -65,10 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FIELDS = (
-    "model", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "model", "tokenizer", "dtype", "device", "load_format", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_kv_blocks", "kv_cache_dtype", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
     "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
-    "max_cudagraph_capture_size", "exact_tree_attention", "overlap_schedule",
+    "max_cudagraph_capture_size", "exact_tree_attention", "overlap_schedule", "cpu_weight_packing",
 )
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",

@@ -13,34 +13,41 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from specserve.attention.base import AttentionMetadata, forward_context
-from specserve.attention.triton_backend import TritonBackend
 from specserve.engine.gc_pauses import no_collection
+
+if TYPE_CHECKING:
+    from specserve.attention.triton_backend import TritonBackend
 
 log = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
-def capture_sizes(limit: int) -> list[int]:
-    """Padded token counts to capture: the standard ladder up to ``limit`` (steps of 256 past 512),
-    plus the limit itself so every step up to it replays.
-
-    The default limit is the whole step budget (EngineConfig.graph_token_limit): a small model's
-    forward stays launch-bound far past 512 tokens. SmolLM2-135M on the H200 at 256 requests ran
-    eager steps of 1,024-2,048 tokens (verifies of 3 drafts with a prompt chunk) in ~25 ms against
-    ~1.5 ms replayed (gpu_step_breakdown_session16_profile.json)."""
-    if limit < 1:
-        raise ValueError(f"need a positive token limit for CUDA graphs, got {limit}")
-    ladder = CAPTURE_SIZES + tuple(range(768, limit + 1, 256))
-    sizes = [s for s in ladder if s <= limit]
+def ladder(limit: int, steps: tuple[int, ...] = CAPTURE_SIZES) -> list[int]:
+    """The padded sizes up to ``limit``: ``steps`` below it, then the limit itself (every size replays)."""
+    sizes = [s for s in steps if s <= limit]
     if not sizes or sizes[-1] != limit:
         sizes.append(limit)
     return sizes
+
+
+def pad_to(sizes: list[int], n: int) -> int | None:
+    """The smallest of sorted ``sizes`` >= n, or None past the largest."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+def capture_sizes(limit: int) -> list[int]:
+    """Padded token counts to capture: the ladder up to ``limit`` (steps of 256 past 512), plus the limit."""
+    if limit < 1:
+        raise ValueError(f"need a positive token limit for CUDA graphs, got {limit}")
+    return ladder(limit, CAPTURE_SIZES + tuple(range(768, limit + 1, 256)))
 
 
 def fit_sizes(attn: TritonBackend, sizes: list[int]) -> list[int]:
@@ -81,38 +88,74 @@ def dummy_meta(attn: TritonBackend, n: int, device: torch.device) -> AttentionMe
     )
 
 
-@torch.inference_mode()
-def capture_per_size(attn: TritonBackend, sizes: list[int], body: Callable[[int], Any], device: torch.device,
-                     graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, Any],
-                     pool: Any = None) -> tuple[float, int]:
-    """Capture ``body(n)`` (a forward over n padded tokens through ``attn``) for each size, largest
-    first so smaller graphs reuse its pool memory. Returns (seconds, bytes of GPU memory used)."""
-    sizes = sorted(sizes)
+@dataclass
+class GraphStats:
+    graphs: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+def capture_each(keys: list[tuple[int, ...]], body: Callable[..., Any], device: torch.device,
+                 pool: Any = None, prepare: Callable[..., None] | None = None,
+                 outputs: dict[tuple[int, ...], Any] | None = None
+                 ) -> tuple[dict[tuple[int, ...], torch.cuda.CUDAGraph], GraphStats]:
+    """A CUDA graph of ``body(*key)`` per key (largest first, so smaller ones reuse the pool's
+    memory), each after one eager warm-up run (compiles Triton kernels, settles allocations);
+    ``prepare(*key)`` first, outside the graph (what the body reads, written by the host);
+    ``outputs``: what each captured body returned."""
     torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     t0 = time.perf_counter()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
     with no_collection():
-        _capture_sizes(attn, sizes, body, device, graphs, outputs, pool)
-    attn.graph_min_tokens = 1
+        for key in keys:
+            if prepare is not None:
+                prepare(*key)
+            body(*key)
+            torch.cuda.synchronize(device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = body(*key)
+            graphs[key] = g
+            if outputs is not None:
+                outputs[key] = out
     torch.cuda.synchronize(device)
-    return time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0])
+    stats = GraphStats(len(graphs), time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0]))
+    return graphs, stats
 
 
-def _capture_sizes(attn: TritonBackend, sizes: list[int], body: Callable[[int], Any], device: torch.device,
-                   graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, Any], pool: Any) -> None:
-    for i in reversed(range(len(sizes))):
-        n = sizes[i]
-        # steps of (previous size, n] tokens replay this graph: the backend sizes its launches by that
+def replay_or_eager(graphs: dict, key: tuple[int, ...], body: Callable[..., None]) -> str:
+    """Replay ``key``'s graph, or run ``body(*key)`` eagerly where it has none; the path taken."""
+    graph = graphs.get(key)
+    if graph is not None:
+        graph.replay()
+        return "graph"
+    body(*key)
+    return "eager"
+
+
+@torch.inference_mode()
+def capture_per_size(attn: TritonBackend, sizes: list[int], body: Callable[[int], Any], device: torch.device,
+                     graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, Any],
+                     pool: Any = None) -> tuple[float, int]:
+    """``capture_each`` of ``body(n)`` (a forward over n padded tokens through ``attn``) per size, the
+    attention planned for steps of (previous size, n] tokens. Returns (seconds, bytes of GPU memory)."""
+    sizes = sorted(sizes)
+
+    def prepare(n: int) -> None:
+        i = sizes.index(n)
         attn.graph_min_tokens = sizes[i - 1] + 1 if i else 1
         attn.plan(dummy_meta(attn, n, device))
-        body(n)  # warm-up: compiles kernels
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = body(n)
-        graphs[n] = graph
-        outputs[n] = out
+
+    outs: dict[tuple[int, ...], Any] = {}
+    try:
+        got, stats = capture_each([(n,) for n in reversed(sizes)], body, device, pool, prepare, outs)
+    finally:
+        attn.graph_min_tokens = 1
+    graphs.update({k[0]: g for k, g in got.items()})
+    outputs.update({k[0]: o for k, o in outs.items()})
+    return stats.seconds, stats.bytes
 
 
 class CUDAGraphRunner:
@@ -150,7 +193,7 @@ class CUDAGraphRunner:
         return num_tokens <= self.sizes[-1]
 
     def padded_size(self, num_tokens: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        return pad_to(self.sizes, num_tokens)  # type: ignore[return-value]  (callers check fits())
 
     @property
     def is_current(self) -> bool:

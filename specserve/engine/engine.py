@@ -88,7 +88,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        src = load_model_source(config.model, require_weights=config.load_format != "dummy")
+        src = load_model_source(config.model, tokenizer_path=config.tokenizer,
+                                require_weights=config.load_format != "dummy")
         self.model_config = src.config
         self.tokenizer = src.tokenizer
         self.model_name = served_model_name(config.model)
@@ -114,7 +115,7 @@ class LLMEngine:
         self.step_ended = 0.0  # ... and at the end of the last step() that served requests
         self.stats = EngineStats()
         self.overlap = config.overlap_schedule == "on" or (config.overlap_schedule == "auto" and self.device.type == "cuda")
-        # overlap scheduling: the step launched ahead, its plan advanced (Scheduler.advance) at commit
+        # overlap scheduling: the plain step launched ahead, its plan advanced (Scheduler.advance) at commit
         self._ahead: tuple[StepPlan, LaunchedStep] | None = None
         self.drafter = None
         if config.speculative is not None:
@@ -176,49 +177,49 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.step_started = gc_pauses.clock()
-        if self.overlap and self.drafter is None:
-            plan, result = self._overlapped_forward()  # forward + sample, the next step launched meanwhile
-        else:
-            # who runs, how many tokens each (drafts included); or the plain step the drafter launched ahead
-            plan = (self.drafter.take_ahead() if self.drafter is not None else None) or self.scheduler.schedule()
-            if self.drafter is not None:
-                for req in plan.preempted:
-                    self.drafter.release(req)
-            result = None
-            if plan.scheduled:
-                if self.drafter is not None:
-                    result = self.drafter.verify_step(plan)  # forward over drafts + verify
-                else:
-                    result = self.runner.execute(plan)  # forward + sample
-        if result is None:
+        d = self.drafter
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0].all_finished:
+            ahead = None  # every request in it ended: nothing to read
+        plan = ahead[0] if ahead is not None else self.scheduler.schedule()  # who runs, how many tokens each
+        if d is not None:
+            for req in plan.preempted:
+                d.release(req)
+        if not plan.scheduled:
             return []
+        if d is not None and plan.num_drafts:
+            result = d.verify_step(plan)  # forward over drafts + acceptance
+        else:
+            result = self._plain_step(plan, None if ahead is None else ahead[1])
         touched = self.scheduler.commit(plan, result, self._detokenize)  # append tokens, stops, free
-        if self.drafter is not None:
-            self.drafter.draft_step(plan, result)  # decide k, propose drafts for the next step
+        if d is not None:
+            d.draft_step(plan, result)  # decide k, draft for the next step
         self._account(plan)
         outputs = [out for r in touched if (out := self._output(r)) is not None]
         self.step_ended = gc_pauses.clock()
         return outputs
 
-    def _overlapped_forward(self) -> tuple[StepPlan, CommitResult | None]:
-        """Plain decoding, overlap scheduled: this step's forward and sampling are on the device already
-        (launched by the last step) or go there now; then the next step is scheduled over this one's
-        pending tokens and launched, and only then are this step's tokens read back (None: nothing ran)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0].all_finished:
-            ahead = None  # nothing to read
-        if ahead is None:
-            plan = self.scheduler.schedule()
-            if not plan.scheduled:
-                return plan, None
+    def _plain_step(self, plan: StepPlan, launched: LaunchedStep | None) -> CommitResult:
+        """Forward + sampling (``launched``: queued by the last step already). With overlap scheduling, the
+        next step is scheduled over this one's pending tokens and launched before they are read back,
+        where it is known to be plain too (the drafter's policy may say so before the sync)."""
+        d = self.drafter
+        own_time = launched is None  # (a step launched ahead, or that launches the next, is not timed alone)
+        if d is not None:
+            launched = d.plain_step(plan, launched)
+        elif launched is None:
             launched = self.runner.launch(plan)
-        else:
-            plan, launched = ahead
-        self.scheduler.advance(plan)
-        nxt = self.scheduler.schedule()
-        if nxt.scheduled:
-            self._ahead = (nxt, self.runner.launch(nxt, launched))
-        return plan, launched.result()  # the step's host sync: the next step is queued behind it
+        went_ahead = False
+        if self.overlap and (d is None or d.plain_next(plan)):
+            self.scheduler.advance(plan)
+            nxt = self.scheduler.schedule()
+            if nxt.scheduled:
+                self._ahead = (nxt, d.launch_ahead(nxt, launched) if d is not None else self.runner.launch(nxt, launched))
+                went_ahead = True
+        result = launched.result()  # the step's host sync: the next step is queued behind it
+        if d is not None:
+            d.observe_plain(plan, result, own_time and not went_ahead)
+        return result
 
     # -- helpers -----------------------------------------------------------------------------
     def _detokenize(self, req: Request) -> None:

@@ -52,8 +52,8 @@ def pause_seconds() -> float:
 def no_collection() -> Iterator[None]:
     """Collect garbage first, then none while graphs are captured: torch no longer collects before a
     capture, and a collection inside one could free another engine's objects (pinned buffers record
-    events on the capturing stream), which invalidates it (on the H200: the capture of a plain engine
-    built after speculative ones, in one test process)."""
+    events on the capturing stream), which invalidates it (a plain engine built after speculative ones,
+    in one test process)."""
     gc.collect()
     was = gc.isenabled()
     gc.disable()

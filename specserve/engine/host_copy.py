@@ -2,8 +2,8 @@
 
 A step copies token ids, positions, slots, block tables and the attention plan to the GPU,
 5-10 copies per engine step with speculation. ``torch.tensor(list)`` converts element by element
-and ``pin_memory()`` allocates each time: on the H200's host 70 us and 30 us per copy at 64
-requests (gpu_step_breakdown --profile), about 0.45 ms of an 8 ms step. Here numpy fills a
+and ``pin_memory()`` allocates each time (docs/decisions.md: ~0.45 ms of an 8 ms step at 64 requests).
+Here numpy fills a
 slice of one preallocated pinned buffer and the copy is asynchronous.
 
 A slice is written again only after the buffer has gone round once, and each round starts by
@@ -11,13 +11,12 @@ waiting for the device's queue to drain (an event), so no copy still in flight r
 that is being rewritten. With a 16 MiB buffer that wait comes every 40 steps or more (a chain-5
 step at 256 requests stages ~400 KB), and the engine waits on the device every step anyway.
 
-Off CUDA (or while a CUDA graph is being captured, which would record the buffer's address, or
-with SPECSERVE_HOST_STAGING=0) the plain path runs: a fresh tensor, pinned on CUDA.
+Off CUDA (or while a CUDA graph is being captured, which would record the buffer's address) the plain
+path runs: a fresh tensor, pinned on CUDA.
 """
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -54,7 +53,7 @@ class PinnedStager:
 
 
 _stagers: dict[int, PinnedStager] = {}
-_ENABLED = os.environ.get("SPECSERVE_HOST_STAGING", "1") != "0"
+_ENABLED = True  # (False: the plain path everywhere)
 
 
 def stager(device: torch.device) -> PinnedStager | None:

@@ -19,6 +19,15 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def kv_slot(table, pos, block_size: int, rows=None, last_block: int | None = None):
+    """KV slot of position ``pos``: table[pos // bs] * bs + pos % bs. Ints through a list, or arrays and
+    tensors through a 2-D table (``rows``: each position's row; ``last_block`` clamps padding positions)."""
+    blk = pos // block_size
+    if last_block is not None:
+        blk = blk.clamp(max=last_block)
+    return (table[blk] if rows is None else table[rows, blk]) * block_size + pos % block_size
+
+
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")

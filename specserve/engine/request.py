@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,7 +46,8 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     # speculation: tokens drafted for the next verify (target ids)
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_tree: object | None = None  # spec.tree.DraftTree when the drafts form a tree
+    draft_tree: object | None = None  # speculative.tree.DraftTree when the drafts form a tree
+    spec: Any = None  # speculative.state.DraftState: the drafter's state of this request
     # its prompt prefix came from cached blocks whose draft KV was never computed (admitted while
     # speculation was off, with the head's catch-up over such blocks turned off): it never drafts
     no_draft_kv: bool = False

@@ -25,6 +25,7 @@ from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import EngineConfig, ModelConfig
 from specserve.engine import sampler
 from specserve.engine.host_copy import host_buffer, host_to_device, pinned_copy
+from specserve.engine.kv_cache import kv_slot
 from specserve.engine.scheduler import CommitResult, StepPlan
 
 if TYPE_CHECKING:
@@ -106,11 +107,11 @@ class StepLists:
         self.ids.extend(toks)
         if n == 1 and positions is None:  # a decode: most requests of a step
             self.pos.append(start)
-            self.slots.append(table[start // bs] * bs + start % bs)
+            self.slots.append(kv_slot(table, start, bs))
         else:
             kv = range(start, start + n)
             self.pos.extend(kv if positions is None else positions)
-            self.slots.extend(table[i // bs] * bs + i % bs for i in kv)
+            self.slots.extend(kv_slot(table, i, bs) for i in kv)
         self.q_lens.append(n)
         self.seq_lens.append(start + n)
         self.tables.append(table)

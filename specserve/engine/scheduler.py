@@ -121,7 +121,7 @@ class Scheduler:
         return ((p.max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= p.max_tokens)
                 or req.num_tokens >= self.max_model_len)
 
-    def _reserve(self, req: Request, num_tokens: int) -> bool:
+    def reserve(self, req: Request, num_tokens: int) -> bool:
         """Grow req's block table to hold ``num_tokens`` tokens; False if blocks ran out."""
         need = self.blocks.blocks_needed(num_tokens) - len(req.kv.block_table)
         if need <= 0:
@@ -164,7 +164,7 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed_tokens
             n_new = min(remaining, budget)
             drafts = req.draft_token_ids[: max(0, budget - n_new)] if n_new == remaining else []
-            while not self._reserve(req, req.num_computed_tokens + n_new + len(drafts)):
+            while not self.reserve(req, req.num_computed_tokens + n_new + len(drafts)):
                 if drafts:  # give up speculation before preempting anyone
                     drafts = []
                     continue
@@ -210,7 +210,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and scheduled:
                     break
                 n_new = budget
-            if not self._reserve(req, req.num_computed_tokens + n_new):
+            if not self.reserve(req, req.num_computed_tokens + n_new):
                 # what it took from the prefix cache goes back (still cached): a waiting request holds no
                 # blocks, or requests that could not be admitted could pin the cache between them
                 self.blocks.free(req.kv.block_table)

@@ -10,6 +10,20 @@ if TYPE_CHECKING:  # the server's front-end uses the string helpers below withou
     from specserve.engine.request import Request
 
 
+def stops_at_token(req: Request, tok: int, n_out: int, eos_token_ids: set[int]) -> bool:
+    """Whether ``tok``, as ``req``'s output token number ``n_out``, ends it (EOS or a stop token)."""
+    p = req.params
+    return n_out >= p.min_tokens and ((not p.ignore_eos and tok in eos_token_ids) or tok in p.stop_token_ids)
+
+
+def may_stop(req: Request, tokens: list[int], eos_token_ids: set[int]) -> bool:
+    """Whether committing ``tokens`` may end ``req`` before its length limits: a stop token or EOS among
+    them, or any stop string (only the detokenized text can tell)."""
+    n = req.num_output_tokens
+    return bool(req.params.stop_list) or any(stops_at_token(req, t, n + i + 1, eos_token_ids)
+                                             for i, t in enumerate(tokens))
+
+
 def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
                new_text_start: int = 0) -> tuple[str, int | str | None] | None:
     """(finish_reason, stop_reason) if ``req`` must stop after its last token, else None.
@@ -19,11 +33,9 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
     p = req.params
     tok = req.output_token_ids[-1]
     n_out = req.num_output_tokens
+    if stops_at_token(req, tok, n_out, eos_token_ids):
+        return "stop", tok
     if n_out >= p.min_tokens:
-        if not p.ignore_eos and tok in eos_token_ids:
-            return "stop", tok
-        if tok in p.stop_token_ids:
-            return "stop", tok
         if p.stop_list:
             found = find_stop_string(req.text, p.stop_list, new_text_start)
             if found is not None:

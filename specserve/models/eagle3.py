@@ -24,7 +24,6 @@ cache (0 for an EAGLE-3 head). Embeddings are not owned: the caller passes the t
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -35,7 +34,7 @@ from torch import nn
 
 from specserve.attention.base import get_forward_context
 from specserve.models import layers
-from specserve.models.layers import add_rms_norm, rms_norm, silu_mul
+from specserve.models.layers import RMSNorm, silu_mul
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3Draft")
 EAGLE1_ARCHS = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM", "EAGLEModel")
@@ -240,40 +239,9 @@ class Eagle3Config:
 # ---- building blocks ------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies for RoPE; supports default, linear and llama3 scaling."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind == "default":
-        return inv.float()
-    if kind == "linear":
-        return (inv / float(scaling["factor"])).float()  # type: ignore[index]
-    if kind == "llama3":
-        assert scaling is not None
-        factor = float(scaling["factor"])
-        lo, hi = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        smooth = ((old_ctx / wavelen) - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
-        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
-        scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-        return scaled.float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r} for the draft head")
+    """The head's RoPE inverse frequencies: layers.rope_inv_freq computed in fp64, then fp32."""
+    return layers.rope_inv_freq(head_dim, theta, scaling, torch.float64)[0].float()
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,10 +346,10 @@ class Eagle3MidLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, trainable=True)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, trainable=True)
         self.self_attn = DraftAttention(cfg, 2 * cfg.hidden_size, layer_index=0)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, trainable=True)
         self.mlp = DraftMLP(cfg)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -398,9 +366,9 @@ class Eagle1Layer(nn.Module):
 
     def __init__(self, cfg: Eagle3Config, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if index > 0 else None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, trainable=True) if index > 0 else None
         self.self_attn = DraftAttention(cfg, cfg.hidden_size, layer_index=index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, trainable=True)
         self.mlp = DraftMLP(cfg)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -424,7 +392,7 @@ class Eagle3DraftModel(nn.Module):
         if self.is_eagle3:
             self.fc = nn.Linear(cfg.feature_size, H, bias=False)
             self.midlayer = Eagle3MidLayer(cfg)
-            self.norm = RMSNorm(H, cfg.rms_norm_eps)
+            self.norm = RMSNorm(H, cfg.rms_norm_eps, trainable=True)
             self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
             self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
@@ -617,6 +585,6 @@ def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["Eagle3Config", "Eagle3DraftModel", "default_aux_layer_ids", "rope_inv_freq", "rope_cos_sin", "apply_rope",
+__all__ = ["Eagle3Config", "Eagle3DraftModel", "RMSNorm", "default_aux_layer_ids", "rope_inv_freq", "rope_cos_sin", "apply_rope",
            "stacked_linear"]
 

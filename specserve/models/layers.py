@@ -8,7 +8,6 @@ construction instant even for large models on a GPU.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -16,9 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# CUDA tensors go through the fused Triton kernels of ``triton_ops`` (SPECSERVE_FUSED_OPS=0, or
-# setting this to False, keeps the torch ops there too: the benchmarks' A/B).
-FUSED_OPS = os.environ.get("SPECSERVE_FUSED_OPS", "1") != "0"
+# CUDA tensors go through the fused Triton kernels of ``triton_ops`` (False: the torch ops there too)
+FUSED_OPS = True
 
 
 def _fused(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
@@ -72,10 +70,10 @@ class Embedding(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32 and cast back (as transformers does)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, trainable: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=trainable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -160,9 +158,10 @@ class GatedMLP(nn.Module):
 # Rotary position embedding (the "rotate half" / NeoX layout used by HF Llama and Qwen).
 
 
-def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (fp32) and the cos/sin multiplier for a rope config."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (computed in ``dtype``) and the cos/sin multiplier for a rope config."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim))
     rope_type = "default"
     if rope_scaling:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))

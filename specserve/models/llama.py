@@ -22,13 +22,6 @@ from specserve.models import layers
 from specserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rotary_qkv
 
 
-def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """Layers whose input hidden states EAGLE-3 concatenates: low, middle, high."""
-    if num_layers < 4:
-        raise ValueError(f"EAGLE-3 feature capture needs at least 4 layers, got {num_layers}")
-    return (2, num_layers // 2, num_layers - 3)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()

@@ -1,8 +1,7 @@
 """Triton kernels for the decoder's elementwise work on the GPU: one launch where torch takes several.
 
-A decode step of an 8B-shaped model on the H200 ran ~23 kernels per layer, 4 of them the
-matmuls; each of the others costs a few microseconds however little it does, which at batch 1-64
-added ~1 ms a step (benchmarks/gpu_decode.py). These fuse them:
+Each elementwise kernel costs a few microseconds however little it does (docs/decisions.md: a layer's
+~23 kernels, 4 of them matmuls). These fuse them:
 
 - ``add_rms_norm``: residual add + RMSNorm + weight (3 kernels -> 1);
 - ``silu_mul``: SiLU(gate) * up over the fused gate_up output (2 -> 1);
@@ -205,9 +204,8 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """``torch.log_softmax(logits.float(), -1).topk(k)``: (values [R, k] float32, indices [R, k] int64),
     best first, the lower index first among equal values, in one kernel per call.
 
-    The tree expansion takes each frontier node's top-k children this way: on the H200 torch's top-k
-    of a few 8,192-wide rows ran one block per row (~35 us a depth, a third of the expansion's device
-    time with the log-softmax before it). logits: [R, N] of any float dtype, N <= TOPK_LOGPROBS_MAX_N.
+    The tree expansion takes each frontier node's top-k children this way (torch's top-k of a few
+    8,192-wide rows runs one block per row). logits: [R, N] of any float dtype, N <= TOPK_LOGPROBS_MAX_N.
     """
     R, N = logits.shape
     if N > TOPK_LOGPROBS_MAX_N or not 0 < k <= N:

@@ -1,6 +1,6 @@
 """The EAGLE chain draft loop (topk = 1, greedy) on static buffers, replayed as CUDA graphs on the GPU.
 
-The eager loop (``EagleSpeculator._draft_chain``) builds metadata on the host at every draft step
+The eager loop (``propose.Proposer``) builds metadata on the host at every draft step
 and reads each step's tokens back (a host sync per step). Here everything a draft step needs is
 computed on the device from a few per-request numbers written once per engine step:
 
@@ -21,10 +21,7 @@ through a Triton backend of its own, as CUDA graphs per padded token count (``Ca
 
 from __future__ import annotations
 
-import bisect
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -32,9 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, write_kv
-from specserve.engine.gc_pauses import no_collection
+from specserve.engine.cuda_graph import GraphStats, capture_each, ladder, pad_to, replay_or_eager
 from specserve.engine.host_copy import host_buffer, host_to_device
+from specserve.engine.kv_cache import kv_slot
 from specserve.models.eagle3 import Eagle3DraftModel
+from specserve.speculative.accept import accept_chains_on_device
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +42,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 def batch_buckets(max_batch: int) -> list[int]:
     """Padded batch sizes for the draft-loop graphs: the ladder up to max_batch, plus max_batch."""
-    sizes = [b for b in BATCH_SIZES if b <= max_batch]
-    if not sizes or sizes[-1] != max_batch:
-        sizes.append(max_batch)
-    return sizes
+    return ladder(max_batch, BATCH_SIZES)
 
 
 class TorchDecodeAttention(AttentionBackend):
@@ -80,8 +76,7 @@ class TorchDecodeAttention(AttentionBackend):
         bt = self.block_tables[:B]
         L = self._max_kv if self._max_kv is not None else bt.shape[1] * self.block_size
         kj = torch.arange(L, device=q.device)
-        blk = bt.gather(1, (kj // self.block_size)[None, :].expand(B, -1))
-        kv_slots = blk * self.block_size + (kj % self.block_size)[None, :]
+        kv_slots = kv_slot(bt, kj[None, :], self.block_size, torch.arange(B, device=q.device)[:, None])
         valid = kj[None, :] < self._seq[:, None]
         kv_slots = torch.where(valid, kv_slots, torch.zeros_like(kv_slots))
         qp = q[:, None].transpose(1, 2)  # [B, H, 1, D]
@@ -90,49 +85,6 @@ class TorchDecodeAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=valid[:, None, None, :],
                                              scale=self.scale, enable_gqa=h != kvh)
         return out.transpose(1, 2).reshape(B, h, d)
-
-
-@dataclass
-class GraphStats:
-    graphs: int = 0
-    seconds: float = 0.0
-    bytes: int = 0
-
-
-def capture_each(keys: list[tuple[int, ...]], body: Callable[..., None], device: torch.device,
-                 pool: Any = None, prepare: Callable[..., None] | None = None
-                 ) -> tuple[dict[tuple[int, ...], torch.cuda.CUDAGraph], GraphStats]:
-    """A CUDA graph of ``body(*key)`` per key (largest first, so smaller ones reuse the pool's
-    memory), each after one eager warm-up run (compiles Triton kernels, settles allocations);
-    ``prepare(*key)`` first, outside the graph (what the body reads, written by the host)."""
-    torch.cuda.synchronize(device)
-    free_before = torch.cuda.mem_get_info(device)[0]
-    t0 = time.perf_counter()
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
-    with no_collection():
-        for key in keys:
-            if prepare is not None:
-                prepare(*key)
-            body(*key)
-            torch.cuda.synchronize(device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                body(*key)
-            graphs[key] = g
-    torch.cuda.synchronize(device)
-    stats = GraphStats(len(graphs), time.perf_counter() - t0, max(0, free_before - torch.cuda.mem_get_info(device)[0]))
-    return graphs, stats
-
-
-def replay_or_eager(graphs: dict, key: tuple[int, ...], body: Callable[..., None]) -> str:
-    """Replay ``key``'s graph, or run ``body(*key)`` eagerly where it has none; the path taken."""
-    graph = graphs.get(key)
-    if graph is not None:
-        graph.replay()
-        return "graph"
-    body(*key)
-    return "eager"
 
 
 class ChainDraftRunner:
@@ -162,7 +114,7 @@ class ChainDraftRunner:
         self.pad_batches = device.type == "cuda"
 
     def padded_batch(self, B: int) -> int:
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
+        return pad_to(self.batch_sizes, B)  # type: ignore[return-value]  (B <= max_batch, the last size)
 
     def _body(self, B: int, K: int, max_kv: list[int] | None = None) -> None:
         """Draft K tokens for rows [0, B) (reads only static buffers; writes ``tokens``)."""
@@ -178,8 +130,8 @@ class ChainDraftRunner:
         step = self.step_index[: K - 1, None]  # draft j = step + 2
         pos = base[None, :] + step
         active = ks[None, :] >= step + 2
-        blk = bt.gather(1, (pos // bs).clamp(max=bt.shape[1] - 1).t()).t()
-        slots = torch.where(active, blk * bs + pos % bs, self.scratch_slot)
+        rows = torch.arange(B, device=pos.device)[None, :]
+        slots = torch.where(active, kv_slot(bt, pos, bs, rows, bt.shape[1] - 1), self.scratch_slot)
         seqs = torch.where(active, pos + 1, 1).to(torch.int32)  # a finished row reads one key
         for j in range(2, K + 1):
             self.attn.set_step(slots[j - 2], seqs[j - 2], None if max_kv is None else max_kv[j - 2])
@@ -308,7 +260,7 @@ class CatchUpRunner:
         buf = self._plan(ids, pos, slots, q_lens, seq_lens, tables)
         o = 3 * T + self.last.shape[0]
         if self.sizes and T <= self.sizes[-1]:  # static buffers padded to a captured size
-            n = self.sizes[bisect.bisect_left(self.sizes, T)]
+            n = pad_to(self.sizes, T)
             self.ids[:T].copy_(buf[:T] if device_ids is None else device_ids)
             self.pos[:T].copy_(buf[T : 2 * T])
             self.feats[:T].copy_(feats)
@@ -330,9 +282,7 @@ class CatchUpRunner:
         from specserve.engine.cuda_graph import capture_per_size
 
         self.last.zero_()
-        outputs: dict[int, Any] = {}
-        secs, nbytes = capture_per_size(self.attn, self.sizes, self._graph_body, self.device, self.graphs,
-                                        outputs, pool)
+        secs, nbytes = capture_per_size(self.attn, self.sizes, self._graph_body, self.device, self.graphs, {}, pool)
         self.stats = GraphStats(len(self.graphs), secs, nbytes)
         return self.stats
 
@@ -341,10 +291,9 @@ FUSED_MAX_BATCH = 4  # requests per step the fused launch graphs cover (where a 
 
 
 class FusedLaunchRunner:
-    """The fused launch (EagleSpeculator._launch_fused: the verify's accepted counts, the catch-up over
-    every verified row, the next chain) as one CUDA graph per (catch-up size, padded batch, drafts
-    verified, drafts to make): one launch where the host issued ~25 (at one request on the H200 that
-    launch took ~0.8 ms of host time of a ~1.7-ms cycle, and the cycle is host-bound).
+    """The fused launch (pipeline.launch_fused: the verify's accepted counts, the catch-up over every
+    verified row, the next chain) as one CUDA graph per (catch-up size, padded batch, drafts verified,
+    drafts to make): one launch where the host issued ~25.
 
     Everything the graph reads comes in one host-to-device copy of ``meta`` (``write``): for each
     verified row the row of the draft after it (``nxt``), its index in its request (``j``), its
@@ -356,7 +305,7 @@ class FusedLaunchRunner:
     ``capture`` (the CPU under Triton's interpreter, in tests) the same body runs eagerly."""
 
     def __init__(self, cu: CatchUpRunner, chain: ChainDraftRunner, device: torch.device) -> None:
-        from specserve.attention.triton_backend import TritonDecodeAttention
+        from specserve.attention.triton_decode import TritonDecodeAttention
 
         self.chain = chain
         self.device = device
@@ -367,7 +316,8 @@ class FusedLaunchRunner:
         if not isinstance(chain.attn, TritonDecodeAttention):
             raise ValueError("the fused launch needs the draft loop's Triton decode attention")
         need = Bm * (K + 1)  # the most rows a covered step verifies
-        self.sizes = cu.sizes[: bisect.bisect_left(cu.sizes, need) + 1]
+        cut = pad_to(cu.sizes, need) or cu.sizes[-1]
+        self.sizes = [s for s in cu.sizes if s <= cut]
         self.max_tokens = min(need, self.sizes[-1])
         n = self.sizes[-1]
         self.width = chain.block_tables.shape[1]
@@ -388,8 +338,7 @@ class FusedLaunchRunner:
         these graphs do not cover it."""
         if B > self.batch_sizes[-1] or T > self.max_tokens or k_verified > self.chain.max_k or k_next > self.chain.max_k:
             return None
-        return (self.sizes[bisect.bisect_left(self.sizes, T)], self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)],
-                k_verified, k_next)
+        return pad_to(self.sizes, T), pad_to(self.batch_sizes, B), k_verified, k_next  # type: ignore[return-value]
 
     def layout(self, n: int, Bp: int, K: int) -> list[int]:
         """Offsets in ``meta`` of nxt, j, req, pos, slot [n each], draft rows, exists [Bp x K each],
@@ -399,15 +348,7 @@ class FusedLaunchRunner:
     def _body(self, n: int, Bp: int, K: int, Kc: int) -> None:
         o = self.layout(n, Bp, K)
         nxt, j, req, pos, slot, drow, exists, first, base, ks, tab = (self.meta[o[i] : o[i + 1]] for i in range(11))
-        picks = self.picks[:n]
-        following = self.ids[:n].index_select(0, nxt)
-        match = (following == picks).index_select(0, drow).view(Bp, K) & (exists.view(Bp, K) != 0)
-        accepted = match.long().cumprod(1).sum(1)
-        bonus = picks.index_select(0, first + accepted)
-        # row j of a request pairs its target feature with the token after it: draft j + 1 while
-        # j < accepted, the bonus token at j = accepted (rows past it write draft KV the next
-        # catch-up rewrites before anything reads it)
-        ids = torch.where(j < accepted.index_select(0, req), following, bonus.index_select(0, req))
+        accepted, ids = accept_chains_on_device(self.ids[:n], self.picks[:n], nxt, j, req, drow, exists, first)
         chain, head = self.chain, self.chain.head
         chain.block_tables[:Bp].copy_(tab.view(Bp, self.width))
         chain.ks[:Bp].copy_(ks)
@@ -442,7 +383,7 @@ class FusedLaunchRunner:
                 js.append(j)
                 req.append(b)
                 pos.append(p)
-                slot.append(table[p // bs] * bs + p % bs)
+                slot.append(kv_slot(table, p, bs))
             T += k + 1
         o = self.layout(n, Bp, K)
         h, t = host_buffer(o[-1], torch.long, self.device)  # zeroed

@@ -5,9 +5,7 @@ log-probability; every child seen becomes a candidate. The tree keeps the best
 ``num_draft_tokens - 1`` candidates (an ancestor never scores below its descendant, so the set is
 closed under parents) below a root that is the request's last committed token.
 
-Verification walks from the root: greedy follows the child equal to the target's argmax;
-sampling tries children in order, accepting child c with probability p(c) and otherwise removing
-c from p (renormalised) before trying the next: lossless for deterministic (top-k) proposals.
+Acceptance: accept.py.
 """
 
 from __future__ import annotations
@@ -34,6 +32,11 @@ class DraftTree:
     tokens: list[int]  # tokens[0] is the root (last committed token)
     parents: list[int]  # parents[0] == -1
     depths: list[int]  # depths[0] == 0
+
+    @classmethod
+    def chain(cls, root: int, drafts: list[int]) -> "DraftTree":
+        """A chain as a tree: node i hangs under node i - 1."""
+        return cls([root] + list(drafts), list(range(-1, len(drafts))), list(range(len(drafts) + 1)))
 
     @property
     def num_nodes(self) -> int:
@@ -94,61 +97,9 @@ def tree_is_final(cands: list[Candidate], num_nodes: int, frontier_best: float) 
     return heapq.nlargest(num_nodes, (c.score for c in cands))[-1] >= frontier_best
 
 
-@dataclass
-class TreeVerifyResult:
-    path: list[int]  # accepted node indices (excluding the root), root-to-leaf order
-    tokens: list[int]  # accepted tokens + one token from the target
-    num_accepted: int
-
-
-def verify_tree_greedy(tree: DraftTree, target_argmax: list[int]) -> TreeVerifyResult:
-    """target_argmax[i]: the target's argmax at node i (row i of the verify)."""
-    node, path = 0, []
-    while True:
-        want = target_argmax[node]
-        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        node = nxt
-    toks = [tree.tokens[i] for i in path] + [target_argmax[node]]
-    return TreeVerifyResult(path, toks, len(path))
-
-
-def verify_tree_sampled(tree: DraftTree, probs: torch.Tensor, gen: torch.Generator | None) -> TreeVerifyResult:
-    """probs [n+1, V]: the target's processed distribution at each node."""
-    node, path = 0, []
-    while True:
-        p = probs[node].clone()
-        accepted = None
-        for c in tree.children(node):
-            tok = tree.tokens[c]
-            mass = float(p.sum())
-            if mass <= 0:
-                break
-            u = float(torch.rand((), generator=gen, device=p.device))
-            if u * mass < float(p[tok]):
-                accepted = c
-                break
-            p[tok] = 0.0  # rejected: draw the rest from p without this token
-        if accepted is None:
-            if float(p.sum()) <= 0:
-                p = probs[node]
-            tok = int(torch.multinomial(p / p.sum(), 1, generator=gen))
-            return TreeVerifyResult(path, [tree.tokens[i] for i in path] + [tok], len(path))
-        path.append(accepted)
-        node = accepted
-
-
-# -- the same on the device: trees as tensors, no host sync (the tree's graphed cycle) -------------
-#
-# A batch of trees of ``num_nodes`` tokens each (the root and num_nodes - 1 drafts) is one long tensor
-# [B, tree_width(num_nodes)]: per request its node tokens, parents (node indices; the root's own index,
-# 0, so gathers need no special case), depths, and each node's ancestor bits (bit j set iff node j is
-# it or an ancestor: a row of its attention mask packed, as the Triton attention reads it).
-
-
 def tree_width(num_nodes: int) -> int:
+    """Packed trees [B, 4 * N]: per request its tokens | parents (the root's: 0) | depths | ancestor bits
+    (bit j set iff node j is it or an ancestor: a mask row as the Triton attention reads it)."""
     return 4 * num_nodes
 
 
@@ -200,25 +151,3 @@ def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: 
     for _ in range(max_depth - 1):  # a node's bits = its own | its parent's: exact after max_depth rounds
         anc = own | anc.gather(1, par)
     torch.bitwise_or(own, anc.gather(1, par), out=bits)
-
-
-def accept_trees(tok: torch.Tensor, par: torch.Tensor, dep: torch.Tensor, picks: torch.Tensor,
-                 max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``verify_tree_greedy`` for every row at once: trees (tokens, parents, depths [B, N]) and the
-    target's pick at each node [B, N]. Returns each request's accepted count [B], the accepted node
-    at each depth [B, max_depth + 2] (column 0 the root; columns past the count hold 0, but the
-    last, which collects the rest) and the bonus token [B] (the pick at the deepest accepted node)."""
-    B, N = tok.shape
-    dev = tok.device
-    is_root = torch.arange(N, device=dev) == 0
-    match = (tok == picks.gather(1, par)) | is_root  # a node's token is what the target picks at its parent
-    acc = match
-    for _ in range(max_depth):  # accepted: it and every ancestor match (siblings differ: one per depth)
-        acc = match & acc.gather(1, par)
-    # (a valid tree has at most max_depth; the clamp keeps a padding row's zeros in bounds)
-    accepted = (acc.long().sum(1) - 1).clamp(max=max_depth)
-    # node index of the accepted node at each depth (the rest land in a spare last column)
-    path = torch.zeros(B, max_depth + 2, dtype=torch.long, device=dev)
-    path.scatter_(1, torch.where(acc, dep, max_depth + 1), torch.arange(N, device=dev).expand(B, N))
-    last = path.gather(1, accepted[:, None])
-    return accepted, path, picks.gather(1, last)[:, 0]

@@ -1,6 +1,6 @@
 """The EAGLE-2 tree expansion on static buffers, replayed as CUDA graphs on the GPU.
 
-The eager expansion (``EagleSpeculator._draft_tree``) reads every depth's candidates back to the
+The eager expansion (``propose.Proposer``) reads every depth's candidates back to the
 host (a sync per depth) and grows its attention buffers as it goes. Here the whole expansion runs
 on the device from the numbers written once per engine step:
 
@@ -28,7 +28,6 @@ The lanes are scratch: the expansion leaves nothing in the request's own blocks.
 
 from __future__ import annotations
 
-import bisect
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -36,10 +35,14 @@ import torch
 
 from specserve.attention.base import AttentionBackend, forward_context
 from specserve.engine.host_copy import host_buffer, host_to_device
+from specserve.engine.cuda_graph import pad_to
+from specserve.engine.kv_cache import kv_slot
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.speculative.draft_graph import GraphStats, batch_buckets, capture_each, replay_or_eager
-from specserve.speculative.tree import accept_trees, select_trees, tree_fields, tree_width
+from specserve.engine.cuda_graph import GraphStats, capture_each, replay_or_eager
+from specserve.speculative.draft_graph import batch_buckets
+from specserve.speculative.accept import accept_trees, compact_tree_kv
+from specserve.speculative.tree import select_trees, tree_fields, tree_width
 
 
 def candidate_depths(topk: int, depth: int) -> list[int]:
@@ -122,7 +125,8 @@ class TreeDraftRunner:
         kvb.index_copy_(1, lanes[:, 0], kvb.index_select(1, src))
         # every depth's position, lane slot and key count ([D - 1, R])
         pos = base[None, :] + self._steps[:, None]
-        slots = (lanes.gather(1, (pos // bs - first[None, :]).t()).t() * bs + pos % bs).contiguous()
+        lane_pos = (pos - first[None, :] * bs).t()  # [R, D - 1]: positions within each slot's lane
+        slots = kv_slot(lanes, lane_pos, bs, torch.arange(R, device=self.device)[:, None]).t().contiguous()
         seqs = (pos + 1).to(torch.int32)
         front_idx = torch.arange(K, device=self.device).expand(B, -1)  # candidate slot of each frontier node
         front_h = h[:, None, :].expand(B, K, h.shape[-1]).reshape(R, -1)
@@ -151,8 +155,7 @@ class TreeDraftRunner:
             at += K * K
 
     def padded_batch(self, B: int) -> int | None:
-        i = bisect.bisect_left(self.batch_sizes, B)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+        return pad_to(self.batch_sizes, B)
 
     def load(self, base: list[int], tables: list[list[int]], Bp: int, sizes: list[int] | None = None) -> None:
         B = len(base)
@@ -253,9 +256,8 @@ class FusedTreeLaunch:
 
     def key(self, B: int) -> tuple[int] | None:
         """(padded batch,) of a step of B requests, or None where not covered."""
-        if B > self.batch_sizes[-1]:
-            return None
-        return (self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)],)
+        Bp = pad_to(self.batch_sizes, B)
+        return None if Bp is None else (Bp,)
 
     def _body(self, Bp: int) -> None:
         N, L, tree = self.N, self.L, self.tree
@@ -265,7 +267,7 @@ class FusedTreeLaunch:
         tab = tab.view(Bp, self.width)
         tok, par, dep, _ = tree_fields(self.trees_in[:Bp], N)
         accepted, path, bonus = accept_trees(tok, par, dep, self.picks[: Bp * N].view(Bp, N), self.D)
-        self._compact(nc, tab, live, accepted, path)
+        compact_tree_kv(self.target_kv, tab, nc, accepted, path[:, :L], live, self.block_size, self.scratch_slot)
         j = torch.arange(L, device=self.device)[None, :]
         acc = accepted[:, None]
         node = torch.where(j <= acc, path[:, :L], path.gather(1, acc))  # [Bp, L]
@@ -290,27 +292,10 @@ class FusedTreeLaunch:
         self.next_ids[:Bp, :1].copy_(bonus[:, None])
         self.next_ids[:Bp, 1:].copy_(ntok[:, 1:])
         torch.add(ndep, start, out=self.next_pos[:Bp])
-        self.next_slots[:Bp].copy_(self._slot(tab, start + torch.arange(N, device=self.device)[None, :]))
+        rows = torch.arange(Bp, device=self.device)[:, None]
+        self.next_slots[:Bp].copy_(kv_slot(tab, start + torch.arange(N, device=self.device)[None, :], self.block_size,
+                                           rows, self.width - 1))
         torch.sub(accepted, L - 1, out=self.next_shift[:Bp])
-
-    def _slot(self, tab: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """KV slots of positions ``p`` [Bp, n] through block tables ``tab`` [Bp, width]."""
-        bs = self.block_size
-        return tab.gather(1, (p // bs).clamp(max=self.width - 1)) * bs + p % bs
-
-    def _compact(self, nc: torch.Tensor, tab: torch.Tensor, live: torch.Tensor, accepted: torch.Tensor,
-                 path: torch.Tensor) -> None:
-        """The target KV of the accepted node at depth m (position nc + node) to position nc + m, in
-        every layer (the host's EagleSpeculator._compact); moves that are none write the scratch slot."""
-        D = self.L - 1
-        m = torch.arange(1, D + 1, device=self.device)[None, :]
-        node = path[:, 1 : D + 1]
-        move = (m <= accepted[:, None]) & (node != m) & (live[:, None] > 0)
-        scratch = torch.full_like(node, self.scratch_slot)
-        src = torch.where(move, self._slot(tab, nc[:, None] + node), scratch).reshape(-1)
-        dst = torch.where(move, self._slot(tab, nc[:, None] + m), scratch).reshape(-1)
-        kv = self.target_kv
-        kv.index_copy_(1, dst, kv.index_select(1, src))
 
     def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]],
               rows: Sequence[int] = ()) -> None:
@@ -326,7 +311,7 @@ class FusedTreeLaunch:
         for nc, table in zip(computed, tables):
             for p in range(nc, nc + L):
                 pos.append(p)
-                slot.append(table[p // bs] * bs + p % bs)
+                slot.append(kv_slot(table, p, bs))
         B = len(computed)
         h[o[0] : o[0] + len(pos)] = pos
         h[o[1] : o[2]] = slot + [self.scratch_slot] * (Bp * L - len(slot))

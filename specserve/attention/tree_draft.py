@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend
+from specserve.engine.kv_cache import kv_slot
 
 
 class TreeDraftBackend(AttentionBackend):
@@ -23,7 +24,7 @@ class TreeDraftBackend(AttentionBackend):
         j = torch.arange(P)
         width = max(len(t) for t in block_tables)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-        slots = bt.gather(1, (j // bs).clamp(max=width - 1)[None].expand(B, -1)) * bs + (j % bs)[None]
+        slots = kv_slot(bt, j[None], bs, torch.arange(B)[:, None], width - 1)
         valid = j[None] < torch.tensor(prefix_lens)[:, None]
         self._prefix_slots = torch.where(valid, slots, torch.zeros_like(slots)).to(dev)
         self._prefix_valid = valid.to(dev)  # [B, P]

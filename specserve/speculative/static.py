@@ -1,0 +1,99 @@
+"""Building the draft side's static-buffer runners and capturing their CUDA graphs.
+
+On CUDA with the Triton backend: the catch-up, the greedy chain loop (or the tree expansion) and the
+fused launch of small steps, captured at start-up unless --enforce-eager. On the CPU the eager loop
+stays; tests build the static runners there to compare the two.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from specserve.engine.cuda_graph import capture_sizes
+from specserve.engine.runner import kv_slab
+from specserve.speculative.draft_graph import (FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner,
+                                               TorchDecodeAttention)
+from specserve.speculative.tree_graph import FusedTreeLaunch, TreeDraftRunner, TreeVerifyGraph
+
+log = logging.getLogger(__name__)
+
+
+def decode_attention(d: Any, rows: int, triton: bool) -> Any:
+    """A decode attention over the draft KV (one query per row) reading its own ``block_tables``."""
+    hc, bs = d.head.config, d.engine.config.block_size
+    tables = torch.zeros(rows, -(-d.engine.max_model_len // bs), dtype=torch.long, device=d.device)
+    caches, scale = d.attn.kv_caches, hc.head_dim**-0.5
+    if triton:
+        from specserve.attention.triton_decode import TritonDecodeAttention
+
+        return TritonDecodeAttention(caches, bs, scale, num_heads=hc.num_attention_heads, block_tables=tables)
+    return TorchDecodeAttention(caches, bs, scale, tables)
+
+
+def build_static_draft(d: Any, graphs: bool, attention: str, fused_launch: bool | None) -> None:
+    """attention: "triton", "torch" or "auto" (triton on CUDA with the triton backend). fused_launch:
+    the fused launch of small steps (default: with graphs)."""
+    e, cu, prop, pipe = d.engine, d.catch_up, d.proposer, d.pipeline
+    bs, hc, dev = e.config.block_size, d.head.config, d.device
+    max_batch = e.config.max_num_seqs
+    if attention == "auto":
+        attention = "triton" if dev.type == "cuda" and d.runner.backend_name == "triton" else "torch"
+    triton = attention == "triton"
+    if graphs and not (triton and dev.type == "cuda"):
+        raise ValueError("CUDA graphs of the draft loop need a CUDA device and the triton attention backend")
+    cu.runner = pipe.fused_launch = pipe.tree_launch = pipe.tree_verify = None
+    dec = decode_attention(d, max_batch, triton)
+    chain = ChainDraftRunner(d.head, d.target.embed_tokens, dec, dec.block_tables, bs, d.scratch_slot,
+                             max_batch, d.max_k, dev, d.head_dtype)
+    prop.chain_runner, cu.h0 = chain, chain.h0
+    prop.tree_runner = None
+    if d.topk > 1:  # frontier slots are queries of a decode attention over the same h0 and tables
+        prop.tree_runner = TreeDraftRunner(d.head, d.target.embed_tokens, decode_attention(d, max_batch * d.topk, triton),
+                                           dec.block_tables, bs, d.scratch_slot // bs + 1, chain.h0, max_batch,
+                                           d.topk, d.cfg.num_steps, dev, num_nodes=d.max_k + 1)
+    fused_launch = graphs if fused_launch is None else fused_launch
+    tr = prop.tree_runner
+    if fused_launch and tr is not None:
+        Bm = min(FUSED_MAX_BATCH, tr.batch_sizes[-1])
+        row_attn = decode_attention(d, Bm * (min(tr.depth, tr.num_nodes - 1) + 1), triton)
+        pipe.tree_launch = FusedTreeLaunch(tr, row_attn, d.scratch_slot, hc.feature_size, e.dtype, Bm,
+                                           target_kv=kv_slab(d.runner.kv_caches), features=d.features.features)
+        pipe.tree_verify = TreeVerifyGraph(pipe.tree_launch, d.target, d.runner.attn, d.target.config.vocab_size)
+    if triton:
+        from specserve.attention.triton_backend import TritonBackend
+
+        cu_attn = TritonBackend(d.attn.kv_caches, bs, hc.head_dim**-0.5, num_heads=hc.num_attention_heads,
+                                max_num_tokens=e.config.max_num_batched_tokens, max_num_seqs=max_batch,
+                                max_blocks_per_seq=-(-e.max_model_len // bs), scratch_slot=d.scratch_slot)
+        # a catch-up covers a verify's accepted drafts + 1, or a stretch of plain steps in chunks of a step
+        sizes = capture_sizes(max(e.config.graph_token_limit, min(e.config.max_num_batched_tokens,
+                                                                   max_batch * (d.max_k + 1)))) \
+            if graphs or fused_launch else []
+        cu.runner = CatchUpRunner(d.head, d.target.embed_tokens, cu_attn, chain.h0, sizes, dev, e.dtype)
+        if fused_launch and d.topk == 1:
+            pipe.fused_launch = FusedLaunchRunner(cu.runner, chain, dev)
+    if graphs:
+        capture(d)
+
+
+def capture(d: Any) -> None:
+    pool = torch.cuda.graph_pool_handle()
+    cu, prop, pipe = d.catch_up.runner, d.proposer, d.pipeline
+    loop = prop.tree_runner or prop.chain_runner
+    parts = [("catch-up", cu), ("tree expansion" if prop.tree_runner else "chain loop", loop),
+             ("fused launch", pipe.fused_launch or pipe.tree_launch), ("tree verify", pipe.tree_verify)]
+    for name, runner in parts:
+        if runner is not None:
+            st = runner.capture(pool)
+            log.info("draft CUDA graphs: %s %d in %.2fs using %.1f MiB of GPU memory", name, st.graphs, st.seconds,
+                     st.bytes / 2**20)
+
+
+def graph_memory_bytes(d: Any) -> int:
+    """GPU memory the draft CUDA graphs took at capture."""
+    runners = (d.catch_up.runner, d.proposer.chain_runner, d.proposer.tree_runner, d.pipeline.fused_launch,
+               d.pipeline.tree_launch, d.pipeline.tree_verify)
+    return sum(r.stats.bytes for r in runners if r is not None)
