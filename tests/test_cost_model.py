@@ -290,40 +290,6 @@ def test_sampled_errors_are_against_the_table_decisions_last_read():
     assert cm.target.predict(64) > 2.0  # rebuilt when a decision reads it
 
 
-def test_the_profile_is_cached_per_key_reused_and_taken_again_on_request(tmp_path, monkeypatch, caplog):
-    import logging
-
-    from specserve.speculative.policy.profile_cache import drop_if_stale, load_or_profile, profile_path
-
-    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    taken = []
-
-    def profile(noisy: bool = False) -> CostModel:
-        taken.append(1)
-        c = CostModel(target=Curve({1: 0.01 * len(taken), 8: 0.02}), draft=Curve({1: 0.001}))
-        c.meta = {"noisy": noisy, "seconds": 0.1}
-        return c
-
-    with caplog.at_level(logging.INFO):
-        cost, path = load_or_profile("model-a|cpu|s3", profile)
-    assert path == profile_path("model-a|cpu|s3") and path.startswith(str(tmp_path)) and os.path.exists(path)
-    assert "profiling step costs" in caplog.text and cost.meta["source"] == "profiled at start-up"
-    again, _ = load_or_profile("model-a|cpu|s3", profile)  # the next start: from the cache
-    assert len(taken) == 1 and again.target.profile == {1: 0.01, 8: 0.02} and again.meta["source"].startswith("cache")
-    other, other_path = load_or_profile("model-a|cpu|s5", profile)  # other settings: their own profile
-    assert len(taken) == 2 and other_path != path
-    fresh, _ = load_or_profile("model-a|cpu|s3", profile, recalibrate=True)
-    assert len(taken) == 3 and fresh.target.profile[1] == pytest.approx(0.03)
-    assert CostModel.load(path).target.profile[1] == pytest.approx(0.03)  # replaced
-    noisy, noisy_path = load_or_profile("busy", lambda: profile(noisy=True))
-    assert not os.path.exists(noisy_path) and "noisy" in noisy.meta["source"]
-    assert not drop_if_stale(fresh, path)  # nothing measured against it yet
-    for _ in range(fresh.stale_after):
-        fresh.observe_step(1, 0.09)  # 3x the profile
-    assert drop_if_stale(fresh, path) and not os.path.exists(path)
-    assert not drop_if_stale(fresh, path)  # reported once
-
-
 def test_measure_logs_its_progress_per_round(caplog):
     import logging
 
