@@ -95,9 +95,7 @@ def test_kept_features_are_the_targets_at_each_position(tiny, policy, in_forward
         assert any(moved) or policy != "tree"
     else:
         assert st.spec_draft_tokens == 0
-    if in_forward:  # each step shape's write was checked once (plain, and verify where drafted), and held
-        assert fs.in_forward and not d.path_counts["feature_sink:fallback"]
-        assert {verify for verify, _ in fs.checked} == ({False} if policy == "off" else {False, True})
+    assert fs.in_forward == in_forward
     assert_features_are_the_targets(llm, model, head, prompts, more_than=15)
 
 
@@ -108,27 +106,6 @@ def assert_features_are_the_targets(llm: LLM, model: str, head: str, prompts: li
         assert n > len(prompts[i]) + more_than
         torch.testing.assert_close(stored(llm, req, n), reference(model, head, req.all_token_ids[:n]),
                                    atol=1e-4, rtol=1e-4)
-
-
-def test_a_forward_that_writes_the_features_elsewhere_is_caught_and_they_are_scattered(tiny):
-    """The drafter checks each step shape's write once; a forward that put the rows at other slots (a CUDA
-    graph replaying stale slots, say) is caught at its first step and the drafter scatters them itself."""
-    model, head = tiny
-    llm = spec_llm(model, head, speculative_policy="static")
-    d = llm.engine.drafter
-    attn = llm.engine.runner.attn
-    slots = attn.step_slots
-    attn.step_slots = lambda n: slots(n) + 1  # every row one slot off
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
-    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        llm.engine.add_request(f"r{i}", p, sp)
-    for _ in range(12):
-        llm.engine.step()
-    assert d.path_counts["feature_sink:fallback"] == 1
-    assert not d.features.in_forward and d.target.feature_sink is None
-    assert llm.engine.stats.spec_draft_tokens > 0
-    assert_features_are_the_targets(llm, model, head, prompts, more_than=8)
 
 
 def test_catch_up_slots_are_the_block_tables(tiny):

@@ -392,8 +392,7 @@ def test_plain_steps_keep_the_features_their_graph_wrote(smollm2_dummy_dir, tmp_
     prompts = _prompts(6, seed=4)
     llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts))
     assert runner.path_counts["target:graph"] > 20 and d.path_counts["plain_ahead"] > 10
-    # the drafter's own check of each step shape's write (FeatureStore.check_sink) found nothing to fall back from
-    assert d.features.in_forward and not d.path_counts["feature_sink:fallback"] and d.features.checked
+    assert d.features.in_forward
     last = {}  # slot -> the row of the last step that computed it
     for slots, aux in rows:
         for i, s in enumerate(slots.tolist()):

@@ -3,12 +3,11 @@
 A plain step keeps all its rows, a verify the rows it commits at the slots of the positions they are
 committed at (an accepted tree node moves up like its KV); a catch-up gathers them back by slot.
 With EAGLE-3 the target's forward writes every row at its slot itself (``set_feature_sink``), so a
-chain's verify copies nothing; the first step of each shape checks that write.
+chain's verify copies nothing.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 
 import torch
@@ -16,8 +15,6 @@ import torch
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.scheduler import StepPlan
 from specserve.speculative.state import state_of
-
-log = logging.getLogger(__name__)
 
 
 class FeatureStore:
@@ -29,7 +26,6 @@ class FeatureStore:
         self.in_forward = in_forward and hasattr(target, "set_feature_sink")
         if self.in_forward:
             target.set_feature_sink(self.features)
-        self.checked: set[tuple[bool, int]] = set()  # (verify, tokens' bit length): shapes checked
         self.path_counts = path_counts
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
@@ -37,7 +33,6 @@ class FeatureStore:
 
     def keep_plain(self, plan: StepPlan, inputs, feats: torch.Tensor) -> None:
         """A plain step's rows (one per computed token) at their slots; starts the state of admitted requests."""
-        self.check_sink(False, inputs, feats)
         if not self.in_forward:  # (a graph's output rows past the step's are padding)
             self.features.index_copy_(0, inputs.meta.slot_mapping, feats[: inputs.input_ids.shape[0]])
         for r in plan.admitted:
@@ -61,7 +56,6 @@ class FeatureStore:
             if not s.req.no_draft_kv:
                 state_of(s.req)
             start += s.num_query_tokens
-        self.check_sink(True, inputs, feats)
         if self.in_forward:
             moved = [(k, d) for k, d in zip(keep, dst) if k != d]
             if not moved:
@@ -70,23 +64,3 @@ class FeatureStore:
         idx = host_to_device(keep + dst, self.device)
         self.features.index_copy_(0, inputs.meta.slot_mapping.index_select(0, idx[len(keep):]),
                                   feats.index_select(0, idx[: len(keep)]))
-
-    def check_sink(self, verify: bool, inputs, feats: torch.Tensor) -> None:
-        """First step of each shape (plain/verify, token count's power-of-two range): did the forward
-        write its rows bit for bit? If not, scatter after every forward from now on."""
-        if not self.in_forward:
-            return
-        T = inputs.input_ids.shape[0]
-        key = (verify, T.bit_length())
-        if key in self.checked:
-            return
-        self.checked.add(key)
-        got = self.features.index_select(0, inputs.meta.slot_mapping)
-        if torch.equal(got.view(torch.uint8), feats[:T].contiguous().view(torch.uint8)):
-            return
-        log.warning("the target's forward did not write the EAGLE-3 features of a %s step of %d tokens at its "
-                    "KV slots: the drafter scatters them after each forward from now on",
-                    "verify" if verify else "plain", T)
-        self.path_counts["feature_sink:fallback"] += 1
-        self.target.set_feature_sink(None)
-        self.in_forward = False
