@@ -117,7 +117,7 @@ class TritonBackend(AttentionBackend):
     cache slot no request owns (the runner reserves one block for it); padded tokens write there.
     Steps of fewer tokens than ``split_tiles = target_programs / kv_heads`` split each tile's keys
     into ranges of at least ``min_split_keys`` (``split_kv=False`` turns that off). ``exact_trees``
-    (default on; ``SPECSERVE_EXACT_TREES=0`` turns it off for A/Bs) runs tree tokens as plain decoding
+    (default on; ``--no-exact-tree-attention`` turns it off) runs tree tokens as plain decoding
     of their paths would (module docstring).
     """
 
