@@ -414,7 +414,7 @@ def test_exact_tree_attention_is_an_engine_flag(monkeypatch):
 def test_a_spec_engine_on_this_backend_keeps_the_features_its_forward_wrote(tmp_path):
     """With Triton attention the target's forward writes the EAGLE-3 features at the backend's own slot
     buffer (``step_slots``: what its CUDA graphs read), and speculation gives plain decoding's tokens. A
-    fixed block count: a byte budget leaves a GPU's larger blocks too few for the requests."""
+    fixed block count: with a byte budget the GPU run refused the requests (context too short)."""
     from specserve import LLM, SamplingParams
     from tiny_model import make_random_head, make_tiny_model
 
