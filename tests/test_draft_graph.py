@@ -502,26 +502,6 @@ def test_early_full_decisions_apply_to_the_requests_left_in_the_engine(tiny):
     assert sum(applied) == 1 and len(applied) > 10
 
 
-def test_isolated_explorations_leave_the_next_decision_after_the_sync(tiny):
-    """With ``isolate_explorations`` the decision after an exploration's measured cycle is not taken
-    before the sync (here every decision follows one: nothing fuses); without it, the same engine
-    fuses its quick decisions."""
-    for isolate in (False, True):
-        llm, ref, _ = adaptive_static_loop(*tiny)
-        dr = llm.engine.drafter
-        ctl = dr.controller
-        ctl.fuse_full = ctl.fuse_explorations = False
-        ctl.isolate_explorations = isolate
-        ctl.quick_arm = lambda batch, running=None: 2
-        ctl.bandit.exploration_in_flight = lambda key: True
-        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP24)]
-        assert out == ref
-        if isolate:
-            assert dr.path_counts["fused"] == 0 and dr.path_counts["unfused:decision"] > 5
-        else:
-            assert dr.path_counts["fused"] > 5
-
-
 def stop_mid_cycle(model: str) -> tuple[SamplingParams, list[list[int]]]:
     """Greedy params whose stop token only request 2 comes to (past its first few tokens: it stops
     there, mid-cycle; the others run to max_tokens 40), and plain decoding's outputs of PROMPTS."""
