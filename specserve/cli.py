@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("bench", help="serving benchmark client and sweeps")
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     try:
-        from specserve.bench.serving import add_bench_serve_args, main as bench_main
+        from specserve.bench.serving_args import add_bench_serve_args, main as bench_main
         from specserve.bench.sweep import add_sweep_args, main as sweep_main
 
         b = bsub.add_parser("serve", help="load a running server")

@@ -33,19 +33,8 @@ from typing import Any
 
 import httpx
 
-from specserve.bench.serving import (
-    RampSpec,
-    add_dataset_args,
-    add_request_args,
-    command_line,
-    config_from_args,
-    expand_doubling,
-    headline,
-    parse_int_list,
-    requests_from_args,
-    run_benchmark,
-    write_json,
-)
+from specserve.bench.serving import RampSpec, command_line, expand_doubling, parse_int_list, run_benchmark, write_json
+from specserve.bench.serving_args import add_dataset_args, add_request_args, config_from_args, headline, requests_from_args
 from specserve.bench.tokenizer import BenchTokenizer, default_model_path, load_tokenizer
 
 SCHEMA_VERSION = 1
