@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p)
-    from specserve.server.api import add_serve_args, main as serve_main
+    from specserve.server.launch import add_serve_args, main as serve_main
 
     add_serve_args(p)
     p.set_defaults(func=serve_main)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from specserve.server.api import build_engine, serve_in_thread  # noqa: E402
+from specserve.server.launch import build_engine, serve_in_thread  # noqa: E402
 
 from specserve.bench.datasets import sample_sharegpt_requests  # noqa: E402
 from specserve.bench.serving import BenchConfig, run_benchmark  # noqa: E402

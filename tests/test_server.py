@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from functools import partial  # noqa: E402
 
 from specserve.config import EngineConfig  # noqa: E402
-from specserve.server.api import build_engine, serve_in_thread  # noqa: E402
+from specserve.server.launch import build_engine, serve_in_thread  # noqa: E402
 
 MAX_MODEL_LEN = 512
 CHAT = [{"role": "user", "content": "List three colors."}]
@@ -232,7 +232,7 @@ def test_speculation_stats_reach_usage_server_info_and_metrics(spec_live: Live) 
 
 
 def test_cli_serve_subprocess_with_api_key() -> None:
-    """`specserve serve` (cli -> server.api.main) starts, guards /v1 with the key, answers, and stops.
+    """`specserve serve` (cli -> server.launch.main) starts, guards /v1 with the key, answers, and stops.
 
     Dummy weights: this checks the wiring; the model's output is checked above."""
     import os

@@ -21,7 +21,7 @@ from functools import partial  # noqa: E402
 
 from fake_engine import TEXT, BrokenEngine, FakeEngine  # noqa: E402
 
-from specserve.server.api import serve_in_thread  # noqa: E402
+from specserve.server.launch import serve_in_thread  # noqa: E402
 
 USER = [{"role": "user", "content": "hi"}]
 

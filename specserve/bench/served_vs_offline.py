@@ -134,7 +134,7 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
 
 
 def _serve_child(ns: argparse.Namespace, config: Any) -> None:
-    from specserve.server.api import build_engine, run_server
+    from specserve.server.launch import build_engine, run_server
 
     sys.exit(run_server(ns, partial(build_engine, config)))
 

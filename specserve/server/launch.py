@@ -1,0 +1,287 @@
+"""Running the server: the engine core process, front-end processes (uvicorn), the supervisor and its signals.
+
+    specserve serve                     # main(): engine core + --api-server-count front-ends
+    with serve_in_thread(factory) as s:  # tests: the core in its own process, uvicorn in a thread
+        ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Callable
+
+from fastapi import FastAPI
+import prometheus_client
+import uvicorn
+
+from specserve.server.client import EngineClient
+from specserve.server.engine_core import CoreAddresses, run_engine_core, shutdown_engine_core
+from specserve.server.api import ServerState, build_app
+
+log = logging.getLogger(__name__)
+
+
+# Longer than the idle expiry of common HTTP client pools (httpx and the openai client: 5 s). With equal
+# timeouts the server may close an idle connection just as the client reuses it: connection reset.
+DEFAULT_KEEP_ALIVE_S = 30
+GRACEFUL_CLOSE_S = 5  # after the drain: time for the last chunks to reach their clients
+
+
+def _spawn() -> multiprocessing.context.SpawnContext:
+    # spawn: a fork would copy the caller's threads' locks (torch's pools, uvicorn's loop) mid-use
+    return multiprocessing.get_context("spawn")
+
+
+def start_engine_core(engine_factory: Callable[[], Any], num_frontends: int = 1,
+                      log_level: int = logging.INFO) -> tuple[multiprocessing.process.BaseProcess, CoreAddresses]:
+    """Start the engine-core process; ``engine_factory`` (picklable) builds the engine in it."""
+    addresses = CoreAddresses.new(num_frontends)
+    proc = _spawn().Process(target=run_engine_core, args=(engine_factory, addresses, os.getpid(), log_level),
+                            name="specserve-engine-core", daemon=True)
+    proc.start()
+    return proc, addresses
+
+
+@dataclasses.dataclass
+class LocalServer:
+    """A server started by serve_in_thread: its URL, app and engine-core process."""
+
+    url: str
+    app: FastAPI
+    core: multiprocessing.process.BaseProcess
+
+    @property
+    def client(self) -> EngineClient:
+        return self.app.state.server.client
+
+    def on_engine(self, fn: str | Callable[..., Any], *args: Any) -> Any:
+        """Run an engine method (by name) or a picklable fn(engine, *args) in the core, between steps."""
+        return self.client.call_threadsafe(fn, *args)
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | list[str] | None = None,
+                    api_key: str | None = None, stream_interval: int = 1, host: str = "127.0.0.1",
+                    port: int = 0, startup_timeout: float = 120.0,
+                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S) -> Iterator[LocalServer]:
+    """An engine-core process and one front-end in a uvicorn thread (tests, tools); stops both on exit."""
+    core, addresses = start_engine_core(engine_factory, log_level=logging.WARNING)
+    client = EngineClient(addresses, 0, core.pid, stream_interval=stream_interval)
+    app = build_app(client, served_model_name, api_key, startup_timeout)
+    sock = _bind(host, port)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                            timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
+                                            timeout_keep_alive=timeout_keep_alive))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specserve-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start (engine core exit code {core.exitcode})")
+            time.sleep(0.01)
+        yield LocalServer(f"http://{host}:{port}", app, core)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        shutdown_engine_core(core, addresses)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on /v1/* (default: $SPECSERVE_API_KEY if set)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model id(s) clients may send (default: the engine's model name; 'default' always works)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="waiting-queue size; requests beyond it get 503 + Retry-After (default: engine's)")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front-end processes sharing the port (tokenize, detokenize, stream); one engine core")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens a stream gathers before it sends a chunk; a chunk always carries every token "
+                        "gained since the last one (default %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds requests in flight may run on before they are aborted "
+                        "(default %(default)s)")
+    g.add_argument("--enable-access-log", action="store_true", help="log every HTTP request (off: it costs at load)")
+    g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_S,
+                   help="seconds an idle HTTP/1.1 connection stays open (default %(default)s; keep it longer "
+                        "than clients' pool expiry, or a reused connection may be reset)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return parser
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    for name, low in (("max_waiting", 1), ("timeout_keep_alive", 1), ("api_server_count", 1),
+                      ("stream_interval", 1), ("shutdown_timeout", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def _default_head_available() -> bool:
+    """The default model is served with its shipped EAGLE-3 head when that head exists."""
+    try:
+        from specserve.speculative.drafter import default_draft_path
+
+        default_draft_path()
+        return True
+    except (ImportError, FileNotFoundError) as e:
+        log.warning("serving without speculation by default: %s", e)
+        return False
+
+
+def build_engine(config: Any) -> Any:
+    """The engine-core process's engine (module level: picklable for spawn)."""
+    from specserve.engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
+def main(args: argparse.Namespace) -> None:
+    """`specserve serve`."""
+    import functools
+
+    from specserve.config import replace
+    from specserve.engine.args import engine_config_from_args
+
+    check_serve_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    default_spec = (getattr(args, "model", None) is None and getattr(args, "speculative_algorithm", None) is None
+                    and _default_head_available())
+    config = engine_config_from_args(args, default_speculative=default_spec)
+    if args.max_waiting is not None:
+        config = replace(config, max_waiting_requests=args.max_waiting)
+    sys.exit(run_server(args, functools.partial(build_engine, config)))
+
+
+def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> int:
+    """Supervise an engine core and ``args.api_server_count`` front-ends until they stop; the exit code.
+
+    SIGTERM/SIGINT: the front-ends drain (shutdown_timeout), then the core stops: 0. The core dies:
+    the front-ends answer 503, exit non-zero, and so does this."""
+    check_serve_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = _bind(args.host, args.port)
+    n = args.api_server_count
+    core, addresses = start_engine_core(engine_factory, n)
+    metrics_dir = None
+    if n > 1:  # the front-ends' metrics go to files that each one's /metrics sums
+        metrics_dir = tempfile.mkdtemp(prefix="specserve-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
+    opts = FrontendOptions(args.served_model_name, api_key, args.stream_interval, args.shutdown_timeout,
+                           args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level)
+    fronts = [_spawn().Process(target=run_frontend, args=(opts, addresses, i, core.pid, sock),
+                               name=f"specserve-api-{i}") for i in range(n)]
+    for f in fronts:
+        f.start()
+    sock.close()  # the front-ends have their own copies
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            for f in fronts:  # each drains (a terminal's Ctrl-C reached them already; once is enough)
+                if f.pid is not None and f.is_alive():
+                    os.kill(f.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    log.info("serving on http://%s:%d: engine core pid %d, %d front-end(s)", args.host, args.port, core.pid, n)
+    failed = False
+    while any(f.is_alive() for f in fronts):
+        multiprocessing.connection.wait([f.sentinel for f in fronts], timeout=1.0)
+        if any(f.exitcode not in (None, 0) for f in fronts) and not failed:
+            failed = True  # one front-end failed (the core died, or it did): stop the others
+            for f in fronts:
+                if f.is_alive():
+                    os.kill(f.pid, signal.SIGTERM)
+    core_died = core.exitcode is not None
+    shutdown_engine_core(core, addresses)
+    if metrics_dir is not None:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    code = 1 if failed or core_died else 0
+    log.info("server stopped%s", "" if code == 0 else " after a failure")
+    return code
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontendOptions:
+    served_model_name: list[str] | None
+    api_key: str | None
+    stream_interval: int
+    shutdown_timeout: float
+    enable_access_log: bool
+    timeout_keep_alive: int
+    log_level: str
+
+
+def run_frontend(opts: FrontendOptions, addresses: CoreAddresses, index: int, core_pid: int,
+                 sock: socket.socket) -> None:
+    """Entry point of a front-end process: serve until drained (exit 0) or the core dies (exit 1)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prometheus_client.disable_created_metrics()  # no *_created series next to every counter
+    client = EngineClient(addresses, index, core_pid, stream_interval=opts.stream_interval)
+    app = build_app(client, opts.served_model_name, opts.api_key)
+    srv: ServerState = app.state.server
+    config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.enable_access_log,
+                            timeout_graceful_shutdown=GRACEFUL_CLOSE_S, timeout_keep_alive=opts.timeout_keep_alive)
+    server = _DrainingServer(config, srv, opts.shutdown_timeout)
+
+    def on_dead() -> None:  # answer what is in flight (503), then go: the supervisor stops the rest
+        server.should_exit = True
+
+    client.on_dead = on_dead
+    server.run(sockets=[sock])
+    sys.exit(1 if client.error is not None else 0)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT drains the front-end (ServerState.drain) before it exits."""
+
+    def __init__(self, config: uvicorn.Config, srv: ServerState, timeout: float) -> None:
+        super().__init__(config)
+        self.srv, self.timeout, self.draining = srv, timeout, False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # not uvicorn's: it would stop at once and re-raise the signal after (exit code -15)
+        if not self.started or self.srv.loop is None:
+            os._exit(0)  # still starting: nothing in flight
+        if not self.draining:
+            self.draining = True
+            self.srv.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        await self.srv.drain(self.timeout)
+        self.should_exit = True
