@@ -15,7 +15,8 @@ from specserve.config import ModelConfig
 from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from specserve.train import data as D
 from specserve.train.attention import TTTBackend
-from specserve.train.eagle3 import TrainConfig, load_init_head, simulate_accept_length, train
+from specserve.train.checkpoint import load_init_head
+from specserve.train.eagle3 import TrainConfig, simulate_accept_length, train
 from specserve.train.target import Target
 from specserve.train.vocab import build_vocab_map, count_tokens
 
