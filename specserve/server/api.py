@@ -155,6 +155,12 @@ async def _collect(srv: ServerState, state: RequestState, request: Request) -> b
         srv.client.abort(state.request_id)  # a no-op once finished
 
 
+async def _abort(client: EngineClient, request_id: str) -> None:
+    """After a stream: abort it if it has not finished (a no-op once finished). A coroutine, so it runs
+    on the event loop (a plain function would go to a worker thread, racing the loop on the socket)."""
+    client.abort(request_id)
+
+
 _json = msgspec.json.Encoder()
 
 
@@ -296,7 +302,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         if body.stream:
             gen = _chat_stream(srv, state, created, model, top_n, body.include_usage)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(client.abort, request_id))
+                                     background=BackgroundTask(_abort, client, request_id))
         if not await _collect(srv, state, request):
             return Response(status_code=499)  # client closed the request; nobody reads this
         choice: dict[str, Any] = {
@@ -332,7 +338,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         if body.stream:
             gen = _completion_stream(srv, state, created, model, top_n, body.include_usage, echo_text)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(client.abort, request_id))
+                                     background=BackgroundTask(_abort, client, request_id))
         if not await _collect(srv, state, request):
             return Response(status_code=499)
         logprobs = None
