@@ -237,8 +237,8 @@ def warm_up_server(url: str, requests: list[BenchRequest]) -> None:
 
 
 def prompts_for(concurrency: int, args: argparse.Namespace) -> int:
-    """Prompts run at this concurrency: enough to keep it busy, not 480 one at a time."""
-    return min(args.num_prompts, max(args.min_prompts, args.prompts_per_concurrency * concurrency))
+    """Requests run at this concurrency: enough for a steady state (the prompts cycle), not 480 one at a time."""
+    return min(args.max_requests, max(args.min_prompts, args.prompts_per_concurrency * concurrency))
 
 
 def _headline(summary: dict[str, Any]) -> dict[str, Any]:
@@ -280,7 +280,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks = args.num_kv_blocks or max(concurrencies) * math.ceil(
         (args.max_input_len + args.output_len) / base.block_size) + 64
     base = replace(base, max_num_seqs=max(concurrencies), num_kv_blocks=num_blocks,
-                   max_waiting_requests=max(args.num_prompts, base.max_waiting_requests))
+                   max_waiting_requests=max(args.max_requests, base.max_waiting_requests))
 
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -317,7 +317,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 warm_up_server(server.url, requests[: args.warmup])
             for ci, c in enumerate(concurrencies):
                 n = prompts_for(c, args)
-                parts = [range(n)[r :: args.rounds] for r in range(args.rounds)]
+                parts = [[i % len(prompts) for i in range(n)[r :: args.rounds]] for r in range(args.rounds)]
                 sides: dict[str, list] = {"offline": [[], 0.0, 0.0], "served": [[], 0.0, 0.0]}
                 for ri, part in enumerate(parts):  # rounds alternate which side goes first
                     order = ("offline", "served") if (ci + ri) % 2 == 0 else ("served", "offline")
@@ -400,8 +400,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts-file", default=None,
                    help="JSON list of prompts instead of ShareGPT (e.g. benchmarks/data/sharegpt_prompts_seed0.json)")
     g.add_argument("--prompts-per-concurrency", type=int, default=8,
-                   help="a run at concurrency C takes min(num-prompts, max(min-prompts, this x C)) prompts")
+                   help="a run at concurrency C takes min(max-requests, max(min-prompts, this x C)) requests")
     g.add_argument("--min-prompts", type=int, default=64)
+    g.add_argument("--max-requests", type=int, default=2048,
+                   help="most requests a run takes (the prompts repeat past --num-prompts)")
     g.add_argument("--output-len", type=int, default=256, help="max_tokens per request (natural stops end earlier)")
     g.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
     g.add_argument("--warmup", type=int, default=8, help="short requests through each side before measuring")
