@@ -242,7 +242,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     base = engine_config_from_args(args, default_speculative=False)
     draft_path = args.speculative_draft_model_path
     if draft_path is None and args.model is None and any(CONFIGS[n] for n in names):
-        from specserve.speculative.drafter import default_draft_path
+        from specserve.config import default_draft_path
 
         draft_path = default_draft_path()
     num_blocks = args.num_kv_blocks or max(concurrencies) * math.ceil(

@@ -215,12 +215,14 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
                     log_level: int = logging.INFO) -> None:
     """Entry point of the engine-core process (multiprocessing, spawn)."""
     from specserve.engine.heap import freeze_startup_heap
+    from specserve.engine.threads import set_cpu_threads
 
     # a Ctrl-C or a SIGTERM to the whole process group (systemd, `timeout`): the front-ends drain first,
     # then the supervisor sends Shutdown
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_cpu_threads(reserved=len(addresses.outputs))  # a core for each front-end (tokenize, stream)
     core = None
     try:
         engine = engine_factory()
