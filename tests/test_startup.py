@@ -109,3 +109,21 @@ def test_a_profile_taken_on_a_busy_machine_is_cached_and_reused(monkeypatch: pyt
     profile.load_or_profile_costs(d)
     assert taken == [1, 1]
     assert json.load(open(path))  # a readable cache file
+
+
+def test_packed_row_threshold_is_measured_once_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The fp32 packed-row threshold is part of the cost profile's key: timed at every start, a busy
+    machine got another value (and so a new key, and a new profile) at each start."""
+    import torch
+
+    from specserve.models import cpu_packing
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_packing, "_MIN_ROWS", {})
+    rows = cpu_packing.packed_min_rows(torch.float32)
+    table = json.load(open(tmp_path / "cpu_packing_min_rows.json"))
+    assert list(table.values()) == [rows]
+    key = next(iter(table))
+    json.dump({key: 7}, open(tmp_path / "cpu_packing_min_rows.json", "w"))  # not a value it could measure
+    monkeypatch.setattr(cpu_packing, "_MIN_ROWS", {})
+    assert cpu_packing.packed_min_rows(torch.float32) == 7  # the next process reads it

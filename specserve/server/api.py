@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -311,6 +312,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
             "speculative_algorithm": getattr(spec, "algorithm", None),
             "engine_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
             "engine_core_pid": srv.info.core_pid,
+            "front_end_pid": os.getpid(),
             "internal_states": [state],
         })
 
