@@ -65,9 +65,10 @@ def test_default_threads_are_physical_cores_less_the_reserved(monkeypatch: pytes
 
     cores = threads.physical_cores()
     assert 1 <= cores <= (os.cpu_count() or 1)
-    assert threads.default_num_threads(0) == cores
-    assert threads.default_num_threads(1) == max(1, cores - 1)
-    assert threads.default_num_threads(10_000) == 1
+    assert threads.default_num_threads(0, busy=0) == cores
+    assert threads.default_num_threads(1, busy=0) == max(1, cores - 1)
+    assert threads.default_num_threads(0, busy=1) == max(1, cores - 1)  # a busy neighbour: one core less
+    assert threads.default_num_threads(10_000, busy=0) == 1 == threads.default_num_threads(0, busy=10_000)
     before = torch.get_num_threads()
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

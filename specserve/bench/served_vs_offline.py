@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from specserve.bench.datasets import BenchRequest, sample_sharegpt_requests
+from specserve.server.args import add_serve_args
 from specserve.bench.metrics import RequestResult, summarize
 from specserve.bench.serving import (
     BenchConfig,
@@ -146,10 +147,9 @@ class ServerProcess:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ns = argparse.Namespace(host="127.0.0.1", port=port, api_key=None, served_model_name=None, max_waiting=None,
-                                api_server_count=api_server_count, stream_interval=stream_interval,
-                                shutdown_timeout=5.0, enable_access_log=False, timeout_keep_alive=30,
-                                uvicorn_log_level="warning")
+        ns = add_serve_args(argparse.ArgumentParser()).parse_args([
+            "--port", str(port), "--api-server-count", str(api_server_count), "--stream-interval", str(stream_interval),
+            "--shutdown-timeout", "5", "--uvicorn-log-level", "warning"])
         self.url = f"http://127.0.0.1:{port}"
         self.proc = multiprocessing.get_context("spawn").Process(target=_serve_child, args=(ns, config))
         self.proc.start()
