@@ -211,6 +211,14 @@ def shutdown_engine_core(proc: Any, addresses: CoreAddresses, timeout: float = 1
     shutil.rmtree(addresses.input[len("ipc://") :].rsplit("/", 1)[0], ignore_errors=True)
 
 
+def build_engine(config: Any) -> Any:
+    """The engine-core process's engine (module level, here: a spawned core unpickles it without
+    importing the HTTP side)."""
+    from specserve.engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
 def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses, parent_pid: int,
                     log_level: int = logging.INFO) -> None:
     """Entry point of the engine-core process (multiprocessing, spawn)."""

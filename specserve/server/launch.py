@@ -32,7 +32,7 @@ import uvicorn
 from specserve.server.api import ServerState, build_app
 from specserve.server.args import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_REQUEST_BYTES, check_serve_args
 from specserve.server.client import EngineClient
-from specserve.server.engine_core import CoreAddresses, run_engine_core, shutdown_engine_core
+from specserve.server.engine_core import CoreAddresses, build_engine, run_engine_core, shutdown_engine_core
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +110,6 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def build_engine(config: Any) -> Any:
-    """The engine-core process's engine (module level: picklable for spawn)."""
-    from specserve.engine.engine import LLMEngine
-
-    return LLMEngine(config)
 
 
 def main(args: argparse.Namespace) -> None:
