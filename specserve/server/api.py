@@ -161,6 +161,26 @@ async def _collect(srv: ServerState, state: RequestState, request: Request) -> b
 _json = msgspec.json.Encoder()
 
 
+class _ApiKeyCheck:
+    """Bearer-key check on /v1 routes, as plain ASGI (starlette's BaseHTTPMiddleware wraps every
+    streamed chunk in an extra task and queue)."""
+
+    def __init__(self, app: Any, srv: ServerState) -> None:
+        self.app, self.srv = app, srv
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        key = self.srv.api_key
+        if key is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+                response = _error(401, "Missing or invalid API key (send `Authorization: Bearer <key>`).",
+                                  "AuthenticationError", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
@@ -256,16 +276,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         return _error(500, f"Internal server error: {type(exc).__name__}: {exc}", "InternalServerError",
                       "internal_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if srv.api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), srv.api_key):
-                return _error(401, "Missing or invalid API key (send `Authorization: Bearer <key>`).",
-                              "AuthenticationError", "invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    app.add_middleware(_ApiKeyCheck, srv=srv)
 
     # ------------------------------------------------------------ info endpoints
 
