@@ -114,6 +114,8 @@ STRICT = [
     ("/v1/chat/completions", {"messages": USER, "logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": USER, "seed": "7"}, "seed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "echo": "true"}, "echo"),
     ("/v1/completions", {"prompt": ["1", 2]}, "prompt"),

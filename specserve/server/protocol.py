@@ -7,10 +7,9 @@ responses are plain dicts built here, shaped like OpenAI's (plus extension field
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
-from pydantic.types import Strict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.sampling_params import SamplingParams
 
@@ -35,27 +34,25 @@ def error_body(message: str, err_type: str, code: str | None = None, param: str 
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-# Strict where OpenAI is: `"max_tokens": "10"`, `"stream": "yes"`, `"temperature": "0.5"` are 400s
-# (a JSON integer is still a valid float).
-Int = StrictInt
-Bool = StrictBool
-Str = StrictStr
-Float = Annotated[float, Strict()]
+# Request models are strict, as OpenAI is: `"max_tokens": "10"`, `"stream": "yes"` are 400s, not coerced
+# (a JSON integer is still a float). JSON object keys are strings: a dict field keyed by token ids is
+# dict[str, ...], converted after validation.
+_STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 # ---------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: Bool = False
-    continuous_usage_stats: Bool = False
+    model_config = _STRICT
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Base(BaseModel):
     # extra="ignore": clients send fields we do not use (user, metadata, ...); NaN/inf are not
     # numbers a sampler can use, so reject them at parse time.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(_STRICT, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -65,24 +62,24 @@ class _Base(BaseModel):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-    model: Str | None = None
-    temperature: Float | None = None
-    top_p: Float | None = None
-    top_k: Int | None = None
-    min_p: Float | None = None
-    seed: Int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
-    stop: Str | list[Str] | None = None
-    stop_token_ids: list[Int] | None = None
-    n: Int = 1
-    stream: Bool = False
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_UINT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # extensions (vLLM / SGLang bench clients send these)
-    ignore_eos: Bool = False
-    min_tokens: Int = 0
-    include_stop_str_in_output: Bool = False
-    max_spec_tokens: Int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    max_spec_tokens: int | None = None
 
     def _check_common(self) -> None:
         if self.n != 1:
@@ -120,10 +117,10 @@ class _Base(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[dict[str, Any]] | None = None
-    name: Str | None = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -146,10 +143,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Base):
     messages: list[ChatMessage]
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
-    logprobs: Bool = False
-    top_logprobs: Int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -169,12 +166,12 @@ class ChatCompletionRequest(_Base):
 
 
 class CompletionRequest(_Base):
-    prompt: Str | list[Int] | list[Str] | list[list[Int]]
-    max_tokens: Int | None = 16
-    logprobs: Int | None = None
-    echo: Bool = False
-    best_of: Int | None = None
-    suffix: Str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_common()
