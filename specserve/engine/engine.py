@@ -91,10 +91,10 @@ class LLMEngine:
         src = load_model_source(config.model, tokenizer_path=config.tokenizer,
                                 require_weights=config.load_format != "dummy")
         self.model_config = src.config
+        log.info("loading the %s of %s (%s) on %s/%s...", "dummy weights" if config.load_format == "dummy" else "weights",
+                 os.path.basename(src.path), src.format, self.device, str(self.dtype).replace("torch.", ""))
         self.tokenizer = src.tokenizer
         self.model_name = served_model_name(config.model)
-        log.info("loading %s weights of %s (%s) on %s/%s...", "dummy" if config.load_format == "dummy" else "the",
-                 self.model_name, src.format, self.device, str(self.dtype).replace("torch.", ""))
         model = build_model(src.config, self.device, self.dtype)
         if config.load_format == "dummy":
             model.load_weights(dummy_weights(src.config, self.device))
@@ -102,8 +102,6 @@ class LLMEngine:
             model.load_weights(src.weights())
         model.eval()
         self.packed_linears = pack_for_cpu(model, config.cpu_weight_packing, self.device, self.dtype)
-        log.info("weights loaded%s at %.1fs", f", {self.packed_linears} linear layers packed for oneDNN"
-                 if self.packed_linears else "", time.perf_counter() - t0)
         num_blocks = num_kv_blocks_for(config, src.config, self.dtype, self.device)
         self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
