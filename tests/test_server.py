@@ -135,6 +135,43 @@ def test_prompt_too_long_and_huge_max_tokens_are_400_with_lengths(live: Live) ->
         live.client.completions.create(model="default", prompt=[1, 10**7], max_tokens=1)
 
 
+def test_stop_reason_is_null_for_eos_and_the_id_for_a_stop_token(live: Live) -> None:
+    body = {"model": "default", "messages": CHAT, "max_tokens": 64, "temperature": 0}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["stop_reason"] is None  # EOS, as vLLM
+    ids = live.tokenizer.encode(r["message"]["content"])
+    r = httpx.post(live.url + "/v1/chat/completions", json={**body, "stop_token_ids": [ids[1]]},
+                   timeout=120).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["stop_reason"] == ids[1]
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(live: Live) -> None:
+    """~2 MB of prompt takes the tokenizer a second or more; /health keeps answering meanwhile."""
+    import threading
+
+    done: list[float] = []
+    answer: list[httpx.Response] = []
+
+    def big() -> None:
+        answer.append(httpx.post(live.url + "/v1/completions", json={"prompt": "hello world. " * 160_000,
+                                                                      "max_tokens": 1}, timeout=120))
+        done.append(time.monotonic())
+
+    t = threading.Thread(target=big)
+    start = time.monotonic()
+    t.start()
+    beats = []
+    while t.is_alive():
+        assert httpx.get(live.url + "/health", timeout=60).status_code == 200
+        beats.append(time.monotonic())
+        time.sleep(0.01)
+    t.join()
+    assert answer[0].status_code == 400 and str(MAX_MODEL_LEN) in answer[0].text  # far too long
+    took = done[0] - start
+    gaps = [b - a for a, b in zip([start, *beats], beats)]
+    assert max(gaps) < took / 2, (max(gaps), took)  # not one long stall while it was tokenized
+
+
 def _blocks(e) -> tuple[dict[str, int], int]:
     held = {rid: len(r.kv.block_table) for rid, r in e.requests.items()}
     return held, e.blocks.num_blocks - e.blocks.num_free_blocks

@@ -146,7 +146,7 @@ class ServerProcess:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        from specserve.server.launch import add_serve_args
+        from specserve.server.args import add_serve_args
 
         ns = add_serve_args(argparse.ArgumentParser()).parse_args(
             ["--host", "127.0.0.1", "--port", str(port), "--api-server-count", str(api_server_count),
@@ -274,7 +274,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     base = engine_config_from_args(args, default_speculative=False)
     draft_path = args.speculative_draft_model_path
     if draft_path is None and args.model is None and any(CONFIGS[n] for n in names):
-        from specserve.speculative.drafter import default_draft_path
+        from specserve.config import default_draft_path
 
         draft_path = default_draft_path()
     num_blocks = args.num_kv_blocks or max(concurrencies) * math.ceil(

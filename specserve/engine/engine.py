@@ -91,6 +91,8 @@ class LLMEngine:
         src = load_model_source(config.model, tokenizer_path=config.tokenizer,
                                 require_weights=config.load_format != "dummy")
         self.model_config = src.config
+        log.info("loading the %s of %s (%s) on %s/%s...", "dummy weights" if config.load_format == "dummy" else "weights",
+                 os.path.basename(src.path), src.format, self.device, str(self.dtype).replace("torch.", ""))
         self.tokenizer = src.tokenizer
         self.model_name = served_model_name(config.model)
         model = build_model(src.config, self.device, self.dtype)

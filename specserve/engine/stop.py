@@ -33,8 +33,8 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
     p = req.params
     tok = req.output_token_ids[-1]
     n_out = req.num_output_tokens
-    if stops_at_token(req, tok, n_out, eos_token_ids):
-        return "stop", tok
+    if stops_at_token(req, tok, n_out, eos_token_ids):  # stop_reason: the stop token's id, None for EOS (vLLM)
+        return "stop", tok if tok in p.stop_token_ids else None
     if n_out >= p.min_tokens:
         if p.stop_list:
             found = find_stop_string(req.text, p.stop_list, new_text_start)

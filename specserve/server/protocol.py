@@ -29,15 +29,22 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def error_body(message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> dict:
+def error_body(message: str, err_type: str, code: str | None = None, param: str | None = None) -> dict:
+    """The one error shape of every endpoint and stream: OpenAI's (``code`` a string or null)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+# Request models are strict, as OpenAI is: `"max_tokens": "10"`, `"stream": "yes"` are 400s, not coerced
+# (a JSON integer is still a float). JSON object keys are strings: a dict field keyed by token ids is
+# dict[str, ...], converted after validation.
+_STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 # ---------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -45,7 +52,7 @@ class StreamOptions(BaseModel):
 class _Base(BaseModel):
     # extra="ignore": clients send fields we do not use (user, metadata, ...); NaN/inf are not
     # numbers a sampler can use, so reject them at parse time.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(_STRICT, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -110,7 +117,7 @@ class _Base(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

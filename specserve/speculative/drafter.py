@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.attention.tree_draft import TreeDraftBackend
+from specserve.config import DEFAULT_HEAD, default_draft_path  # noqa: F401  (DEFAULT_HEAD: for tests)
 from specserve.engine import sampler
 from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
@@ -52,16 +52,6 @@ if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
-
-DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-eagle3"
-
-
-def default_draft_path() -> str:
-    if not (DEFAULT_HEAD / "config.json").exists():
-        raise FileNotFoundError(f"no draft head given and the default head is missing at {DEFAULT_HEAD}; "
-                                "pass --speculative-draft-model-path")
-    return str(DEFAULT_HEAD)
-
 
 class EagleSpeculator:
     def __init__(self, engine: "LLMEngine") -> None:
