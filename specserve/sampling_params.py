@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from specserve.structured.params import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.Enum):
     """What each of a request's outputs holds (as vLLM's): everything so far, what is new since the
@@ -32,6 +34,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: just the sampled one)
     max_spec_tokens: int | None = None  # per-request cap on drafted tokens; 0 disables speculation
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # the output follows this grammar (a JSON schema, regex, choice, ...; a dict is read as its fields)
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_list: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -41,6 +45,7 @@ class SamplingParams:
             self.stop_list = list(self.stop or [])
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

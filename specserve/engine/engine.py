@@ -110,6 +110,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or ctx, kv_capacity)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
+        self._grammars = None  # structured.grammar.GrammarCompiler, built by the first constrained request
         gc_pauses.install()
         self.step_started = 0.0  # gc_pauses.clock() at the start of the current step()
         self.step_ended = 0.0  # ... and at the end of the last step() that served requests
@@ -157,11 +158,21 @@ class LLMEngine:
             )
         req = Request(request_id, text, ids, params, arrival_time=arrival_time or time.time())
         req.detok = IncrementalDetokenizer(self.tokenizer, ids)
+        if params.structured_outputs is not None:
+            req.grammar = self._grammar_state(request_id, params)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(ids)
+
+    def _grammar_state(self, request_id: str, params: SamplingParams):
+        from specserve.structured.grammar import GrammarCompiler
+        from specserve.structured.matcher import GrammarState
+
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return GrammarState(self._grammars.compile(params.structured_outputs), request_id)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -210,7 +221,9 @@ class LLMEngine:
         elif launched is None:
             launched = self.runner.launch(plan)
         went_ahead = False
-        if self.overlap and (d is None or d.plain_next(plan)):
+        # (a grammar masks a request's next token by the one this step samples: the host must see it first)
+        if self.overlap and not any(s.req.grammar is not None for s in plan.scheduled if s.samples) and (
+                d is None or d.plain_next(plan)):
             self.scheduler.advance(plan)
             nxt = self.scheduler.schedule()
             if nxt.scheduled:

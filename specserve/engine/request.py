@@ -43,6 +43,7 @@ class Request:
     detok: object | None = None  # IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None  # structured.matcher.GrammarState: what its committed tokens allow next
     metrics: RequestMetrics = field(init=False)
     # speculation: tokens drafted for the next verify (target ids)
     draft_token_ids: list[int] = field(default_factory=list)
@@ -96,5 +97,7 @@ class Request:
         return self.num_tokens - self.num_computed_tokens > 1
 
     def append_token(self, token_id: int) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -359,6 +359,10 @@ class ModelRunner:
             return LaunchedStep(None, {})
         rows = host_to_device([a for a, _ in inputs.sample_spans], self.device)
         logits = self.model.compute_logits(hidden[rows])
+        if any(s.req.grammar is not None for s in sampling):
+            from specserve.structured.matcher import mask_step  # (xgrammar: imported once one is used)
+
+            mask_step(logits, [(s.req.grammar, None) for s in sampling], self.mc.vocab_size)
         if all(s.req.params.greedy for s in sampling):
             tokens = logits.argmax(dim=-1)  # building a SamplingBatch would copy (and sync) 4 tensors
         else:

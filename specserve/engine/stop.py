@@ -35,6 +35,8 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
     n_out = req.num_output_tokens
     if stops_at_token(req, tok, n_out, eos_token_ids):
         return "stop", tok
+    if req.grammar is not None and req.grammar.terminated:  # (at a stop token the grammar allowed)
+        return "stop", tok
     if n_out >= p.min_tokens:
         if p.stop_list:
             found = find_stop_string(req.text, p.stop_list, new_text_start)

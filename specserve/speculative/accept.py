@@ -86,7 +86,8 @@ def accept_chains_sampled(p: torch.Tensor, drafts: torch.Tensor, num_drafts: tor
         p_d = p[:, :K].gather(-1, drafts[..., None])[..., 0]
         q_d = q.gather(-1, drafts[..., None])[..., 0]
         u = uniform_noise((R, K), generators, shared, p.device)
-        ok = (u * q_d <= p_d) & (torch.arange(K, device=p.device)[None] < num_drafts[:, None])
+        # (strict: a draft p rules out, by a grammar's mask say, is never accepted, whatever u)
+        ok = (u * q_d < p_d) & (torch.arange(K, device=p.device)[None] < num_drafts[:, None])
         acc = ok.long().cumprod(1).sum(1)
         rejected = acc < num_drafts
         q_at = q[rows, acc.clamp(max=K - 1)] * rejected[:, None]

@@ -238,6 +238,8 @@ class EagleSpeculator:
         if early is None and sampling:
             rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
             logits = self.target.compute_logits(hidden[rows])
+        if any(s.req.grammar is not None for s in sampling):  # (such steps are never launched early)
+            pending = self._mask_grammars(sampling, logits, inputs, pending, pending_rows, tree_extra)
         sb = None if all(s.req.params.greedy for s in sampling) else sampler.SamplingBatch.build(
             [s.req.params for s in sampling], [s.req.generator for s in sampling], self.device)
         argmax_host: list[int] = []
@@ -274,6 +276,20 @@ class EagleSpeculator:
         accepted = [r.num_accepted for r in results]
         self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=[r.tokens for r in results], logprobs=lps, num_accepted_drafts=accepted)
+
+    def _mask_grammars(self, sampling, logits, inputs, pending, pending_rows, tree_extra) -> list:
+        """Grammar masks on every verified row, along each request's drafts (read back first where they are
+        still on the device); returns the drafts still pending (none)."""
+        from specserve.structured.matcher import mask_step
+
+        if pending:
+            vals = torch.cat([inputs.input_ids.index_select(0, pending_rows)]
+                             + ([] if tree_extra is None else [tree_extra])).tolist()
+            self.pipeline.resolve_drafts(pending, vals)
+        trees = [s.tree.truncated(len(s.draft_token_ids)) if s.tree is not None
+                 else DraftTree.chain(0, s.draft_token_ids) for s in sampling]
+        mask_step(logits, [(s.req.grammar, t) for s, t in zip(sampling, trees)], self.engine.model_config.vocab_size)
+        return []
 
     def _accept(self, sampling, logits, argmax: list[int], sb, compact: bool) -> list[Accepted]:
         """Per sampling request: accepted path and tokens; sampled chains in one batch; trees' accepted
