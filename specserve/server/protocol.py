@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.sampling_params import SamplingParams
+from specserve.structured import openai_fields, tools as T
 
 MAX_TOP_LOGPROBS = 20
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
@@ -73,6 +74,19 @@ class _Base(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     max_spec_tokens: int | None = None
+    # structured outputs (vLLM's extras): structured/openai_fields.py
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def _structured(self, **more: Any) -> Any:
+        names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+        try:
+            return openai_fields.structured_outputs({**{n: getattr(self, n) for n in names}, **more})
+        except openai_fields.FieldError as e:
+            raise BadRequest(str(e), e.param) from e
 
     def _check_common(self) -> None:
         if self.n != 1:
@@ -83,8 +97,9 @@ class _Base(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, structured: Any = None) -> SamplingParams:
         kwargs: dict[str, Any] = dict(
+            structured_outputs=structured,
             max_tokens=max_tokens,
             seed=self.seed,
             stop=self.stop,
@@ -114,6 +129,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
     @field_validator("content")
     @classmethod
@@ -140,6 +157,16 @@ class ChatCompletionRequest(_Base):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> T.ToolPlan | None:
+        try:
+            return T.plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except T.ToolError as e:
+            raise BadRequest(str(e), e.param) from e
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -152,10 +179,21 @@ class ChatCompletionRequest(_Base):
                 raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        structured = self._structured(response_format=self.response_format)
+        plan = self.tool_plan()
+        if plan is not None and plan.active:
+            if structured is not None and plan.mode != "auto":
+                raise BadRequest(f"tool_choice {plan.mode!r} fixes the output's format: leave out response_format "
+                                 "and guided_*", "tool_choice")
+            structured = structured or plan.structured_outputs()
+        return self._sampling_params(max_tokens, logprobs, structured)
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        msgs = [{"role": m.role, "content": m.text(), "tool_calls": m.tool_calls} for m in self.messages]
+        try:
+            return T.render_messages(msgs, self.tool_plan())
+        except T.ToolError as e:
+            raise BadRequest(str(e), e.param) from e
 
 
 class CompletionRequest(_Base):
@@ -174,7 +212,7 @@ class CompletionRequest(_Base):
             raise BadRequest("suffix is not supported", "suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self._structured())
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused: n=1, one choice)."""

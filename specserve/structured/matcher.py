@@ -40,10 +40,10 @@ class GrammarState:
         for j in range(n - 1, 0, -1):  # parents come before children: the first child ends up first
             p = tree.parents[j]
             next_sibling[j], first_child[p] = first_child[p], j
-        bitmask.fill_(-1)
         self.matcher.traverse_draft_tree(torch.tensor(first_child, dtype=torch.int64),
                                          torch.tensor(next_sibling, dtype=torch.int64),
                                          torch.tensor(tree.tokens, dtype=torch.int64), bitmask)
+        bitmask[(bitmask == 0).all(dim=1)] = -1  # rows xgrammar did not reach (below a rejected draft)
 
 
 def mask_rows(logits: torch.Tensor, spans: list[tuple[int, GrammarState, DraftTree]], vocab_size: int) -> None:
