@@ -24,6 +24,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI: minus this where a token is in the output, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF: prompt and output tokens' logits / it (> 0) or * it (<= 0)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
@@ -47,6 +51,8 @@ class SamplingParams:
             self.stop_token_ids = []
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self.validate()
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
@@ -72,6 +78,20 @@ class SamplingParams:
             bad(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if self.max_spec_tokens is not None and self.max_spec_tokens < 0:
             bad(f"max_spec_tokens must be >= 0, got {self.max_spec_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                bad(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty < float("inf"):
+            bad(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad(f"logit_bias must map token ids to biases, got {self.logit_bias!r:.100}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    bad(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    bad(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -80,3 +100,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def seeded(self) -> bool:
+        """Drawn at random from its own seed: each draw a function of (seed, output index) alone."""
+        return self.seed is not None and not self.greedy
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its rows take edits before sampling (logits_process): penalties, a bias, or EOS and
+        stop tokens masked before min_tokens."""
+        masks = self.min_tokens > 0 and (bool(self.stop_token_ids) or not self.ignore_eos)
+        return self.penalized or bool(self.logit_bias) or masks

@@ -2,7 +2,7 @@
 draft chains and trees, tool calls (grammar, parsing, streaming) and the OpenAI request fields."""
 
 import json
-import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +12,9 @@ xgr = pytest.importorskip("xgrammar")
 from specserve.loader import load_model_source  # noqa: E402
 from specserve.speculative.tree import DraftTree  # noqa: E402
 from specserve.structured.grammar import GrammarCompiler, GrammarError, check  # noqa: E402
-from specserve.structured.matcher import GrammarState, GrammarViolation, mask_step  # noqa: E402
+from specserve.engine.logits_process import chain_prefixes, process  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.structured.matcher import GrammarState, GrammarViolation, prefix_tree  # noqa: E402
 from specserve.structured.openai_fields import FieldError, structured_outputs  # noqa: E402
 from specserve.structured.params import StructuredOutputsParams as SO  # noqa: E402
 from specserve.structured.tools import (ToolCallStream, ToolError, parse_tool_calls, plan_tools,  # noqa: E402
@@ -148,20 +150,29 @@ def test_tree_rows_and_rows_below_a_rejected_draft(compiler, tok):
         state.accept(bad)
 
 
-def test_mask_step_masks_constrained_rows_only(compiler, tok):
+def test_prefix_tree():
+    t = prefix_tree([[], [5], [5, 6], [7], [5, 8]])
+    assert (t.tokens, t.parents, t.depths) == ([0, 5, 6, 7, 8], [-1, 0, 1, 0, 1], [0, 1, 2, 1, 2])
+    assert prefix_tree(chain_prefixes([3, 4])).parents == [-1, 0, 1]
+
+
+def test_the_logits_processor_masks_the_requests_rows(compiler, tok):
+    """Through the engine's hook: rows after [], [yes] of a request with committed output "" and a
+    free request's row around it are left alone."""
     state = GrammarState(compiler.compile(SO(choice=["yes", "no"])), "r")
     y = tok.encode("yes")[0]
-    logits = torch.randn(1 + 2 + 1, V)
-    before = logits.clone()
-    # rows: [free request: 1] [constrained, one draft: 2] [constrained plain: 1]
-    mask_step(logits, [(None, None), (state, DraftTree.chain(0, [y])), (state, None)], V)
-    assert torch.equal(logits[0], before[0])
-    for r in (1, 3):
-        finite = set(torch.isfinite(logits[r]).nonzero().flatten().tolist())
-        assert y in finite and len(finite) < 100
-        assert torch.equal(logits[r][list(finite)], before[r][list(finite)])
-    assert set(torch.isfinite(logits[2]).nonzero().flatten().tolist()) == {2}
-    assert math.isinf(logits[2, y])
+    req = SimpleNamespace(request_id="r", params=SamplingParams(temperature=0), prompt_token_ids=[1],
+                          output_token_ids=[], num_output_tokens=0, num_prompt_tokens=1, num_pending_tokens=0,
+                          logits_processors=[state])
+    logits = torch.randn(4, V)
+    out = process(logits, [(req, 1, chain_prefixes([y]))], frozenset({2}))
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[3], logits[3])
+    finite = set(torch.isfinite(out[1]).nonzero().flatten().tolist())
+    assert y in finite and len(finite) < 100 and torch.equal(out[1][list(finite)], logits[1][list(finite)])
+    assert set(torch.isfinite(out[2]).nonzero().flatten().tolist()) == {2}  # "yes" done: EOS only
+    state.accept(y)
+    with pytest.raises(RuntimeError, match="has seen 1 of 0"):
+        process(logits, [(req, 1, [[]])], frozenset({2}))
 
 
 # ---------------------------------------------------------------- tools

@@ -101,7 +101,8 @@ class LLMEngine:
         model.eval()
         self.packed_linears = pack_for_cpu(model, config.cpu_weight_packing, self.device, self.dtype)
         num_blocks = num_kv_blocks_for(config, src.config, self.dtype, self.device)
-        self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype)
+        self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype,
+                                  eos_token_ids=frozenset(self.tokenizer.eos_token_ids))
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_capacity = num_blocks * config.block_size
         ctx = src.config.max_position_embeddings
@@ -150,6 +151,10 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         params.validate()
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got "
+                             f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
         max_new = params.max_tokens if params.max_tokens is not None else 1
         if len(ids) + max_new > self.max_model_len:
             raise ValueError(
@@ -158,10 +163,9 @@ class LLMEngine:
             )
         req = Request(request_id, text, ids, params, arrival_time=arrival_time or time.time())
         req.detok = IncrementalDetokenizer(self.tokenizer, ids)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None:  # its grammar: state and mask (structured/matcher.py)
             req.grammar = self._grammar_state(request_id, params)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            req.logits_processors.append(req.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(ids)
@@ -221,9 +225,8 @@ class LLMEngine:
         elif launched is None:
             launched = self.runner.launch(plan)
         went_ahead = False
-        # (a grammar masks a request's next token by the one this step samples: the host must see it first)
-        if self.overlap and not any(s.req.grammar is not None for s in plan.scheduled if s.samples) and (
-                d is None or d.plain_next(plan)):
+        # (a request whose logits are processed needs its history on the host: no step goes ahead of it)
+        if self.overlap and not any(s.req.processes_logits for s in plan.scheduled) and (d is None or d.plain_next(plan)):
             self.scheduler.advance(plan)
             nxt = self.scheduler.schedule()
             if nxt.scheduled:

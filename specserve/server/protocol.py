@@ -69,6 +69,8 @@ class _Base(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     # extensions (vLLM / SGLang bench clients send these)
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -91,9 +93,6 @@ class _Base(BaseModel):
     def _check_common(self) -> None:
         if self.n != 1:
             raise BadRequest(f"n must be 1: only one choice per request is supported, got n={self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise BadRequest(f"{name} is not supported (must be 0), got {getattr(self, name)}", name)
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
@@ -109,6 +108,10 @@ class _Base(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             max_spec_tokens=self.max_spec_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
@@ -118,6 +121,18 @@ class _Base(BaseModel):
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e)) from e
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            out[tok] = bias
+        return out
 
     @property
     def include_usage(self) -> bool:

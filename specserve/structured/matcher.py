@@ -1,9 +1,11 @@
-"""A request's grammar state, and the masks of a step's rows.
+"""A request's grammar: its state over the committed output, and the masks of its rows in a step.
 
-The matcher accepts committed tokens only. A verify's rows follow the drafts: row i (the target's
-logits after node i of the draft tree, root 0 = the last committed token) is masked by the grammar's
-state after the path root -> i; xgrammar walks the tree from the committed state and leaves it there.
-Rows below a draft the grammar rejects allow everything: no acceptance rule can reach them.
+The matcher accepts committed tokens only (``Request.append_token``). As a logits processor
+(engine/logits_process.py) it masks each of the request's rows in a step: row i by the grammar's state
+after the committed output and row i's draft prefix (plain step: one row, no drafts; a verify: every
+drafted position and the bonus row, chain or tree). xgrammar walks the draft tree from the committed
+state and leaves it there. Rows below a draft the grammar rejects allow everything: no acceptance rule
+can reach them (the rejected draft's own probability is 0 at its parent's row).
 """
 
 from __future__ import annotations
@@ -15,18 +17,33 @@ from specserve.speculative.tree import DraftTree
 
 
 class GrammarViolation(RuntimeError):
-    """A committed token the grammar does not allow (a mask was not applied where it should have been)."""
+    """A committed token the grammar does not allow (a row was sampled without its mask)."""
+
+
+def prefix_tree(prefixes: list[list[int]]) -> DraftTree:
+    """Rows' draft prefixes as a tree: [[], [a], [a, b], [c]] -> tokens [0, a, b, c], parents [-1, 0, 1, 0]."""
+    index = {(): 0}
+    tokens, parents, depths = [0], [-1], [0]
+    for i, p in enumerate(prefixes[1:], start=1):
+        index[tuple(p)] = i
+        tokens.append(p[-1])
+        parents.append(index[tuple(p[:-1])])
+        depths.append(len(p))
+    return DraftTree(tokens, parents, depths)
 
 
 class GrammarState:
     def __init__(self, compiled: xgr.CompiledGrammar, request_id: str = "") -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = compiled.tokenizer_info.vocab_size
         self.request_id = request_id
+        self.num_accepted = 0
 
     def accept(self, token: int) -> None:
-        """A committed token (the scheduler's commit, through ``Request.append_token``)."""
+        """A committed token."""
         if not self.matcher.accept_token(token):
             raise GrammarViolation(f"request {self.request_id}: token {token} breaks its grammar")
+        self.num_accepted += 1
 
     @property
     def terminated(self) -> bool:
@@ -45,28 +62,13 @@ class GrammarState:
                                          torch.tensor(tree.tokens, dtype=torch.int64), bitmask)
         bitmask[(bitmask == 0).all(dim=1)] = -1  # rows xgrammar did not reach (below a rejected draft)
 
-
-def mask_rows(logits: torch.Tensor, spans: list[tuple[int, GrammarState, DraftTree]], vocab_size: int) -> None:
-    """Mask ``logits`` [N, V] in place: per (first row, state, tree) the rows first .. first + n_nodes."""
-    if not spans:
-        return
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab_size)
-    rows: list[int] = []
-    for first, state, tree in spans:
-        n = len(tree.tokens)
-        state.fill(bitmask[first : first + n], tree)
-        rows.extend(range(first, first + n))
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size,
-                                    indices=rows)
-
-
-def mask_step(logits: torch.Tensor, rows: list[tuple[GrammarState | None, DraftTree | None]], vocab_size: int) -> None:
-    """A step's logits [N, V], each request's rows in turn: (its grammar or None, its draft tree, None for a
-    plain token: one row). Constrained requests' rows are masked in place; the others are left alone."""
-    spans, off = [], 0
-    for state, tree in rows:
-        n = 1 if tree is None else len(tree.tokens)
-        if state is not None:
-            spans.append((off, state, tree if tree is not None else DraftTree.chain(0, [])))
-        off += n
-    mask_rows(logits, spans, vocab_size)
+    def apply(self, logits: torch.Tensor, rows) -> None:
+        """The logits processor (logits_process.LogitsProcessor): ``logits`` [n, V] of ``rows``
+        (a RequestRows), masked in place."""
+        if len(rows.output) != self.num_accepted:
+            raise RuntimeError(f"request {self.request_id}: its grammar has seen {self.num_accepted} of "
+                               f"{len(rows.output)} committed tokens")
+        bitmask = xgr.allocate_token_bitmask(len(rows.drafts), self.vocab_size)
+        self.fill(bitmask, prefix_tree(rows.drafts))
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size)
