@@ -230,7 +230,10 @@ def _call_text(call: Any) -> str:
 
 def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, str]]:
     """Messages for a chat template that knows no tools: the tools in the system message, past tool calls
-    in the assistant's text as the model writes them, tool results as <tool_response> user turns."""
+    in the assistant's text as the model writes them, tool results as <tool_response> user turns. A
+    conversation without tools or tool calls goes to the template as it is."""
+    if plan is None and not any(m.get("tool_calls") for m in messages):
+        return [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
     out: list[dict[str, str]] = []
     for m in messages:
         role, content = m["role"], m.get("content") or ""
