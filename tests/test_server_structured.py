@@ -64,11 +64,11 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [choice.message.tool_calls[0].model_dump()]},
                      {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id,
                       "content": json.dumps({"temperature": 21, "unit": "celsius"})}]
-    r = client.chat.completions.create(model="default", messages=history, tools=TOOLS, temperature=0, max_tokens=30)
+    r = client.chat.completions.create(model="default", messages=history, tools=TOOLS, temperature=0, max_tokens=12)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls") and (msg.content or msg.tool_calls)
     r = client.chat.completions.create(model="default", messages=history, tools=TOOLS, tool_choice="none",
-                                       temperature=0, max_tokens=30)
+                                       temperature=0, max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
@@ -81,7 +81,7 @@ def test_response_format_and_guided_extras(client: openai.OpenAI) -> None:
                                             max_tokens=40, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
     r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Describe a dog in JSON."}],
-                                       response_format={"type": "json_object"}, temperature=0.7, seed=3, max_tokens=48)
+                                       response_format={"type": "json_object"}, temperature=0.7, seed=3, max_tokens=24)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # cut by max_tokens: what there is starts an object

@@ -120,7 +120,7 @@ def sequential_rows(compiled, tokens: list[int]) -> list[set[int]]:
 
 def test_chain_rows_follow_the_drafts_and_leave_the_state_alone(compiler, tok):
     compiled = compiler.compile(SO(json=PERSON))
-    state = GrammarState(compiled, "r")
+    state = GrammarState(compiled, V, "r")
     committed = tok.encode('{"name')
     for t in committed:
         state.accept(t)
@@ -137,7 +137,7 @@ def test_chain_rows_follow_the_drafts_and_leave_the_state_alone(compiler, tok):
 
 
 def test_tree_rows_and_rows_below_a_rejected_draft(compiler, tok):
-    state = GrammarState(compiler.compile(SO(choice=["yes", "no"])), "r")
+    state = GrammarState(compiler.submit(SO(choice=["yes", "no"])), V, "r")
     y, n, bad = tok.encode("yes")[0], tok.encode("no")[0], tok.encode("maybe")[0]
     # root -> {yes, maybe, no}; maybe -> yes (below a draft the grammar rejects)
     tree = DraftTree([0, y, bad, n, y], [-1, 0, 0, 0, 2], [0, 1, 1, 1, 2])
@@ -159,7 +159,7 @@ def test_prefix_tree():
 def test_the_logits_processor_masks_the_requests_rows(compiler, tok):
     """Through the engine's hook: rows after [], [yes] of a request with committed output "" and a
     free request's row around it are left alone."""
-    state = GrammarState(compiler.compile(SO(choice=["yes", "no"])), "r")
+    state = GrammarState(compiler.submit(SO(choice=["yes", "no"])), V, "r")
     y = tok.encode("yes")[0]
     req = SimpleNamespace(request_id="r", params=SamplingParams(temperature=0), prompt_token_ids=[1],
                           output_token_ids=[], num_output_tokens=0, num_prompt_tokens=1, num_pending_tokens=0,

@@ -61,13 +61,13 @@ def test_json_schema_greedy_same_with_speculation_and_valid(plain, chain):
 def test_sampled_outputs_follow_the_schema_with_speculation(plain, chain):
     """Seeded: the same tokens with speculation on or off (each draw a function of the seed and the output
     index, on the masked distribution). Unseeded: rejection sampling against the masked target."""
-    convs = _json_convs()[:4]
-    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=48, structured_outputs={"json": REVIEW})
+    convs = _json_convs()[:3]
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=32, structured_outputs={"json": REVIEW})
     ref, got = plain.chat(convs, seeded), chain.chat(convs, seeded)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    free = chain.chat(convs, SamplingParams(temperature=1.0, max_tokens=48, structured_outputs={"json": REVIEW}))
+    free = chain.chat(convs, SamplingParams(temperature=1.0, max_tokens=32, structured_outputs={"json": REVIEW}))
     done = [o.outputs[0].text for o in got + free if o.outputs[0].finish_reason == "stop"]
-    assert len(done) >= 4
+    assert len(done) >= 3
     for text in done:
         jsonschema.validate(json.loads(text), REVIEW)
 

@@ -176,7 +176,7 @@ class LLMEngine:
 
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return GrammarState(self._grammars.compile(params.structured_outputs), request_id)
+        return GrammarState(self._grammars.submit(params.structured_outputs), self.model_config.vocab_size, request_id)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

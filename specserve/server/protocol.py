@@ -76,17 +76,19 @@ class _Base(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     max_spec_tokens: int | None = None
-    # structured outputs (vLLM's extras): structured/openai_fields.py
+    # structured outputs (OpenAI's response_format, vLLM's extras): structured/openai_fields.py
+    response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    def _structured(self, **more: Any) -> Any:
-        names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    def _structured(self) -> Any:
+        names = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
         try:
-            return openai_fields.structured_outputs({**{n: getattr(self, n) for n in names}, **more})
+            return openai_fields.structured_outputs({n: getattr(self, n) for n in names})
         except openai_fields.FieldError as e:
             raise BadRequest(str(e), e.param) from e
 
@@ -172,7 +174,6 @@ class ChatCompletionRequest(_Base):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -194,7 +195,7 @@ class ChatCompletionRequest(_Base):
                 raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        structured = self._structured(response_format=self.response_format)
+        structured = self._structured()
         plan = self.tool_plan()
         if plan is not None and plan.active:
             if structured is not None and plan.mode != "auto":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
@@ -79,29 +80,39 @@ def tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
 
 
 class GrammarCompiler:
-    """Compiled grammars for one vocabulary, the ``capacity`` most recently used kept by spec."""
+    """Compiled grammars for one vocabulary, the ``capacity`` most recently used kept by spec. A spec is
+    checked at once (GrammarError) and compiled on a worker thread (xgrammar releases the interpreter
+    lock): the engine steps on meanwhile, and the request's first masked row waits for it."""
 
     def __init__(self, tokenizer, vocab_size: int, capacity: int = 256) -> None:
         self.vocab_size = vocab_size
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.capacity = capacity
-        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
-        self.num_compiled = 0  # compilations run (a cache miss each)
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self.num_compiled = 0  # compilations started (a cache miss each)
 
-    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar of ``spec``, as a future; GrammarError now if ``spec`` is no grammar."""
         key = spec.key()
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             return hit
         grammar = build_grammar(spec)
-        try:
-            compiled = self.compiler.compile_grammar(grammar)
-        except Exception as e:
-            raise _error(spec, e) from None
+        future = self._pool.submit(self._compile, spec, grammar)
         self.num_compiled += 1
-        self._cache[key] = compiled
+        self._cache[key] = future
         if len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
-        return compiled
+        return future
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        return self.submit(spec).result()
+
+    def _compile(self, spec: StructuredOutputsParams, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        try:
+            return self.compiler.compile_grammar(grammar)
+        except Exception as e:
+            raise _error(spec, e) from None

@@ -10,6 +10,8 @@ can reach them (the rejected draft's own probability is 0 at its parent's row).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 import xgrammar as xgr
 
@@ -33,11 +35,20 @@ def prefix_tree(prefixes: list[list[int]]) -> DraftTree:
 
 
 class GrammarState:
-    def __init__(self, compiled: xgr.CompiledGrammar, request_id: str = "") -> None:
-        self.matcher = xgr.GrammarMatcher(compiled)
-        self.vocab_size = compiled.tokenizer_info.vocab_size
+    def __init__(self, compiled: xgr.CompiledGrammar | Future, vocab_size: int, request_id: str = "") -> None:
+        self._compiled = compiled  # (a future while the compiler's thread works on it)
+        self._matcher: xgr.GrammarMatcher | None = None
+        self.vocab_size = vocab_size
         self.request_id = request_id
         self.num_accepted = 0
+
+    @property
+    def matcher(self) -> xgr.GrammarMatcher:
+        if self._matcher is None:
+            c = self._compiled
+            self._matcher = xgr.GrammarMatcher(c.result() if isinstance(c, Future) else c)
+            self._compiled = None
+        return self._matcher
 
     def accept(self, token: int) -> None:
         """A committed token."""

@@ -1,7 +1,7 @@
 """OpenAI and vLLM request fields -> StructuredOutputsParams.
 
   response_format  {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
-                   "strict"}} (chat)
+                   "strict"}}
   guided_json, guided_regex, guided_choice, guided_grammar   vLLM's extras (chat and completions)
   structured_outputs  vLLM's newer object: {"json" | "regex" | "choice" | "grammar" | "json_object" | ...}
 At most one of them per request; tool_choice "required" or a named function brings its own grammar.
