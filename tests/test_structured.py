@@ -14,7 +14,8 @@ from specserve.speculative.tree import DraftTree  # noqa: E402
 from specserve.structured.grammar import GrammarCompiler, GrammarError, check  # noqa: E402
 from specserve.engine.logits_process import chain_prefixes, process  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
-from specserve.structured.matcher import GrammarState, GrammarViolation, prefix_tree  # noqa: E402
+from specserve.structured.matcher import (GrammarState, GrammarViolation, mask_draft_logits,  # noqa: E402
+                                         prefix_tree)
 from specserve.structured.openai_fields import FieldError, structured_outputs  # noqa: E402
 from specserve.structured.params import StructuredOutputsParams as SO  # noqa: E402
 from specserve.structured.tools import (ToolCallStream, ToolError, parse_tool_calls, plan_tools,  # noqa: E402
@@ -173,6 +174,35 @@ def test_the_logits_processor_masks_the_requests_rows(compiler, tok):
     state.accept(y)
     with pytest.raises(RuntimeError, match="has seen 1 of 0"):
         process(logits, [(req, 1, [[]])], frozenset({2}))
+
+
+def test_drafts_are_proposed_under_the_grammar_and_rolled_back(compiler, tok):
+    """mask_draft_logits over a draft vocabulary (here: target ids 0..V-1 reversed) keeps what the grammar
+    allows after the drafts so far; end_drafts returns to the committed state."""
+    state = GrammarState(compiler.submit(SO(choice=["yes", "no"])), V, "r")
+    y, n = tok.encode("yes")[0], tok.encode("no")[0]
+    target_ids = torch.arange(V - 1, -1, -1)
+    first = xgr.allocate_token_bitmask(1, V)
+    state.fill(first, DraftTree.chain(0, []))
+    logits = torch.zeros(2, V)
+    mask_draft_logits([None, state], logits, target_ids)
+    assert torch.equal(logits[0], torch.zeros(V))
+    assert set(target_ids[torch.isfinite(logits[1])].tolist()) == allowed(first[0]) >= {y, n}
+    state.draft(y)
+    logits = torch.zeros(1, V)
+    mask_draft_logits([state], logits, target_ids)
+    assert set(target_ids[torch.isfinite(logits[0])].tolist()) == {2}  # "yes" done: EOS only
+    state.draft(2)
+    state.draft(y)  # past the end: no more masks, nothing accepted
+    logits = torch.zeros(1, V)
+    mask_draft_logits([state], logits, target_ids)
+    assert torch.isfinite(logits).all()
+    state.end_drafts()
+    bm = xgr.allocate_token_bitmask(1, V)
+    state.fill(bm, DraftTree.chain(0, []))
+    assert allowed(bm[0]) == allowed(first[0])
+    state.accept(n)
+    assert state.num_accepted == 1
 
 
 # ---------------------------------------------------------------- tools

@@ -56,7 +56,7 @@ class Proposer:
             self._tree_static(todo)
         elif self.topk > 1:
             self._tree(todo, h)
-        elif self.chain_runner is not None and all(r.params.greedy for r, _ in todo):
+        elif self.chain_runner is not None and all(r.params.greedy and r.grammar is None for r, _ in todo):
             self._chain_static(todo)
         else:
             self._chain(todo, h)
@@ -77,7 +77,23 @@ class Proposer:
 
     def _pick(self, reqs: list[Request], logits: torch.Tensor, step: int) -> tuple[list[int], list[torch.Tensor | None]]:
         """Draft ``step`` (1: the first) per request (target ids) and, for sampled requests, its distribution
-        q. A seeded request's draft uses the noise its verify row will (the same output index)."""
+        q. A seeded request's draft uses the noise its verify row will (the same output index). A request with
+        a grammar drafts what it allows (and moves along its drafts, tentatively)."""
+        grammars = [r.grammar for r in reqs]
+        if any(g is not None for g in grammars):
+            from specserve.structured.matcher import mask_draft_logits
+
+            mask_draft_logits(grammars, logits, self.head.draft_to_target(
+                torch.arange(logits.shape[1], device=logits.device)))
+            picks = self._draw(reqs, logits, step)
+            for g, t in zip(grammars, picks[0]):
+                if g is not None:
+                    g.draft(t)
+            return picks
+        return self._draw(reqs, logits, step)
+
+    def _draw(self, reqs: list[Request], logits: torch.Tensor, step: int
+                     ) -> tuple[list[int], list[torch.Tensor | None]]:
         if all(r.params.greedy for r in reqs):
             return self.head.draft_to_target(logits.argmax(-1)).tolist(), [None] * len(reqs)
         full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
@@ -108,6 +124,8 @@ class Proposer:
                 drafts[i].append(t)
                 dprobs[i].append(q)
         for i, r in enumerate(reqs):
+            if r.grammar is not None:
+                r.grammar.end_drafts()
             r.draft_token_ids = drafts[i]
             r.draft_tree = None
             r.spec.draft_probs = None if r.params.greedy or r.params.seeded else torch.stack(dprobs[i])

@@ -41,6 +41,7 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.request_id = request_id
         self.num_accepted = 0
+        self._drafts = 0  # drafts accepted tentatively; -1 - n once draft n + 1 left the grammar
 
     @property
     def matcher(self) -> xgr.GrammarMatcher:
@@ -73,6 +74,27 @@ class GrammarState:
                                          torch.tensor(tree.tokens, dtype=torch.int64), bitmask)
         bitmask[(bitmask == 0).all(dim=1)] = -1  # rows xgrammar did not reach (below a rejected draft)
 
+    # -- drafts: proposed under the grammar too (tentative: rolled back before the verify) ---------------
+    def draft_mask(self, bitmask_row: torch.Tensor) -> bool:
+        """Fill [words] with what may follow the committed tokens and the drafts so far; False (row left
+        as it is) once a draft left or ended the grammar."""
+        if self._drafts < 0 or self.matcher.is_terminated():  # (a draft EOS ended it)
+            return False
+        self.matcher.fill_next_token_bitmask(bitmask_row[None])
+        return True
+
+    def draft(self, token: int) -> None:
+        if self._drafts >= 0:
+            ok = not self.matcher.is_terminated() and self.matcher.accept_token(token)
+            self._drafts = self._drafts + 1 if ok else -1 - self._drafts
+
+    def end_drafts(self) -> None:
+        """Back to the committed state."""
+        n = self._drafts if self._drafts >= 0 else -1 - self._drafts
+        if n:
+            self.matcher.rollback(n)
+        self._drafts = 0
+
     def apply(self, logits: torch.Tensor, rows) -> None:
         """The logits processor (logits_process.LogitsProcessor): ``logits`` [n, V] of ``rows``
         (a RequestRows), masked in place."""
@@ -83,3 +105,20 @@ class GrammarState:
         self.fill(bitmask, prefix_tree(rows.drafts))
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=self.vocab_size)
+
+
+def mask_draft_logits(states: list[GrammarState | None], logits: torch.Tensor, target_ids: torch.Tensor) -> None:
+    """A draft step's head logits [B, Vd] (draft vocab; ``target_ids`` [Vd] their target ids), each row of
+    a constrained request masked in place by its grammar after its drafts so far (none left: unmasked)."""
+    rows = [i for i, st in enumerate(states) if st is not None]
+    bitmask = xgr.allocate_token_bitmask(len(rows), states[rows[0]].vocab_size)
+    keep = [i for j, i in enumerate(rows) if states[i].draft_mask(bitmask[j])]
+    if not keep:
+        return
+    ids = target_ids.cpu()
+    bm = bitmask[[rows.index(i) for i in keep]]
+    ok = ((bm[:, ids // 32] >> (ids % 32).to(torch.int32)) & 1).bool()  # [R, Vd]
+    ok |= ~ok.any(dim=1, keepdim=True)  # nothing the grammar allows in the draft vocab: leave the row open
+    idx = torch.tensor(keep, device=logits.device)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill(~ok.to(logits.device), float("-inf")))
+
