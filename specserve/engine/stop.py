@@ -35,8 +35,6 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
     n_out = req.num_output_tokens
     if stops_at_token(req, tok, n_out, eos_token_ids):
         return "stop", tok
-    if req.grammar is not None and req.grammar.terminated:  # (at a stop token the grammar allowed)
-        return "stop", tok
     if n_out >= p.min_tokens:
         if p.stop_list:
             found = find_stop_string(req.text, p.stop_list, new_text_start)
@@ -44,6 +42,8 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
                 at, s = found
                 req.text = req.text[: at + len(s)] if p.include_stop_str_in_output else req.text[:at]
                 return "stop", s
+    if req.grammar is not None and req.grammar.terminated:  # at an EOS the grammar allowed (ignore_eos, min_tokens)
+        return "stop", None
     if p.max_tokens is not None and n_out >= p.max_tokens:
         return "length", None
     if req.num_tokens >= max_model_len:

@@ -274,16 +274,15 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         arrival = time.perf_counter()
         srv.check_model(body.model)
         params = body.to_sampling_params()
-        plan = body.tool_plan()
-        tools = plan is not None and plan.active  # the output is parsed for tool calls
-        messages = body.chat_messages()
         try:
-            prompt_ids = srv.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt_ids = srv.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
         except Exception as e:  # a template may refuse a message sequence (roles, order)
             raise P.BadRequest(f"Could not apply the chat template to these messages: {e}", "messages") from e
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created, model = P.now(), body.model or srv.model_name
         top_n = body.top_logprobs or 0
+        plan = body.tool_plan()
+        tools = plan is not None and plan.active  # the output is parsed for tool calls
         state = await srv.submit(request_id, list(prompt_ids), params, arrival)
 
         if body.stream:
