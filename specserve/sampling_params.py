@@ -70,6 +70,8 @@ class SamplingParams:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.structured_outputs is not None and self.min_tokens:  # (EOS masked where only EOS may follow)
+            bad("min_tokens cannot be combined with structured outputs: the grammar decides where the output ends")
         if any(not isinstance(s, str) or not s for s in self.stop_list):
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):

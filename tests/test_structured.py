@@ -68,6 +68,9 @@ def test_spec_takes_exactly_one_kind():
     assert SO.of({"regex": "a+"}).kind == "regex"
     with pytest.raises(ValueError, match="unknown"):
         SO.of({"jsn": {}})
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == SO(regex="a+")
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):  # (EOS masked where only EOS fits)
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
 
 
 def test_compile_cache_is_keyed_by_the_schema_not_its_key_order(compiler):
