@@ -93,7 +93,7 @@ class Proposer:
         return self._draw(reqs, logits, step)
 
     def _draw(self, reqs: list[Request], logits: torch.Tensor, step: int
-                     ) -> tuple[list[int], list[torch.Tensor | None]]:
+              ) -> tuple[list[int], list[torch.Tensor | None]]:
         if all(r.params.greedy for r in reqs):
             return self.head.draft_to_target(logits.argmax(-1)).tolist(), [None] * len(reqs)
         full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
