@@ -101,17 +101,13 @@ def processed_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (16-bit halves)."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & M32
-
-
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding 32-bit values."""
+    """A bijective 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding 32-bit values:
+    multipliers below 2**31 keep each product below 2**63, so int64 arithmetic never overflows."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = (x * 0x7FEB352D) & M32
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = (x * 0x21F0AAAD) & M32
     return x ^ (x >> 16)
 
 
