@@ -311,3 +311,38 @@ def test_cli_serve_subprocess_with_api_key() -> None:
             proc.wait(10)
     # start-up objects were frozen out of the garbage collector's reach before serving
     assert "start-up objects out of the garbage collector's reach" in proc.stdout.read()
+
+
+def test_logit_bias_and_penalties_through_the_openai_client(live: Live) -> None:
+    """+100 on a token makes every token it; a key past the vocabulary is a 400; penalties are taken."""
+    tok = live.tokenizer.encode(" blue", add_special_tokens=False)[0]
+    word = live.tokenizer.decode([tok])
+    r = live.client.chat.completions.create(model="default", messages=CHAT, max_tokens=5, temperature=0.7,
+                                            logit_bias={str(tok): 100})
+    assert r.choices[0].message.content == word * 5
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        live.client.completions.create(model="default", prompt="x", max_tokens=2, logit_bias={"10000000": -100})
+    r = live.client.completions.create(model="default", prompt="1, 1, 1, 1,", max_tokens=6, temperature=0,
+                                       frequency_penalty=2.0, presence_penalty=2.0,
+                                       extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
+    assert r.usage.completion_tokens == 6 and " 1," not in r.choices[0].text
+
+
+def test_seeded_text_is_the_same_alone_and_among_concurrent_requests(live: Live) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def seeded(seed: int) -> str:
+        return live.client.completions.create(model="default", prompt="Once upon a time", max_tokens=8,
+                                              temperature=0.9, seed=seed).choices[0].text
+
+    def other(i: int) -> str:
+        return live.client.completions.create(model="default", prompt=f"Count to {i}:", max_tokens=3 + i % 4,
+                                              temperature=1.0).choices[0].text
+
+    alone = seeded(4321)
+    with ThreadPoolExecutor(17) as pool:
+        busy = [pool.submit(other, i) for i in range(16)]
+        loaded = pool.submit(seeded, 4321)
+        assert all(f.result() is not None for f in busy)
+    assert loaded.result() == alone
+    assert seeded(4322) != alone

@@ -103,7 +103,8 @@ class LLMEngine:
         model.eval()
         self.packed_linears = pack_for_cpu(model, config.cpu_weight_packing, self.device, self.dtype)
         num_blocks = num_kv_blocks_for(config, src.config, self.dtype, self.device)
-        self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype)
+        self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype,
+                                  eos_token_ids=frozenset(self.tokenizer.eos_token_ids))
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_capacity = num_blocks * config.block_size
         ctx = src.config.max_position_embeddings
@@ -112,6 +113,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or ctx, kv_capacity)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
+        self._grammars = None  # structured.grammar.GrammarCompiler, built by the first constrained request
         gc_pauses.install()
         self.step_started = 0.0  # gc_pauses.clock() at the start of the current step()
         self.step_ended = 0.0  # ... and at the end of the last step() that served requests
@@ -151,6 +153,10 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         params.validate()
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got "
+                             f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
         max_new = params.max_tokens if params.max_tokens is not None else 1
         if len(ids) + max_new > self.max_model_len:
             raise ValueError(
@@ -159,11 +165,20 @@ class LLMEngine:
             )
         req = Request(request_id, text, ids, params, arrival_time=arrival_time or time.time())
         req.detok = IncrementalDetokenizer(self.tokenizer, ids)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.structured_outputs is not None:  # its grammar: state and mask (structured/matcher.py)
+            req.grammar = self._grammar_state(request_id, params)
+            req.logits_processors.append(req.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(ids)
+
+    def _grammar_state(self, request_id: str, params: SamplingParams):
+        from specserve.structured.grammar import GrammarCompiler
+        from specserve.structured.matcher import GrammarState
+
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return GrammarState(self._grammars.submit(params.structured_outputs), self.model_config.vocab_size, request_id)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -212,7 +227,8 @@ class LLMEngine:
         elif launched is None:
             launched = self.runner.launch(plan)
         went_ahead = False
-        if self.overlap and (d is None or d.plain_next(plan)):
+        # (a request whose logits are processed needs its history on the host: no step goes ahead of it)
+        if self.overlap and not any(s.req.processes_logits for s in plan.scheduled) and (d is None or d.plain_next(plan)):
             self.scheduler.advance(plan)
             nxt = self.scheduler.schedule()
             if nxt.scheduled:

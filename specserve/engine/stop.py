@@ -42,6 +42,8 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
                 at, s = found
                 req.text = req.text[: at + len(s)] if p.include_stop_str_in_output else req.text[:at]
                 return "stop", s
+    if req.grammar is not None and req.grammar.terminated:  # at an EOS the grammar allowed (with ignore_eos)
+        return "stop", None
     if p.max_tokens is not None and n_out >= p.max_tokens:
         return "length", None
     if req.num_tokens >= max_model_len:

@@ -30,6 +30,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.server import protocol as P
 from specserve.server.client import EngineClient, EngineDeadError, RequestRejected, RequestState
 from specserve.server.metrics import ServerMetrics, avg_accept_length
+from specserve.structured import tools as T
 
 log = logging.getLogger(__name__)
 
@@ -348,20 +349,29 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created, model = P.now(), body.model or srv.model_name
         top_n = body.top_logprobs or 0
+        plan = body.tool_plan()
+        tools = plan is not None and plan.active  # the output is parsed for tool calls
         state = await srv.submit(request_id, list(prompt_ids), params, arrival)
 
         if body.stream:
-            gen = _chat_stream(srv, state, created, model, top_n, body.include_usage)
+            gen = _chat_stream(srv, state, created, model, top_n, body.include_usage, tools)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS,
                                      background=BackgroundTask(_abort, client, request_id))
         if not await _collect(srv, state, request):
             return Response(status_code=499)  # client closed the request; nobody reads this
+        message: dict[str, Any] = {"role": "assistant", "content": state.text}
+        finish_reason = state.finish_reason
+        if tools:
+            message["content"], calls = T.parse_tool_calls(state.text)
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": state.text},
+            "message": message,
             "logprobs": (P.chat_logprobs(srv.tokenizer, state.token_ids, state.logprobs, top_n)
                          if state.logprobs is not None else None),
-            "finish_reason": state.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": state.stop_reason,
         }
         return JSONResponse({
@@ -409,8 +419,9 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
 
 
 async def _chat_stream(srv: ServerState, state: RequestState, created: int, model: str, top_n: int,
-                       include_usage: bool) -> AsyncIterator[bytes]:
+                       include_usage: bool, tools: bool = False) -> AsyncIterator[bytes]:
     request_id = state.request_id
+    calls = T.ToolCallStream() if tools else None
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
               stop_reason: Any = None) -> dict[str, Any]:
@@ -431,9 +442,17 @@ async def _chat_stream(srv: ServerState, state: RequestState, created: int, mode
                 yield _sse(chunk({"role": "assistant", "content": ""}))
                 first = False
             logprobs = P.chat_logprobs(srv.tokenizer, ids, lps, top_n) if lps and ids else None
-            delta = {"content": text} if text else {}
+            made: list[dict[str, Any]] = []
+            if calls is not None:
+                text, made = calls.feed(text, final=last)
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if made:
+                delta["tool_calls"] = made
             if last:
-                yield _sse(chunk(delta, state.finish_reason, logprobs, state.stop_reason))
+                finish = state.finish_reason
+                if calls is not None and calls.num_calls and finish == "stop":
+                    finish = "tool_calls"
+                yield _sse(chunk(delta, finish, logprobs, state.stop_reason))
                 break
             if delta or logprobs:
                 yield _sse(chunk(delta, None, logprobs))

@@ -27,7 +27,9 @@ from specserve.server.engine_core import CoreAddresses, EngineInfo
 log = logging.getLogger(__name__)
 
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-                 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "max_spec_tokens")
+                 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "max_spec_tokens",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "structured_outputs")
 
 
 class EngineDeadError(RuntimeError):
