@@ -548,32 +548,6 @@ def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():
     assert 0.6 < ctl.catch_up_seconds(6000) < 1.2
 
 
-def test_adaptive_speculation_off_follows_the_buckets_pick_and_mixed_batches_are_not_measured():
-    from specserve.speculative.policy.bandit import batch_key
-    from specserve.speculative.policy.controller import Cycle
-
-    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
-    assert not ctl.speculation_off(32)  # nothing chosen yet
-    ctl.bandit.chosen[batch_key(32)] = 0
-    ctl.bandit.chosen[batch_key(8)] = 2
-    assert ctl.speculation_off(32) and ctl.speculation_off(31) and not ctl.speculation_off(8)
-    # a drafting batch where requests that cannot draft are over a tenth: charged, not measured
-    ctl._cycle = Cycle(batch_key(20), 2, 0.0, {"a"})
-    ctl.mixed_batch([2] * 17 + [0] * 3, 3)
-    assert not ctl._cycle.measured
-    ctl._cycle = Cycle(batch_key(20), 2, 0.0, {"a"})
-    ctl.mixed_batch([2] * 19 + [0], 1)
-    assert ctl._cycle.measured
-    ctl._cycle = Cycle(batch_key(20), 0, 0.0, None)
-    ctl.mixed_batch([0] * 20, 20)  # plain decoding is what it is, whoever cannot draft
-    assert ctl._cycle.measured
-    # the threshold policy: its own state
-    th = SpecController(SpeculativeConfig(policy="threshold", num_steps=3, disable_batch_threshold=4))
-    assert not th.speculation_off(8)
-    th.quick_arm(8, num_running=8)
-    assert th.speculation_off(8)
-
-
 def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free():
     # the GPU at one request (a step breakdown): a plain cycle 1.4 ms, any depth ~2.2 ms
     # (the draft loop is cheap next to the verify's fixed cost). A request that turns hard (first
@@ -935,7 +909,7 @@ def _drive(narrow: bool, cfg: SpeculativeConfig, B: int, steps: int, seed: int, 
             if reqs[i][1] <= 0:
                 reqs[i] = [R(str(next(ids))), int(rng.integers(16, 80))]
         caps = [min(cfg.num_steps, max(left - 1, 0)) for _, left in reqs]
-        batch = Batch([r for r, _ in reqs], caps, B, prefill, behind=step % 7, never_draft=int(step % 11 == 0))
+        batch = Batch([r for r, _ in reqs], caps, B, prefill, behind=step % 7)
         early = pipelined and step % 3 != 0
         if narrow:
             nxt = ctl.decide(batch, early=True) if early else None
@@ -970,7 +944,6 @@ def _drive(narrow: bool, cfg: SpeculativeConfig, B: int, steps: int, seed: int, 
             else:
                 ks = ctl.decide(batch.requests, caps, B, prefill, batch.behind)
                 ctl.observe_decide(1e-4)
-            ctl.mixed_batch(ks, batch.never_draft)
             ctl.finish_cycle(prev, cycle_s)
         seen.append(list(ks))
     snap = ctl.snapshot()

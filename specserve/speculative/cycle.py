@@ -64,7 +64,7 @@ class CycleClock:
         if not self.drafted_last or not self.controller.charge_unpaid_catch_up:
             return 0.0
         rows = sum(max(r.num_computed_tokens - r.spec.draft_pos, 0) for r in candidates
-                   if r.spec is not None and not r.no_draft_kv)
+                   if r.spec is not None)
         if rows <= 0 or rows > len(candidates) * (self.max_k + 2):  # (a stretch of plain steps: no cycle's)
             return 0.0
         known = self.steady_s.get(batch_key(rows))

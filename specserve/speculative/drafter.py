@@ -37,7 +37,7 @@ from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.speculative import profile, static
 from specserve.speculative.accept import (Accepted, accept_chains_sampled, accept_greedy, accept_tree_sampled,
                                           compact_tree_kv)
-from specserve.speculative.catch_up import CatchUp, FinishCatchUp
+from specserve.speculative.catch_up import CatchUp
 from specserve.speculative.cycle import CycleClock
 from specserve.speculative.features import FeatureStore
 from specserve.speculative.pipeline import Pipeline, prefill_tokens_next_step
@@ -99,8 +99,6 @@ class EagleSpeculator:
         engine.blocks.require_draft_kv = True
         self.controller = SpecController(cfg, defer=True)  # bookkeeping deferred to the next forward's launch
         self.controller.early_verify = self.device.type == "cuda"
-        engine.scheduler.reuse_without_draft_kv = self._reuse_without_draft_kv
-        engine.scheduler.catch_up_cached_prefix = lambda: self.controller.catch_up_cached_prefix
         self.caps = Caps(self.max_k, self.topk, cfg.num_steps, engine.max_model_len)
         self.catch_up = CatchUp(self.head, self.target.embed_tokens, self.attn, self.features, engine.blocks, bs,
                                 self.device, self._paths)
@@ -109,9 +107,6 @@ class EagleSpeculator:
                                  mc.vocab_size, self.runner.generator, self.device, self._paths)
         self.pipeline = Pipeline(engine, self.controller, self.caps, self.catch_up, self.proposer, cfg.policy,
                                  self._paths)
-        self.finish = FinishCatchUp(self.catch_up, engine.blocks, self.controller)
-        if cfg.policy == "adaptive":
-            engine.scheduler.on_finish = self.finish.on_finish
         self.cycle = CycleClock(self.controller, engine, self.max_k,
                                 time_on_device=cfg.policy == "adaptive" and self.device.type == "cuda")
         self._launched_ahead = False  # the next step, plain, went to the device already (launch_ahead)
@@ -159,11 +154,6 @@ class EagleSpeculator:
     @_drafted_last.setter
     def _drafted_last(self, v: bool) -> None:
         self.cycle.drafted_last = v
-
-    def _reuse_without_draft_kv(self, req: Request) -> bool:
-        """Whether a waiting request may take cached blocks without draft KV (it then never drafts): when it
-        would not draft anyway (its own cap, or speculation off at the batch it joins)."""
-        return req.params.max_spec_tokens == 0 or self.controller.speculation_off(len(self.engine.scheduler.running) + 1)
 
     def after_capture(self) -> None:
         """Where target steps replay CUDA graphs, profile them once captured; then calibrate."""
@@ -379,8 +369,6 @@ class EagleSpeculator:
     @torch.inference_mode()
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         """Decide k per request for the next step, then catch up and draft."""
-        if self.finish.due:
-            self.finish.run()  # first: before any block is reserved again
         now = clock()
         prev, prev_s = self.cycle.close(now)
         # requests that produced a token this step and decode next step
@@ -444,9 +432,6 @@ class EagleSpeculator:
                             prefill_tokens_next_step(self.engine.scheduler, self.engine.config), behind)
             decide_s = clock() - t
             ctl.observe_decide(decide_s)
-        never = sum(r.no_draft_kv for r in candidates)  # requests that cannot draft
-        if never:
-            ctl.mixed_batch(ks, never)
         return ks, early, decide_s
 
 

@@ -36,8 +36,7 @@ class FeatureStore:
         if not self.in_forward:  # (a graph's output rows past the step's are padding)
             self.features.index_copy_(0, inputs.meta.slot_mapping, feats[: inputs.input_ids.shape[0]])
         for r in plan.admitted:
-            if not r.no_draft_kv:
-                state_of(r)
+            state_of(r)
 
     def keep_verified(self, plan: StepPlan, inputs, feats: torch.Tensor, kept_rows: list[list[int]]) -> None:
         """A verify's committed rows: kept row j of a request's query goes to its j-th slot."""
@@ -53,8 +52,7 @@ class FeatureStore:
                 rows = list(range(start, start + s.num_new_tokens))
             keep.extend(rows)
             dst.extend(range(start, start + len(rows)))
-            if not s.req.no_draft_kv:
-                state_of(s.req)
+            state_of(s.req)
             start += s.num_query_tokens
         if self.in_forward:
             moved = [(k, d) for k, d in zip(keep, dst) if k != d]

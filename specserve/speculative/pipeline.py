@@ -141,7 +141,7 @@ class Pipeline:
         for s in plan.scheduled:
             r, k = s.req, len(s.draft_token_ids)
             if not (k and s.samples and s.num_new_tokens == 1 and (s.tree is not None) == tree and r.params.greedy
-                    and r.params.logprobs is None and not r.no_draft_kv):
+                    and r.params.logprobs is None):
                 why["unfused:step"] += 1
                 return None
             st = r.spec

@@ -202,22 +202,6 @@ class SpecController:
         if c is not None and c.exploring:
             self._later(self.bandit.charge_overhead, c.key, seconds)
 
-    def speculation_off(self, batch: int) -> bool:
-        """Whether a request admitted now into a batch of ``batch`` will plain-decode for a while (the
-        threshold policy off, or plain decoding its bucket's pick): it may take blocks without draft KV."""
-        if self.cfg.policy == "threshold":
-            return not self.spec_on
-        return self.cfg.policy == "adaptive" and self.bandit.chosen.get(batch_key(batch)) == 0
-
-    def mixed_batch(self, ks: list[int] | np.ndarray, never_draft: int) -> None:
-        """A drafting decision where ``never_draft`` requests cannot draft: above ``nodraft_share_limit``
-        of the batch its cycle is charged, not measured (it is not the arm's)."""
-        self._mixed(self._cycle, ks, never_draft)
-
-    def _mixed(self, c: Cycle | None, ks: list[int] | np.ndarray, never_draft: int) -> None:
-        if c is not None and never_draft > self.policy.nodraft_share_limit * len(ks) and any(k > 0 for k in ks):
-            c.measured = False
-
     def plain_second_cycle(self, batch: int) -> bool:
         """Take the next decision now, before the sync, where it is plain decoding's second exploration
         cycle (launched ahead like the pick's); its first is then charged, not measured. True: taken
@@ -405,7 +389,6 @@ class SpecController:
             t0 = self.clock()
             ks = self.decide(batch.requests, batch.caps, batch.num_running, batch.prefill_tokens, batch.behind)
             self.observe_decide(self.clock() - t0)
-        self._mixed(self._cycle, ks, batch.never_draft)
         return ks
 
     def _decide_early(self, batch: Batch) -> list[int] | None:
@@ -433,7 +416,6 @@ class SpecController:
             if arm == 0:
                 self.count_off(B)
             self._next, self._cycle = self.detach_cycle(), in_flight
-        self._mixed(self._next, ks, batch.never_draft)
         return ks
 
     # -- decision ----------------------------------------------------------------------------

@@ -22,7 +22,6 @@ class Batch:
     num_running: int
     prefill_tokens: int = 0  # prompt tokens sharing the step
     behind: int = 0  # tokens whose draft KV drafting would first catch up
-    never_draft: int = 0  # of ``requests``, those that cannot draft (blocks without draft KV)
 
 
 @dataclass(frozen=True)
