@@ -1,8 +1,5 @@
-"""The head's catch-up: draft KV over every position since a request last drafted.
-
-Row i of a request pairs (embedding of token i+1, target feature of token i); the head's output at its
-last committed position predicts the next token and seeds the drafts (``h``, or the static loop's h0).
-"""
+"""The head's catch-up: draft KV over every position since a request last drafted; row i pairs (embedding of
+token i+1, target feature of token i), and the last row's output seeds the drafts (``h``, or h0)."""
 
 from __future__ import annotations
 

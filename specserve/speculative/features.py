@@ -1,10 +1,5 @@
-"""Target features (the aux layers' hidden states) of every computed token, kept by KV slot like the KV.
-
-A plain step keeps all its rows, a verify the rows it commits at the slots of the positions they are
-committed at (an accepted tree node moves up like its KV); a catch-up gathers them back by slot.
-With EAGLE-3 the target's forward writes every row at its slot itself (``set_feature_sink``), so a
-chain's verify copies nothing.
-"""
+"""Target features (the aux layers' hidden states) of every computed token, kept by KV slot like the KV; with
+EAGLE-3 the target's forward writes them itself (``set_feature_sink``) and a chain's verify copies nothing."""
 
 from __future__ import annotations
 

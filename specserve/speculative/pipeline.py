@@ -1,12 +1,5 @@
-"""Launch-ahead of drafting steps: the next drafts before a verify's sync, the next verify before commit.
-
-Where every request verifies a greedy chain (or a whole tree) with current draft KV and its next k is
-known before the verify's outcome, the next catch-up and drafts are queued behind the verify, with the
-accepted counts taken on the device (``launch_fused``); the host waits for the picks only then. On a GPU
-the verify of those drafts is launched right after the sync (``launch_early_verify``; trees: before it,
-``launch_presync_verify``): the next step finds its forward queued and only checks its plan (``take``).
-Drafts left on the device are written into a verify's inputs there (``fill_drafts``).
-"""
+"""Launch-ahead of drafting steps: the next drafts before a verify's sync, the next verify before its commit
+(docs/architecture.md, "The next drafts before the verify's sync"); device drafts into a verify's inputs."""
 
 from __future__ import annotations
 
@@ -68,8 +61,6 @@ class Pipeline:
             return True
         arm = ctl.forced_arm
         if arm is None:
-            if ctl.after_exploration(found):
-                return False
             # an exploration of plain decoding runs its measured cycle overlapped, as the pick would
             arm = 0 if ctl.plain_second_cycle(found) else ctl.quick_arm(found, len(sched.running))
             if arm is None:  # a full decision is due: taken now where it cannot explore
@@ -92,6 +83,10 @@ class Pipeline:
                 caps.append(self.caps.cap(r, 1))
                 if caps[-1] > 0:
                     behind += r.num_computed_tokens + s.num_new_tokens - (r.spec.draft_pos if r.spec else 0)
+        return self._decide_early(reqs, caps, behind)
+
+    def _decide_early(self, reqs: list[Request], caps: list[int], behind: int) -> list[int]:
+        """A full decision before the sync, left for draft_step (``pre_ks``)."""
         ks, cycle = self.controller.decide_early(reqs, caps, len(self.sched.running),
                                                  prefill_tokens_next_step(self.sched, self.runner.config), behind)
         self.pre_ks = ([r.request_id for r in reqs], ks, cycle)
@@ -103,7 +98,7 @@ class Pipeline:
         ctl, caps = self.controller, self.caps
         if self.policy == "static":
             return [caps.after_verify(r, k, self.max_k) for r, k in found]
-        if self.policy != "adaptive" or not ctl.fuse_quick:
+        if self.policy != "adaptive":
             return []
 
         def drafts(arm: int) -> int:  # (a tree's arm is its depth: drafting it means the whole tree)
@@ -111,21 +106,14 @@ class Pipeline:
 
         if ctl.forced_arm is not None:
             return [caps.after_verify(r, k, drafts(ctl.forced_arm)) for r, k in found]
-        if ctl.after_exploration(len(found)):
-            return []
         arm = ctl.quick_arm(len(found), len(self.sched.running))
         if arm is not None:
             self.pre_arm = (len(found), arm)
             return [caps.after_verify(r, k, drafts(arm)) for r, k in found]
         capped = [caps.after_verify(r, k, self.max_k) for r, k in found]
-        if not all(capped) or not (ctl.fuse_full or ctl.full_early(len(found))):
+        if not all(capped) or not ctl.full_early(len(found)):
             return []
-        reqs = [r for r, _ in found]
-        ks, cycle = ctl.decide_early(reqs, capped, len(self.sched.running),
-                                     prefill_tokens_next_step(self.sched, self.runner.config),
-                                     sum(k + 1 for _, k in found))
-        self.pre_ks = ([r.request_id for r in reqs], ks, cycle)
-        return ks
+        return self._decide_early([r for r, _ in found], capped, sum(k + 1 for _, k in found))
 
     def fused_targets(self, plan: StepPlan) -> list[Target] | None:
         """(request, drafts verified, next k) of a step that only verifies greedy drafts with current
@@ -275,9 +263,8 @@ class Pipeline:
 
     # -- the next verify, before the commit ------------------------------------------------------------
     def launch_early_verify(self, targets: list[Target], results: list[Accepted]) -> None:
-        """The next step's verify from each request's accepted count and bonus token and the drafts left
-        on the device. Not where the next plan will differ (arrivals, requests outside this step, a stop,
-        over the budget, a request drafting nothing next)."""
+        """The next step's verify from each accepted count, bonus token and drafts on the device; not where
+        the next plan will differ (arrivals, requests outside the step, a stop, the budget, k = 0 next)."""
         sched = self.sched
         if sched.waiting or len(targets) != len(sched.running):
             return
