@@ -405,14 +405,14 @@ def _timed_drafter(monkeypatch, clock: list[float]):
     monkeypatch.setattr(drafter_mod, "clock", lambda: clock[0])
     monkeypatch.setattr(cycle_mod, "clock", lambda: clock[0])
     d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
-    d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1))
+    d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1), clock=lambda: clock[0])
     d.controller.forced_arm = 1
-    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], reserve=lambda r, n: True),
+    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], reserve=lambda r, n: True,
+                                                         prefill_tokens_next_step=lambda: 0),
                                config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=2048),
                                step_started=0.0, step_ended=0.0, max_model_len=10**6, device=SimpleNamespace(type="cpu"))
     d.cycle = cycle_mod.CycleClock(d.controller, d.engine, 1, time_on_device=False)
     d.caps = Caps(1, 1, 1, 10**6)
-    d.finish = SimpleNamespace(due=False)
     d.pipeline = SimpleNamespace(pre_arm=None, pre_ks=None, adopt_fused=lambda todo: todo)
     d._launched_ahead = False
 

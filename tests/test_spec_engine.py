@@ -168,7 +168,7 @@ def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_h
 
     llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
     ctl = llm.engine.drafter.controller
-    decide, finish_cycle = ctl.decide, ctl.finish_cycle
+    decide, finish_cycle = ctl._decide_full, ctl.finish_cycle  # (the full decision, inside decide(Batch))
     full, quick = [], []
 
     def slow_decide(*args, **kwargs):
@@ -183,7 +183,7 @@ def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_h
             (full if getattr(cycle, "full", False) else quick).append(seconds)
         return finish_cycle(cycle, seconds)
 
-    ctl.decide, ctl.finish_cycle = slow_decide, record
+    ctl._decide_full, ctl.finish_cycle = slow_decide, record
     llm.chat(chat_prompts[:4], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert len(full) >= 3 and len(quick) >= 3, (full, quick)
     assert statistics.median(full) < statistics.median(quick) + 0.15, (full, quick)

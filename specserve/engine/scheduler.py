@@ -9,6 +9,7 @@ are freed and it is recomputed later from its tokens (prefix cache permitting).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -92,6 +93,13 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def prefill_tokens_next_step(self) -> int:
+        """Prompt tokens the next step will also carry: running prefills and waiting requests for free seats."""
+        n = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
+        seats = max(self.config.max_num_seqs - len(self.running), 0)
+        n += sum(r.num_tokens for r in itertools.islice(self.waiting, seats))
+        return min(n, max(self.config.max_num_batched_tokens - len(self.running), 0))
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished and release its KV blocks at once (used for stops and aborts)."""

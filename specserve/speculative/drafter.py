@@ -26,7 +26,7 @@ from specserve.speculative.accept import (Accepted, accept_chains_sampled, accep
 from specserve.speculative.catch_up import CatchUp
 from specserve.speculative.cycle import CycleClock
 from specserve.speculative.features import FeatureStore
-from specserve.speculative.pipeline import Pipeline, prefill_tokens_next_step
+from specserve.speculative.pipeline import Pipeline
 from specserve.speculative.policy.bandit import batch_key
 from specserve.speculative.policy.interface import Batch
 from specserve.speculative.policy.controller import SpecController
@@ -382,12 +382,11 @@ class EagleSpeculator:
             return early[0], early, 0.0
 
         def context() -> tuple[int, int]:
-            return prefill_tokens_next_step(sched, self.engine.config), sum(
+            return sched.prefill_tokens_next_step(), sum(
                 r.num_computed_tokens - (r.spec.draft_pos if r.spec else 0) for r, cap in zip(candidates, caps) if cap)
 
         ks = ctl.decide(Batch(candidates, caps, len(sched.running), context=context))
         return ks, None, ctl.decide_seconds
-
 
     @staticmethod
     def _early_decision(candidates: list[Request], ids: list[str], ks: list[int], cycle: Any

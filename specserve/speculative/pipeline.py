@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from specserve.engine.host_copy import host_to_device
+from specserve.engine.host_copy import ReadBack, host_to_device
 from specserve.engine.request import Request
 from specserve.engine.runner import StepLists
 from specserve.engine.scheduler import StepPlan
@@ -42,8 +42,7 @@ class Pipeline:
         self.pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
         self.early: EarlyVerify | None = None  # the next step's verify, launched already
         self.presync: tuple[list[Target], list[list[int]], EarlyVerify] | None = None
-        self._readback: torch.Tensor | None = None  # pinned: the verify's picks
-        self._readback_done: Any = None
+        self.read_back_around = ReadBack(self.device)  # the verify's picks, the next drafts launched meanwhile
 
     def reset(self) -> None:
         """A new step: what the last one decided early is spent."""
@@ -88,7 +87,7 @@ class Pipeline:
     def _decide_early(self, reqs: list[Request], caps: list[int], behind: int) -> list[int]:
         """A full decision before the sync, left for draft_step (``pre_ks``)."""
         ks, cycle = self.controller.decide_early(reqs, caps, len(self.sched.running),
-                                                 prefill_tokens_next_step(self.sched, self.runner.config), behind)
+                                                 self.sched.prefill_tokens_next_step(), behind)
         self.pre_ks = ([r.request_id for r in reqs], ks, cycle)
         return ks
 
@@ -242,24 +241,6 @@ class Pipeline:
         if adopted:
             (pend_trees if self.topk > 1 else pend)(adopted, self.fused_toks, rows)
         return rest
-
-    def read_back_around(self, t: torch.Tensor, launch: Callable[[], None]) -> list[int]:
-        """``t``'s values on the host, ``launch()`` queued on the device before the host waits."""
-        if self.device.type != "cuda":
-            vals = t.tolist()
-            launch()
-            return vals
-        n = t.shape[0]
-        if self._readback is None or self._readback.shape[0] < n:
-            self._readback = torch.empty(max(n, 1024), dtype=torch.long, pin_memory=True)
-        host = self._readback[:n]
-        host.copy_(t, non_blocking=True)
-        if self._readback_done is None:
-            self._readback_done = torch.cuda.Event()
-        self._readback_done.record()
-        launch()
-        self._readback_done.synchronize()
-        return host.tolist()
 
     # -- the next verify, before the commit ------------------------------------------------------------
     def launch_early_verify(self, targets: list[Target], results: list[Accepted]) -> None:
@@ -494,13 +475,3 @@ class Pipeline:
             s.tree = s.req.draft_tree = DraftTree([s.req.all_token_ids[-1]] + s.draft_token_ids, [-1] + parents,
                                                   [0] + depths)
             s.req.spec.device_tree = None
-
-
-def prefill_tokens_next_step(sched, config) -> int:
-    """Prompt tokens the next step will also carry: running prefills and waiting requests for free seats."""
-    import itertools
-
-    n = sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.is_prefilling)
-    seats = max(config.max_num_seqs - len(sched.running), 0)
-    n += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
-    return min(n, max(config.max_num_batched_tokens - len(sched.running), 0))
