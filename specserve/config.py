@@ -103,7 +103,6 @@ class AdaptivePolicyConfig:
     full_every: int = 4  # weigh a bucket's arms every this many decisions (keep its pick in between)
     decide_budget: float = 0.01  # ... or less often where weighing would take more than this share of time
     prefill_share_limit: float = 0.25  # a cycle whose prompt tokens take more of its time is charged, not measured
-    nodraft_share_limit: float = 0.1  # a drafting cycle with more requests unable to draft is charged, not measured
     truncate_relative: float = 0.5  # a request whose expected gain at a position is under this x the mean stops there
     cut_min_batch: int = 2  # ... in batches of at least this many requests
     # bandit

@@ -49,7 +49,7 @@ class FakeEngine:
 
     def get_stats(self):
         return SimpleNamespace(spec_verify_steps=0, spec_accepted_tokens=0, k_histogram={}, prefix_cache_queries=0,
-                               prefix_cache_hits=0, prefix_cache_refused=0)
+                               prefix_cache_hits=0)
 
 
 def test_ramp_levels_draw_the_same_prompts_for_fast_and_slow_engines() -> None:
@@ -76,7 +76,7 @@ def test_ramp_k0_share_per_window_counts_only_the_ramp() -> None:
     # the controller counted 1,000 plain decisions before the ramp (calibration, earlier points); in the
     # ramp every request drafts: every window's k = 0 share is 0
     ctl = SimpleNamespace(k_histogram=Counter({0: 1000}), switches=0, k_changes=0, explorations=0, decisions=0)
-    eng = FakeEngine(0.001, drafter=SimpleNamespace(controller=ctl, finish=SimpleNamespace(requests=0)))
+    eng = FakeEngine(0.001, drafter=SimpleNamespace(controller=ctl))
     client = adaptive.Client("adaptive", SimpleNamespace(engine=eng))
     out = adaptive.run_ramp([client], [1, 2], 0.1, 0.1, lambda i: ([i], 3))
     assert out["configs"]["adaptive"]["windows_k0_share"] == [0.0, 0.0]

@@ -112,8 +112,6 @@ def test_acceptance_stats_are_conditional():
     assert np.allclose(st.rates(chain_strength=0, first_strength=0), [1.0, 0.5, 1.0])
     r = st.rates(chain_strength=2)  # each position shrunk towards the one before it
     assert np.allclose(r[0], (2 + 2 * 0.7) / 4) and np.allclose(r[1], (1 + 2 * r[0]) / 4)
-    # a request with no history borrows the overall rates
-    assert np.allclose(AcceptanceStats.zeros(3).rates(prior=np.array([0.5, 0.5, 0.5])), [0.5] * 3)
     # a position never reached borrows the one before it
     st = AcceptanceStats.zeros(3)
     st.observe(1, 0)
@@ -165,8 +163,8 @@ def test_a_useless_head_is_turned_off_and_rarely_tried():
         else:
             ks = ctl.decide(reqs, [3], num_running=1, prefill_tokens=0)
         ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-        ctl.observe_request("a", ks[0], 0)
-        ctl.end_cycle((true_ms(1 + ks[0]) + ks[0] * true_draft_ms(1)) * 1e-3)
+        ctl.observe_many(["a"], [ks[0]], [0])
+        ctl.finish_cycle(ctl.detach_cycle(), (true_ms(1 + ks[0]) + ks[0] * true_draft_ms(1)) * 1e-3)
     assert ctl.overall.rates()[0] < 0.1
     assert sum(v for k, v in ctl.k_histogram.items() if k) < 80  # drafted in under 20 % of decisions
     # once off, most decisions skip the per-request work (3 of 4, less the explorations)
@@ -231,8 +229,8 @@ def simulate(B: int, profile: dict[int, float], steps: int = 600, seed: int = 0)
             a = 0
             while a < k and rng.random() < COND[a]:
                 a += 1
-            ctl.observe_request(r.request_id, int(k), a)
-        ctl.end_cycle(target + draft + HOST_MS * 1e-3)
+            ctl.observe_many([r.request_id], [int(k)], [a])
+        ctl.finish_cycle(ctl.detach_cycle(), target + draft + HOST_MS * 1e-3)
         if step >= steps - 200:
             got.append(true_goodput(B, int(round(ks.mean()))))
     best = max(true_goodput(B, k) for k in range(4))
@@ -316,16 +314,16 @@ def simulate_closed_loop(B: int, forced: int | None = None, steps: int = 3000, s
             a = 0
             while a < k and rng.random() < COND[a]:
                 a += 1
-            ctl.observe_request(r.request_id, int(k), a)
+            ctl.observe_many([r.request_id], [int(k)], [a])
             got += a + 1
             if left - a - 1 <= 0:  # finished: a new user's prompt is prefilled next step
-                ctl.forget(r.request_id)
+                ctl.per_request.pop(r.request_id, None)
                 reqs[i] = [R(str(next(ids))), int(rng.integers(32, 97))]
                 prefill += prompt
             else:
                 reqs[i][1] = left - a - 1
         cycle = target + draft + HOST_MS * 1e-3
-        ctl.end_cycle(cycle)
+        ctl.finish_cycle(ctl.detach_cycle(), cycle)
         if step >= steps // 3:
             seconds += cycle
             tokens += got
@@ -345,22 +343,6 @@ def test_prefills_landing_in_later_cycles_do_not_bias_the_depth():
     assert np.mean(ratios) >= 0.98 and min(ratios) >= 0.97, ratios
 
 
-def test_observe_many_is_observe_per_request():
-    cfg = SpeculativeConfig(num_steps=3)
-    one, many = SpecController(cfg), SpecController(cfg)
-    steps = [(["a", "b", "c"], [3, 0, 2], [1, 0, 2]), (["a", "c"], [3, 2], [3, 0]), (["b"], [1], [1])]
-    for ids, ks, acc in steps:
-        for rid, k, a in zip(ids, ks, acc):
-            one.observe_request(rid, k, a)
-        many.observe_many(ids, ks, acc)
-    assert one.per_request.keys() == many.per_request.keys() == {"a", "b", "c"}
-    for rid in one.per_request:
-        assert one.per_request[rid] == many.per_request[rid]
-    # the overall rates decay once per step instead of once per request: equal to a part in 1e3
-    assert np.allclose(one.overall.rates(), many.overall.rates(), rtol=1e-3)
-    assert many.overall.drafted[0] == pytest.approx(5, rel=1e-2)
-
-
 def one_request_cycles(ctl: SpecController, n: int, after_full, cycle_s: float | None = None) -> list:
     """``n`` cycles of one request (cap 3, accepting up to 2 drafts) through the controller's quick and full
     decisions, as the drafter drives it; ``after_full()`` right after each full decision (what it returns is
@@ -378,8 +360,8 @@ def one_request_cycles(ctl: SpecController, n: int, after_full, cycle_s: float |
             ctl.count_off(1)
             ks = [0]
         ctl.observe_step(1 + ks[0], 1, true_ms(1 + ks[0]) * 1e-3)
-        ctl.observe_request("a", ks[0], min(ks[0], 2))
-        ctl.end_cycle(cycle_s if cycle_s is not None else true_ms(1 + ks[0]) * 1e-3)
+        ctl.observe_many(["a"], [ks[0]], [min(ks[0], 2)])
+        ctl.finish_cycle(ctl.detach_cycle(), cycle_s if cycle_s is not None else true_ms(1 + ks[0]) * 1e-3)
         ctl.flush()
     return out
 
@@ -423,14 +405,14 @@ def _timed_drafter(monkeypatch, clock: list[float]):
     monkeypatch.setattr(drafter_mod, "clock", lambda: clock[0])
     monkeypatch.setattr(cycle_mod, "clock", lambda: clock[0])
     d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
-    d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1))
+    d.controller = SpecController(SpeculativeConfig(policy="adaptive", num_steps=1), clock=lambda: clock[0])
     d.controller.forced_arm = 1
-    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], reserve=lambda r, n: True),
+    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], reserve=lambda r, n: True,
+                                                         prefill_tokens_next_step=lambda: 0),
                                config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=2048),
                                step_started=0.0, step_ended=0.0, max_model_len=10**6, device=SimpleNamespace(type="cpu"))
     d.cycle = cycle_mod.CycleClock(d.controller, d.engine, 1, time_on_device=False)
     d.caps = Caps(1, 1, 1, 10**6)
-    d.finish = SimpleNamespace(due=False)
     d.pipeline = SimpleNamespace(pre_arm=None, pre_ks=None, adopt_fused=lambda todo: todo)
     d._launched_ahead = False
 
@@ -509,7 +491,7 @@ def test_a_drafting_cycle_followed_by_plain_decoding_is_charged_its_catch_up(mon
     d, seen, req = _timed_drafter(monkeypatch, clock)
     if decision == "full":
         d.controller.quick_arm = lambda batch, running=None: None
-        d.controller.decide = lambda requests, caps, running, prefill, behind=0: [0] * len(requests)
+        d.controller._decide_full = lambda requests, caps, running, prefill, behind=0: [0] * len(requests)
     reqs = [req(str(i), 20) for i in range(4)]
     for r in reqs:
         r.spec.draft_pos = r.num_computed_tokens
@@ -548,32 +530,6 @@ def test_the_catch_up_an_exploration_would_start_with_reaches_the_bandit():
     assert 0.6 < ctl.catch_up_seconds(6000) < 1.2
 
 
-def test_adaptive_speculation_off_follows_the_buckets_pick_and_mixed_batches_are_not_measured():
-    from specserve.speculative.policy.bandit import batch_key
-    from specserve.speculative.policy.controller import Cycle
-
-    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
-    assert not ctl.speculation_off(32)  # nothing chosen yet
-    ctl.bandit.chosen[batch_key(32)] = 0
-    ctl.bandit.chosen[batch_key(8)] = 2
-    assert ctl.speculation_off(32) and ctl.speculation_off(31) and not ctl.speculation_off(8)
-    # a drafting batch where requests that cannot draft are over a tenth: charged, not measured
-    ctl._cycle = Cycle(batch_key(20), 2, 0.0, {"a"})
-    ctl.mixed_batch([2] * 17 + [0] * 3, 3)
-    assert not ctl._cycle.measured
-    ctl._cycle = Cycle(batch_key(20), 2, 0.0, {"a"})
-    ctl.mixed_batch([2] * 19 + [0], 1)
-    assert ctl._cycle.measured
-    ctl._cycle = Cycle(batch_key(20), 0, 0.0, None)
-    ctl.mixed_batch([0] * 20, 20)  # plain decoding is what it is, whoever cannot draft
-    assert ctl._cycle.measured
-    # the threshold policy: its own state
-    th = SpecController(SpeculativeConfig(policy="threshold", num_steps=3, disable_batch_threshold=4))
-    assert not th.speculation_off(8)
-    th.quick_arm(8, num_running=8)
-    assert th.speculation_off(8)
-
-
 def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free():
     # the GPU at one request (a step breakdown): a plain cycle 1.4 ms, any depth ~2.2 ms
     # (the draft loop is cheap next to the verify's fixed cost). A request that turns hard (first
@@ -597,14 +553,14 @@ def test_one_request_on_a_hard_stretch_keeps_drafting_where_depth_is_nearly_free
         a = 0
         while a < k and rng.random() < rates[a]:
             a += 1
-        ctl.observe_request(req.request_id, k, a)
-        ctl.end_cycle(seconds)
+        ctl.observe_many([req.request_id], [k], [a])
+        ctl.finish_cycle(ctl.detach_cycle(), seconds)
         if rates is hard and step >= 600:
             hard_steps += 1
             plain_in_hard += k == 0
         left -= a + 1
         if left <= 0:
-            ctl.forget(req.request_id)
+            ctl.per_request.pop(req.request_id, None)
             req, left = R(str(next(ids))), 128
     assert plain_in_hard < 0.1 * hard_steps, (plain_in_hard, hard_steps, ctl.snapshot()["k_histogram"])
 
@@ -639,7 +595,7 @@ def test_deferred_bookkeeping_leaves_every_decision_as_it_was():
             for i, a in enumerate(accepted):
                 reqs[i][1] -= a + 1
                 if reqs[i][1] <= 0:
-                    ctl.forget(reqs[i][0].request_id)
+                    ctl.per_request.pop(reqs[i][0].request_id, None)
                     reqs[i] = [R(str(next(ids))), int(rng.integers(32, 97))]
             prev = ctl.detach_cycle()
             ks = drafter_decision(ctl, [r for r, _ in reqs])
@@ -774,7 +730,7 @@ def test_a_chain_cycle_hands_the_bandit_what_each_shallower_depth_would_have_com
     assert ctl.uniform(reqs, 5, [5, 5, 3]) == [5, 5, 3]
     ctl.observe_many(["a", "b", "c", "x"], [5, 5, 3, 2], [0, 5, 2, 1])  # "x": not in this cycle
     ctl.observe_step(18, 3, 0.02)
-    ctl.end_cycle(0.05)
+    ctl.finish_cycle(ctl.detach_cycle(), 0.05)
     (key, arm, _, tokens, seconds, requests, tokens_at), = got
     assert (arm, tokens, requests) == (5, 10, 3)  # 1 + 6 + 3
     # depth e: min(accepted, e) + 1 a request
@@ -889,8 +845,8 @@ def test_the_controller_and_its_bandit_decide_by_the_config():
                 ctl.decide([R("a")], [3], 1, 0)
             else:
                 ctl.uniform([R("a")], ctl.bandit.chosen[0], [3])
-            ctl.observe_request("a", 3, 1)
-            ctl.end_cycle(0.05)
+            ctl.observe_many(["a"], [3], [1])
+            ctl.finish_cycle(ctl.detach_cycle(), 0.05)
         return full, ctl.explorations
 
     full4, explored = full_and_explored()
@@ -935,7 +891,7 @@ def _drive(narrow: bool, cfg: SpeculativeConfig, B: int, steps: int, seed: int, 
             if reqs[i][1] <= 0:
                 reqs[i] = [R(str(next(ids))), int(rng.integers(16, 80))]
         caps = [min(cfg.num_steps, max(left - 1, 0)) for _, left in reqs]
-        batch = Batch([r for r, _ in reqs], caps, B, prefill, behind=step % 7, never_draft=int(step % 11 == 0))
+        batch = Batch([r for r, _ in reqs], caps, B, prefill, behind=step % 7)
         early = pipelined and step % 3 != 0
         if narrow:
             nxt = ctl.decide(batch, early=True) if early else None
@@ -970,7 +926,6 @@ def _drive(narrow: bool, cfg: SpeculativeConfig, B: int, steps: int, seed: int, 
             else:
                 ks = ctl.decide(batch.requests, caps, B, prefill, batch.behind)
                 ctl.observe_decide(1e-4)
-            ctl.mixed_batch(ks, batch.never_draft)
             ctl.finish_cycle(prev, cycle_s)
         seen.append(list(ks))
     snap = ctl.snapshot()

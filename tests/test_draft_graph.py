@@ -311,7 +311,6 @@ def adaptive_static_loop(model: str, head: str) -> tuple[LLM, list[int], list]:
               speculative_policy="adaptive", speculative_num_steps=3)
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch")
-    dr.controller.fuse_quick = dr.controller.fuse_full = True
     decisions: list[int] = []
     draft_step = dr.draft_step
 
@@ -328,7 +327,7 @@ SP24 = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
-    """With ``fuse_quick`` the adaptive policy's quick decision is taken before the verify's sync and
+    """The adaptive policy's quick decision is taken before the verify's sync and
     its catch-up and chain launched there; draft_step applies that decision instead of taking
     another (one quick_arm call per decision), and outputs stay plain decoding's."""
     llm, ref, decisions = adaptive_static_loop(*tiny)
@@ -343,12 +342,13 @@ def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
 
 
 def test_adaptive_full_decisions_launch_before_the_sync(tiny):
-    """With ``fuse_full`` a full decision is taken before the verify's sync too (decide_early): draft_step
-    applies it and makes its cycle current only then, so the cycle in flight still gets its verify's
+    """A full decision taken before the verify's sync (decide_early; here every one: ``full_early``) is applied
+    by draft_step, which makes its cycle current only then, so the cycle in flight still gets its verify's
     tokens; outputs stay plain decoding's."""
     llm, ref, decisions = adaptive_static_loop(*tiny)
     dr = llm.engine.drafter
     ctl = dr.controller
+    ctl.full_early = lambda batch: True
     ctl.quick_arm = lambda batch, running=None: None  # every decision a full one
     ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: (max(priors), False)  # the deepest arm
     calls, finished = [], []
@@ -366,13 +366,11 @@ def test_adaptive_full_decisions_launch_before_the_sync(tiny):
 
 
 def test_adaptive_full_decisions_sure_not_to_explore_launch_before_the_sync(tiny):
-    """With ``fuse_exploit`` (and not ``fuse_full``) only the full decisions the bandit is sure will not
-    explore are taken before the verify's sync; the others after it, as before. Outputs stay plain
-    decoding's."""
+    """Only the full decisions the bandit is sure will not explore are taken before the verify's sync; the
+    others after it. Outputs stay plain decoding's."""
     llm, ref, decisions = adaptive_static_loop(*tiny)
     dr = llm.engine.drafter
     ctl = dr.controller
-    ctl.fuse_full, ctl.fuse_exploit = False, True
     ctl.quick_arm = lambda batch, running=None: None  # every decision a full one
     sure: list[bool] = []
     ctl.bandit.cannot_explore = lambda key: sure.append(len(sure) % 2 == 0) or sure[-1]  # every other one
@@ -390,13 +388,11 @@ def test_adaptive_full_decisions_sure_not_to_explore_launch_before_the_sync(tiny
 
 
 def test_an_explorations_second_cycle_launches_before_the_sync(tiny):
-    """With ``fuse_explorations`` (and neither ``fuse_full`` nor a decision sure not to explore) a full
-    decision is taken before the sync exactly where an exploration's second cycle is due; outputs stay
-    plain decoding's."""
+    """Where no decision is sure not to explore, a full decision is taken before the sync exactly where an
+    exploration's second cycle is due; outputs stay plain decoding's."""
     llm, ref, _ = adaptive_static_loop(*tiny)
     dr = llm.engine.drafter
     ctl = dr.controller
-    ctl.fuse_full, ctl.fuse_exploit, ctl.fuse_explorations = False, True, True
     ctl.quick_arm = lambda batch, running=None: None
     ctl.bandit.cannot_explore = lambda key: False
     due: list[bool] = []
@@ -411,15 +407,12 @@ def test_an_explorations_second_cycle_launches_before_the_sync(tiny):
 
 
 def test_an_early_full_decision_is_the_one_applied(tiny):
-    """A full decision taken before the sync (an exploration's second cycle, fuse_explorations) is the one
-    draft_step applies, with the real quick decisions around it: its depth drafted, launched early, and
-    its cycle measured. (A quick decision taken again in draft_step replaced it with the bucket's pick
-    until session 32: the bandit had counted the early decision's visit, so the next one was a quick
-    turn.) Outputs stay plain decoding's."""
+    """A full decision taken before the sync (an exploration's second cycle) is the one draft_step applies,
+    with the real quick decisions around it: its depth drafted, launched early, and its cycle measured
+    (not replaced by a quick decision taken again). Outputs stay plain decoding's."""
     llm, ref, _ = adaptive_static_loop(*tiny)
     dr = llm.engine.drafter
     ctl = dr.controller
-    ctl.fuse_full, ctl.fuse_exploit, ctl.fuse_explorations = False, False, True
     b = ctl.bandit
 
     def choose(key, priors, batch=1, switch_s=0.0):  # every 4th visit explores depth 1 for two cycles
@@ -473,7 +466,7 @@ def test_an_early_decision_applies_to_the_requests_left():
 
 
 def test_early_full_decisions_apply_to_the_requests_left_in_the_engine(tiny):
-    """Every decision full and taken before the sync (fuse_full): where a request stops at a stop token in
+    """Every decision full and taken before the sync (``full_early``): where a request stops at a stop token in
     the commit the decision still applies to the others (six requests: 6 -> 5 stays in its bucket);
     outputs stay plain decoding's."""
     model, head = tiny
@@ -490,7 +483,7 @@ def test_early_full_decisions_apply_to_the_requests_left_in_the_engine(tiny):
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch")
     ctl = dr.controller
-    ctl.fuse_full = True
+    ctl.full_early = lambda batch: True
     ctl.quick_arm = lambda batch, running=None: None  # every decision a full one
     ctl.bandit.choose = lambda key, priors, batch=1, switch_s=0.0: (max(priors), False)
     applied = []

@@ -14,7 +14,7 @@ DEVICE = triton_tests_device()
 CUDA = DEVICE.type == "cuda"
 
 from specserve.attention.triton_decode import TritonDecodeAttention  # noqa: E402
-from specserve.speculative.draft_graph import TorchDecodeAttention  # noqa: E402
+from specserve.attention.torch_decode import TorchDecodeAttention  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 

@@ -130,7 +130,7 @@ def test_catch_up_slots_are_the_block_tables(tiny):
 def test_catch_up_of_a_request_that_stopped_inside_its_accepted_drafts(tiny):
     """A stop inside the drafts a verify accepted leaves the request's KV ahead of its last token
     (commit advances num_computed_tokens by every accepted draft before it appends them): its
-    catch-up (FinishCatchUp) covers the positions whose next token is known, no further."""
+    catch-up covers the positions whose next token is known, no further."""
     model, head = tiny
     llm = spec_llm(model, head, speculative_policy="static")
     llm.engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

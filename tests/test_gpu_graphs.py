@@ -233,7 +233,7 @@ def _generate(model_dir, prompts, max_tokens=32, forced_arm=None, fuse=True, **e
     if forced_arm is not None:
         llm.engine.drafter.controller.forced_arm = forced_arm
     if not fuse:  # every catch-up after the verify's sync, in draft_step
-        llm.engine.drafter.controller.fuse_quick = False
+        llm.engine.drafter.pipeline.fused_targets = lambda plan: None
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs], llm
 

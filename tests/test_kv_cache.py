@@ -51,34 +51,19 @@ def test_freed_cached_blocks_stay_findable_until_evicted():
     assert bm.match_prefix(toks)[0] == table[:1]
 
 
-def test_blocks_without_draft_kv_are_refused_then_replaced_by_a_copy_with_it():
-    """A prefix filled while speculation was off has no draft KV: a drafting request recomputes it
-    (counted as refused), and once its own copy has draft KV that copy becomes the cached one."""
+def test_blocks_without_draft_kv_are_matched_and_say_where_their_draft_kv_ends():
+    """A prefix filled while nobody drafted has no draft KV: it is matched all the same, and
+    ``lacks_draft_kv`` / ``draft_ready_prefix`` tell the scheduler where the head must catch up."""
     bm = BlockManager(8, 4)
     bm.require_draft_kv = True
     toks = list(range(9))  # 2 full blocks + 1 token
     off = bm.allocate(3)
     bm.cache_blocks(off, [], toks, num_committed=9)
     bm.free(off)
-    assert bm.match_prefix(toks)[0] == [] and bm.stats.prefix_refused == 8 and bm.stats.prefix_hits == 0
-    # a request that will not draft may take them
-    assert bm.match_prefix(toks, any_draft_kv=True)[0] == off[:2]
-    # the drafting request's own blocks: hashed as it commits, given draft KV by its catch-up
-    on = bm.allocate(3)
-    bm.cache_blocks(on, [], toks, num_committed=9)
-    assert bm.match_prefix(toks)[0] == []  # no draft KV on either copy yet
-    bm.mark_draft_ready(on[:2])
-    assert bm.match_prefix(toks)[0] == on[:2]
-    # draft KV first, hashes after (the catch-up ran before the block filled): the same
-    bm2 = BlockManager(8, 4)
-    bm2.require_draft_kv = True
-    off2 = bm2.allocate(3)
-    bm2.cache_blocks(off2, [], toks, num_committed=9)
-    on2 = bm2.allocate(3)
-    bm2.mark_draft_ready(on2[:2])
-    bm2.cache_blocks(on2, [], toks, num_committed=9)
-    assert bm2.match_prefix(toks)[0] == on2[:2]
-    # evicting the displaced copy leaves the cached one alone
-    bm2.free(off2)
-    bm2.allocate(5)
-    assert bm2.match_prefix(toks)[0] == on2[:2]
+    ids = bm.match_prefix(toks)[0]
+    assert ids == off[:2] and bm.stats.prefix_hits == 8
+    assert bm.lacks_draft_kv(ids) and bm.draft_ready_prefix(ids) == 0
+    bm.mark_draft_ready(off[:1])
+    assert bm.lacks_draft_kv(ids) and bm.draft_ready_prefix(ids) == 1
+    bm.mark_draft_ready(off[1:2])
+    assert not bm.lacks_draft_kv(ids) and bm.draft_ready_prefix(ids) == 2

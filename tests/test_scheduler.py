@@ -96,34 +96,27 @@ def test_prefix_cache_hit_skips_computed_blocks():
     assert plan.scheduled[0].num_new_tokens == 1 and b.metrics.num_cached_tokens == 8
 
 
-def test_prefix_blocks_without_draft_kv_are_reused_only_by_requests_that_will_not_draft():
-    """With speculation the cache needs draft KV too; a prompt served while speculation was off
-    left blocks without it. A request that will not draft (the drafter's hook says so) may reuse
-    them and is marked never to draft; others recompute, until the blocks get draft KV."""
+def test_prefix_blocks_without_draft_kv_are_taken_from_where_their_draft_kv_ends():
+    """With speculation a prompt served while nobody drafted left blocks without draft KV: the next
+    request takes them all and its draft KV starts at the first block lacking it (the head catches up)."""
 
-    def served_then_same_prompt(hook, ready: bool):
+    def served_then_same_prompt(ready: int):
         s = _sched(block_size=4)
         s.blocks.require_draft_kv = True
         a = _req(0, 9, max_tokens=1)
         s.add(a)
         _commit(s, s.schedule())
         assert a.is_finished
-        if ready:  # as the head's catch-up marks them
-            s.blocks.mark_draft_ready([b for b in range(64) if s.blocks.blocks[b].block_hash is not None])
-        s.reuse_without_draft_kv = hook
+        cached = [b for b in range(64) if s.blocks.blocks[b].block_hash is not None]
+        s.blocks.mark_draft_ready(cached[:ready])  # as the head's catch-up marks them
         b = _req(1, 9)
         s.add(b)
         plan = s.schedule()
         return plan.scheduled[0].num_new_tokens, b
 
-    n, b = served_then_same_prompt(None, ready=False)
-    assert n == 9 and b.metrics.num_cached_tokens == 0 and not b.no_draft_kv
-    n, b = served_then_same_prompt(lambda r: False, ready=False)  # speculation on: it may draft
-    assert n == 9 and not b.no_draft_kv
-    n, b = served_then_same_prompt(lambda r: True, ready=False)  # off: reuse, never draft
-    assert n == 1 and b.metrics.num_cached_tokens == 8 and b.no_draft_kv
-    n, b = served_then_same_prompt(lambda r: True, ready=True)  # the blocks have draft KV: it may draft
-    assert n == 1 and not b.no_draft_kv
+    for ready, want in ((0, 0), (1, 4), (2, None)):
+        n, b = served_then_same_prompt(ready)
+        assert n == 1 and b.metrics.num_cached_tokens == 8 and b.draft_kv_tokens == want
 
 
 # -- overlap scheduling: the next step planned before this one's tokens are back ------------------

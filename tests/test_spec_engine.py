@@ -168,7 +168,7 @@ def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_h
 
     llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
     ctl = llm.engine.drafter.controller
-    decide, finish_cycle = ctl.decide, ctl.finish_cycle
+    decide, finish_cycle = ctl._decide_full, ctl.finish_cycle  # (the full decision, inside decide(Batch))
     full, quick = [], []
 
     def slow_decide(*args, **kwargs):
@@ -183,7 +183,7 @@ def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_h
             (full if getattr(cycle, "full", False) else quick).append(seconds)
         return finish_cycle(cycle, seconds)
 
-    ctl.decide, ctl.finish_cycle = slow_decide, record
+    ctl._decide_full, ctl.finish_cycle = slow_decide, record
     llm.chat(chat_prompts[:4], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert len(full) >= 3 and len(quick) >= 3, (full, quick)
     assert statistics.median(full) < statistics.median(quick) + 0.15, (full, quick)
@@ -222,57 +222,20 @@ def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prom
 def test_cached_blocks_without_draft_kv_are_taken_and_the_head_catches_up_over_them(chat_prompts):
     """A request that never drafts (max_spec_tokens 0) leaves its prompt's blocks cached without draft KV.
     The same prompt, drafting, takes them (no target recompute) and the head catches up over them from the
-    features kept at their slots: it drafts and accepts exactly what it does where those blocks are
-    refused and the prompt recomputed (catch_up_cached_prefix off, as before)."""
+    features kept at their slots: it drafts and accepts exactly what it does with nothing cached."""
     conv = chat_prompts[2]
     seen = {}
-    for catch_up in (True, False):
+    for cached in (True, False):
         llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_policy="static",
                   speculative_num_steps=3, **SMALL_KV)
-        llm.engine.drafter.controller.catch_up_cached_prefix = catch_up
-        first = llm.chat([conv], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, max_spec_tokens=0))[0]
-        assert first.metrics.spec_draft_tokens == 0
+        if cached:
+            sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, max_spec_tokens=0)
+            assert llm.chat([conv], sp)[0].metrics.spec_draft_tokens == 0
         out = llm.chat([conv], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
-        m, st = out.metrics, llm.engine.get_stats()
+        m = out.metrics
         bs = llm.engine.config.block_size
-        if catch_up:
-            assert m.num_cached_tokens == (len(out.prompt_token_ids) - 1) // bs * bs > 0
-            assert st.prefix_cache_refused == 0
-        else:
-            assert m.num_cached_tokens == 0 and st.prefix_cache_refused > 0
+        assert m.num_cached_tokens == ((len(out.prompt_token_ids) - 1) // bs * bs if cached else 0)
         assert m.spec_draft_tokens > 0 and m.spec_accepted_tokens > 0
-        seen[catch_up] = (out.outputs[0].token_ids, m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_verify_steps)
+        seen[cached] = (out.outputs[0].token_ids, m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_verify_steps)
         del llm
     assert seen[True] == seen[False]
-
-
-def test_adaptive_off_gives_finishing_requests_draft_kv_for_the_prefix_cache(random_head, reference, chat_prompts):
-    """With cached blocks refused for lacking draft KV (catch_up_cached_prefix off): the adaptive engine,
-    having turned a useless head off, leaves blocks without draft KV, and the same prompts again find them
-    cached but refuse them (a drafting request needs draft KV). Once it has measured those refusals, it
-    catches finishing requests up, so prompts after that reuse their whole prefix. Outputs stay the no-spec
-    ones throughout."""
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
-    d = llm.engine.drafter
-    d.controller.catch_up_cached_prefix = False
-    for _ in range(4):
-        assert [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)] == reference
-    assert llm.engine.get_stats().prefix_cache_refused > 0
-    assert d.finish.requests > 0 and d.finish.tokens > 0
-    last = llm.chat(chat_prompts, SP)
-    assert [o.outputs[0].token_ids for o in last] == reference
-    bs = llm.engine.config.block_size
-    whole = [o.metrics.num_cached_tokens == (len(o.prompt_token_ids) - 1) // bs * bs for o in last]
-    assert sum(whole) >= len(last) // 2, whole
-
-
-def test_adaptive_off_spends_nothing_on_finishing_requests_without_reuse(random_head, chat_prompts):
-    """Prompts that share nothing (the system prompt aside) give no reason to catch finishing
-    requests up: once the head is off, no finishing request is."""
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
-    llm.chat(chat_prompts[:10], SP)
-    d = llm.engine.drafter
-    n0 = d.finish.requests
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm.chat([[{"role": "user", "content": f"Tell me about item {i} of the list."}] for i in range(16)], sp)
-    assert d.finish.requests - n0 <= 2, (n0, d.finish.requests)

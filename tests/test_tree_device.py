@@ -8,9 +8,16 @@ import pytest
 import torch
 
 from specserve.speculative.accept import accept_chains_on_device, accept_greedy, accept_trees
-from specserve.speculative.tree import (Candidate, DraftTree, bits_to_mask, select_tree, select_trees, tree_fields,
+from specserve.speculative.tree import (Candidate, DraftTree, select_tree, select_trees, tree_fields,
                                         tree_width)
 from specserve.speculative.tree_graph import candidate_depths
+
+
+
+def bits_to_mask(bits: torch.Tensor) -> torch.Tensor:
+    """Ancestor bits [..., n] -> the attention mask bool [..., n, n] (row i, column j: bit j of row i)."""
+    n = bits.shape[-1]
+    return ((bits[..., :, None] >> torch.arange(n, device=bits.device)) & 1).bool()
 
 
 def expansion(rng: random.Random, topk: int, depth: int, vocab: int, ties: bool) -> list[Candidate]:

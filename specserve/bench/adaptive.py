@@ -179,10 +179,9 @@ def spec_snapshot(llm: LLM) -> dict[str, Any]:
     ctl = controller(llm)
     snap = {"verify": st.spec_verify_steps, "accepted": st.spec_accepted_tokens,
             "k_histogram": dict(st.k_histogram), "prompt_tokens": st.prefix_cache_queries,
-            "prefix_hits": st.prefix_cache_hits, "prefix_refused": st.prefix_cache_refused}
+            "prefix_hits": st.prefix_cache_hits}
     if ctl is not None:
-        snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions,
-                    finish_catch_ups=llm.engine.drafter.finish.requests)
+        snap.update(switches=ctl.switches, k_changes=ctl.k_changes, explorations=ctl.explorations, decisions=ctl.decisions)
     # which code path each step took (fused or not and why, graph or eager): where engines' cycles differ
     paths: collections.Counter[str] = collections.Counter()
     for part in (getattr(llm.engine, "runner", None), llm.engine.drafter):  # (a test's fake engine has none)
@@ -203,10 +202,8 @@ def spec_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         "accept_length": (after["accepted"] - before["accepted"] + verify) / verify if verify else None,
     }
     q = after["prompt_tokens"] - before["prompt_tokens"]
-    # prompt tokens taken from the prefix cache, and those found there but recomputed (no draft KV)
     out["prefix_hit_share"] = (after["prefix_hits"] - before["prefix_hits"]) / q if q else None
-    out["prefix_refused_share"] = (after["prefix_refused"] - before["prefix_refused"]) / q if q else None
-    for key in ("switches", "k_changes", "explorations", "decisions", "finish_catch_ups"):
+    for key in ("switches", "k_changes", "explorations", "decisions"):
         if key in after:
             out[key] = after[key] - before[key]
     paths = {k: v - before["path_counts"].get(k, 0) for k, v in after["path_counts"].items()}

@@ -42,7 +42,6 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    prefix_cache_refused: int = 0  # cached but lacking draft KV: recomputed for a drafting request
     steps: int = 0
     spec_steps: int = 0  # steps in which at least one request verified drafts
     spec_verify_steps: int = 0  # per-request verifies
@@ -253,7 +252,6 @@ class LLMEngine:
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_cache_queries = self.blocks.stats.prefix_queries
         s.prefix_cache_hits = self.blocks.stats.prefix_hits
-        s.prefix_cache_refused = self.blocks.stats.prefix_refused
 
     def _output(self, req: Request) -> RequestOutput | None:
         """The request's output after this step, as its params' output_kind asks (None: none now)."""

@@ -17,6 +17,7 @@ path runs: a fresh tensor, pinned on CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -105,3 +106,30 @@ def host_buffer(n: int, dtype: torch.dtype, device: torch.device) -> tuple[np.nd
     h, t = st.array(n, dtype)
     h.fill(0)
     return h, t
+
+
+class ReadBack:
+    """``read_back(t, launch)``: ``t``'s values on the host, ``launch()`` queued on the device before the host
+    waits (CUDA: through a reused pinned buffer and an event)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: torch.Tensor | None = None
+        self.done: "torch.cuda.Event | None" = None
+
+    def __call__(self, t: torch.Tensor, launch: Callable[[], None]) -> list[int]:
+        if self.device.type != "cuda":
+            vals = t.tolist()
+            launch()
+            return vals
+        n = t.shape[0]
+        if self.host is None or self.host.shape[0] < n:
+            self.host = torch.empty(max(n, 1024), dtype=torch.long, pin_memory=True)
+        host = self.host[:n]
+        host.copy_(t, non_blocking=True)
+        if self.done is None:
+            self.done = torch.cuda.Event()
+        self.done.record()
+        launch()
+        self.done.synchronize()
+        return host.tolist()

@@ -46,9 +46,6 @@ class Block:
 class BlockStats:
     prefix_queries: int = 0  # prompt tokens looked up
     prefix_hits: int = 0  # prompt tokens found cached
-    # prompt tokens found cached but not taken: their blocks lack the draft KV a drafting request
-    # needs (filled while speculation was off); a no-spec engine would have reused them
-    prefix_refused: int = 0
     evictions: int = 0
 
 
@@ -63,7 +60,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.stats = BlockStats()
-        # with speculation, a cached block is only reusable if its draft KV was computed too
+        # with speculation: which blocks have draft KV (a request taking others catches up over them)
         self.require_draft_kv = False
         self.draft_ready = [False] * num_blocks
 
@@ -80,31 +77,24 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int], any_draft_kv: bool = False) -> tuple[list[int], list[bytes]]:
-        """Cached full blocks at the start of ``token_ids``, leaving at least one token to compute.
-        With ``require_draft_kv``, only blocks whose draft KV is there too, unless ``any_draft_kv``
-        (for a request that will not draft)."""
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """Cached full blocks at the start of ``token_ids``, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return [], []
         max_blocks = (len(token_ids) - 1) // self.block_size
         ids: list[int] = []
         hashes: list[bytes] = []
         parent = None
-        refused = 0
         for b in range(max_blocks):
             h = hash_block(parent, token_ids[b * self.block_size : (b + 1) * self.block_size])
             bid = self.cached.get(h)
             if bid is None:
                 break
             parent = h
-            if refused or (self.require_draft_kv and not any_draft_kv and not self.draft_ready[bid]):
-                refused += 1  # the rest of the prefix is cached too, only not usable for drafting
-                continue
             ids.append(bid)
             hashes.append(h)
         self.stats.prefix_queries += len(token_ids)
         self.stats.prefix_hits += len(ids) * self.block_size
-        self.stats.prefix_refused += refused * self.block_size
         return ids, hashes
 
     def take_cached(self, block_ids: list[int]) -> None:

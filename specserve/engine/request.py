@@ -49,12 +49,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_tree: object | None = None  # speculative.tree.DraftTree when the drafts form a tree
     spec: Any = None  # speculative.state.DraftState: the drafter's state of this request
-    # its prompt prefix came from cached blocks whose draft KV was never computed (admitted while
-    # speculation was off, with the head's catch-up over such blocks turned off): it never drafts
-    no_draft_kv: bool = False
-    # ... or, with that catch-up (the default), how many leading tokens of what it took from the prefix
-    # cache have draft KV: its drafting state starts there, and the head catches up over the rest from
-    # the target features kept at those blocks' slots (None: all it took has draft KV)
+    # leading tokens of its cached prefix with draft KV: the head catches up over the rest (None: all)
     draft_kv_tokens: int | None = None
     # KV slots up to this many tokens are written by a forward already launched for the next step
     # (the drafter's early verify): commit keeps their blocks, which it would free as unused

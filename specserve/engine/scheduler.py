@@ -9,10 +9,10 @@ are freed and it is recomputed later from its tokens (prefix cache permitting).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache import BlockManager, KVSlots
@@ -86,13 +86,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_generated_tokens = 0  # output tokens committed, over the engine's life
-        # set by the drafter: whether a waiting request may take cached blocks without draft KV and never
-        # draft; or (catch_up_cached_prefix) take them whatever, the head catching up over them
-        self.reuse_without_draft_kv: Callable[[Request], bool] | None = None
-        self.catch_up_cached_prefix: Callable[[], bool] | None = None
-        # called with a request that finished in commit, before its blocks are freed (the drafter
-        # may give them draft KV, so that prompts can reuse them)
-        self.on_finish: Callable[[Request], None] | None = None
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -100,6 +93,13 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def prefill_tokens_next_step(self) -> int:
+        """Prompt tokens the next step will also carry: running prefills and waiting requests for free seats."""
+        n = sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.is_prefilling)
+        seats = max(self.config.max_num_seqs - len(self.running), 0)
+        n += sum(r.num_tokens for r in itertools.islice(self.waiting, seats))
+        return min(n, max(self.config.max_num_batched_tokens - len(self.running), 0))
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished and release its KV blocks at once (used for stops and aborts)."""
@@ -188,18 +188,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             req = self.waiting[0]
             if not req.kv.block_table:
-                # cached blocks that lack draft KV: taken, the head catching up over them (features are
-                # kept at every slot); without that catch-up, taken only while speculation is off (the
-                # request then never drafts), else refused
-                catch_up = self.catch_up_cached_prefix is not None and self.catch_up_cached_prefix()
-                any_kv = catch_up or (self.reuse_without_draft_kv is not None and self.reuse_without_draft_kv(req))
-                cached_ids, hashes = self.blocks.match_prefix(req.all_token_ids, any_draft_kv=any_kv)
+                cached_ids, hashes = self.blocks.match_prefix(req.all_token_ids)
                 req.draft_kv_tokens = None
-                if any_kv and self.blocks.lacks_draft_kv(cached_ids):
-                    if catch_up:
-                        req.draft_kv_tokens = self.blocks.draft_ready_prefix(cached_ids) * self.blocks.block_size
-                    else:
-                        req.no_draft_kv = True
+                if self.blocks.lacks_draft_kv(cached_ids):  # the head catches up over them (features kept)
+                    req.draft_kv_tokens = self.blocks.draft_ready_prefix(cached_ids) * self.blocks.block_size
                 self.blocks.take_cached(cached_ids)
                 req.kv = KVSlots(list(cached_ids), list(hashes))
                 req.num_computed_tokens = len(cached_ids) * self.blocks.block_size
@@ -216,7 +208,6 @@ class Scheduler:
                 self.blocks.free(req.kv.block_table)
                 req.kv = KVSlots()
                 req.num_computed_tokens = 0
-                req.no_draft_kv = False
                 if not self.running:
                     raise RuntimeError("KV cache too small for a single request; lower max_model_len")
                 break
@@ -294,8 +285,6 @@ class Scheduler:
                 stop = check_stop(req, self.eos_token_ids, self.max_model_len, text_start)
                 if stop is not None:
                     # KV of tokens after the stop is irrelevant: the request is freed below
-                    if self.on_finish is not None:
-                        self.on_finish(req)
                     self.finish(req, *stop)
                     break
             req.metrics.num_generation_tokens = req.num_output_tokens

@@ -30,8 +30,6 @@ _STAT_COUNTERS = {
     "num_preemptions": ("num_preemptions", "Requests preempted for lack of KV blocks."),
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-    "prefix_cache_refused": ("prefix_cache_refused",
-                             "Prompt tokens found in the prefix cache but recomputed: their blocks lack draft KV."),
     "steps": ("engine_steps", "Engine steps run."),
     "spec_steps": ("spec_steps", "Engine steps in which at least one request verified drafts."),
     "spec_verify_steps": ("spec_verify_steps", "Per-request verify passes (drafts checked by the target)."),

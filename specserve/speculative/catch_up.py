@@ -1,8 +1,5 @@
-"""The head's catch-up: draft KV over every position since a request last drafted.
-
-Row i of a request pairs (embedding of token i+1, target feature of token i); the head's output at its
-last committed position predicts the next token and seeds the drafts (``h``, or the static loop's h0).
-"""
+"""The head's catch-up: draft KV over every position since a request last drafted; row i pairs (embedding of
+token i+1, target feature of token i), and the last row's output seeds the drafts (``h``, or h0)."""
 
 from __future__ import annotations
 
@@ -15,13 +12,10 @@ import torch
 
 from specserve.attention.base import AttentionMetadata, forward_context
 from specserve.engine.host_copy import host_to_device
-from specserve.engine.kv_cache import KVSlots, kv_slot
+from specserve.engine.kv_cache import kv_slot
 from specserve.engine.request import Request
 from specserve.speculative.features import FeatureStore
 from specserve.speculative.state import catch_up_end
-
-FINISH_DECAY = 0.99  # memory per step of the finished-request catch-up's token counts
-COST_PROBE_TOKENS = 256  # tokens at which a prefill's and a catch-up's costs per token are compared
 
 
 def catch_up_slots(reqs: list[Request], starts: list[int], q_lens: list[int],
@@ -115,55 +109,3 @@ class CatchUp:
             cu.h_out[: len(reqs)].copy_(torch.cat(outs, 0))
         return cu.h_out[: len(reqs)]
 
-
-class FinishCatchUp:
-    """Draft KV for what finishing requests committed while plain decoding, where the prompt tokens the
-    prefix cache refused for lack of it (at the target's cost) outweigh the tokens finishing requests
-    leave without it (at the catch-up's cost); both decayed per step."""
-
-    def __init__(self, catch_up: CatchUp, blocks, controller) -> None:
-        self.catch_up, self.blocks, self.controller = catch_up, blocks, controller
-        self.finished: list[tuple[Request, KVSlots]] = []
-        self.reuse_lost = 0.0
-        self.pending = 0.0
-        self.refused_seen = 0
-        self.requests = 0  # requests given draft KV as they finished, and over how many tokens
-        self.tokens = 0
-
-    def on_finish(self, req: Request) -> None:
-        st = req.spec
-        if st is not None and req.num_computed_tokens > st.draft_pos and not req.no_draft_kv:
-            self.finished.append((req, KVSlots(list(req.kv.block_table))))
-
-    @property
-    def due(self) -> bool:
-        return bool(self.finished) or self.reuse_lost > 0
-
-    def run(self) -> None:
-        """Before any block is handed out again this step."""
-        done, self.finished = self.finished, []
-        st = self.blocks.stats
-        refused, self.refused_seen = st.prefix_refused - self.refused_seen, st.prefix_refused
-        pending = sum(r.num_computed_tokens - r.spec.draft_pos for r, _ in done)
-        self.reuse_lost = self.reuse_lost * FINISH_DECAY + refused
-        self.pending = self.pending * FINISH_DECAY + pending
-        if not done or self.reuse_lost <= 0:
-            return
-        ctl = self.controller
-        prefill_s = ctl.cost.step_time(COST_PROBE_TOKENS) if ctl.cost.target.profile else 0.0
-        catch_up_s = ctl.catch_up_seconds(COST_PROBE_TOKENS)
-        if prefill_s <= 0 or catch_up_s <= 0 or self.reuse_lost * prefill_s <= self.pending * catch_up_s:
-            return
-        done = [(r, kv) for r, kv in done if catch_up_end(r) > r.spec.draft_pos]
-        if not done:
-            return
-        reqs = [r for r, _ in done]
-        for r, kv in done:
-            r.kv = kv  # the freed blocks, for the catch-up's slots
-        try:
-            self.catch_up(reqs)
-        finally:
-            for r in reqs:
-                r.kv = KVSlots()
-        self.requests += len(reqs)
-        self.tokens += pending

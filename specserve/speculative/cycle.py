@@ -1,10 +1,5 @@
-"""The adaptive controller's cycle clock: a decision's cycle runs from it to the next decision, in the
-engine's own clock (gc_pauses.clock: full collections left out, and what the caller runs between steps).
-
-Kept out of a cycle: a full decision's own host time (the same whatever it picks), and the catch-up over
-what the last verify committed, which is moved back to that verify's cycle (``shift``), so a depth never
-pays for its predecessor's. A catch-up after a stretch of plain decoding is a one-off switch, not measured.
-"""
+"""The adaptive controller's cycle clock, from a decision to the next in the engine's clock; a full decision's
+host time is left out and a verify's catch-up moved back to its cycle (docs/decisions.md)."""
 
 from __future__ import annotations
 
@@ -61,10 +56,10 @@ class CycleClock:
     def unpaid_catch_up(self, candidates: list[Request]) -> float:
         """Predicted seconds of the catch-up over what the last verify committed, which plain decoding next
         does not run: charged to a drafting cycle followed by plain decoding as a drafting successor would."""
-        if not self.drafted_last or not self.controller.charge_unpaid_catch_up:
+        if not self.drafted_last:
             return 0.0
         rows = sum(max(r.num_computed_tokens - r.spec.draft_pos, 0) for r in candidates
-                   if r.spec is not None and not r.no_draft_kv)
+                   if r.spec is not None)
         if rows <= 0 or rows > len(candidates) * (self.max_k + 2):  # (a stretch of plain steps: no cycle's)
             return 0.0
         known = self.steady_s.get(batch_key(rows))

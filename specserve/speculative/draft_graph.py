@@ -1,23 +1,5 @@
-"""The EAGLE chain draft loop (topk = 1, greedy) on static buffers, replayed as CUDA graphs on the GPU.
-
-The eager loop (``propose.Proposer``) builds metadata on the host at every draft step
-and reads each step's tokens back (a host sync per step). Here everything a draft step needs is
-computed on the device from a few per-request numbers written once per engine step:
-
-    h0[b]           the head's output at request b's last committed position (from the catch-up)
-    base_pos[b]     the position of draft step 2 (= num_tokens - 1); step j runs at base + j - 2
-    ks[b]           drafts request b wants (0 for padding rows)
-    block_tables[b] its block table (the draft KV shares the target's tables)
-
-and the loop (draft 1 = argmax of h0's logits; draft j = head(embed(draft j-1), h, pos) -> argmax)
-writes ``tokens[b, j-1]``. Rows past their k (or padding rows) write their K/V to the scratch slot
-and attend to one key, so one graph per (padded batch, K) serves any mix of per-request k.
-
-The same code runs eagerly (CPU, or ``--enforce-eager``): attention through
-``TorchDecodeAttention`` (plain PyTorch, the CPU path) or ``TritonDecodeAttention`` (CUDA). On
-CUDA the catch-up (the head over the positions committed since the request last drafted) runs
-through a Triton backend of its own, as CUDA graphs per padded token count (``CatchUpRunner``).
-"""
+"""The greedy chain draft loop, the catch-up and the fused launch on static buffers, replayed as CUDA
+graphs on the GPU and run eagerly elsewhere (docs/architecture.md, "Draft loop on static buffers")."""
 
 from __future__ import annotations
 
@@ -26,9 +8,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, write_kv
+from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from specserve.attention.torch_decode import TorchDecodeAttention
 from specserve.engine.cuda_graph import GraphStats, capture_each, ladder, pad_to, replay_or_eager
 from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.kv_cache import kv_slot
@@ -37,54 +19,18 @@ from specserve.speculative.accept import accept_chains_on_device
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Padded batch sizes for the draft-loop graphs: the ladder up to max_batch, plus max_batch."""
-    return ladder(max_batch, BATCH_SIZES)
-
-
-class TorchDecodeAttention(AttentionBackend):
-    """One query token per request, metadata as device tensors (``set_step``), in plain PyTorch.
-
-    Computes exactly what ``TorchNativeBackend`` computes for a decode step (same gather, mask and
-    SDPA call), so the static loop's drafts equal the eager loop's on the CPU. ``max_kv`` (eager
-    only) limits the keys gathered; without it the whole block-table row is read (graph-safe, but
-    only sensible for short tables: the GPU uses ``TritonDecodeAttention``).
-    """
-
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, scale: float,
-                 block_tables: torch.Tensor) -> None:
-        super().__init__(kv_caches, block_size, scale)
-        self.block_tables = block_tables
-        self._slots: torch.Tensor | None = None
-        self._seq: torch.Tensor | None = None
-        self._max_kv: int | None = None
-
-    def plan(self, meta: AttentionMetadata) -> None:  # pragma: no cover - the interface's host path
-        raise NotImplementedError("TorchDecodeAttention takes device metadata through set_step()")
-
-    def set_step(self, slots: torch.Tensor, seq_lens: torch.Tensor, max_kv: int | None = None) -> None:
-        self._slots, self._seq, self._max_kv = slots, seq_lens, max_kv
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        assert self._slots is not None and self._seq is not None, "set_step() first"
-        k_flat, v_flat = write_kv(self.kv_caches[layer], self._slots, k, v)
-        kvh, d = k_flat.shape[1:]
-        B, h = q.shape[0], q.shape[1]
-        bt = self.block_tables[:B]
-        L = self._max_kv if self._max_kv is not None else bt.shape[1] * self.block_size
-        kj = torch.arange(L, device=q.device)
-        kv_slots = kv_slot(bt, kj[None, :], self.block_size, torch.arange(B, device=q.device)[:, None])
-        valid = kj[None, :] < self._seq[:, None]
-        kv_slots = torch.where(valid, kv_slots, torch.zeros_like(kv_slots))
-        qp = q[:, None].transpose(1, 2)  # [B, H, 1, D]
-        kp = k_flat[kv_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vp = v_flat[kv_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=valid[:, None, None, :],
-                                             scale=self.scale, enable_gqa=h != kvh)
-        return out.transpose(1, 2).reshape(B, h, d)
+def load_rows(device: torch.device, Bp: int, columns: list[tuple[torch.Tensor, list[int]]], block_tables: torch.Tensor,
+              tables: list[list[int]]) -> None:
+    """Per-request numbers (each column padded with 0 to Bp rows) and block tables into static buffers, one copy;
+    table columns past a row's own keep stale block ids (no key there is read)."""
+    B, width = len(tables), max(len(t) for t in tables)
+    flat = [v for _, vals in columns for v in vals + [0] * (Bp - len(vals))]
+    for t in tables:
+        flat += t + [0] * (width - len(t))
+    buf = host_to_device(flat, device)
+    for i, (dst, _) in enumerate(columns):
+        dst[:Bp].copy_(buf[i * Bp : (i + 1) * Bp])
+    block_tables[:B, :width].copy_(buf[len(columns) * Bp :].view(B, width))
 
 
 class ChainDraftRunner:
@@ -108,7 +54,7 @@ class ChainDraftRunner:
         self.ks = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.tokens = torch.zeros(max_batch, max_k, dtype=torch.long, device=device)
         self.step_index = torch.arange(max(max_k - 1, 1), dtype=torch.long, device=device)
-        self.batch_sizes = batch_buckets(max_batch)
+        self.batch_sizes = ladder(max_batch)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
         self.pad_batches = device.type == "cuda"
@@ -117,7 +63,8 @@ class ChainDraftRunner:
         return pad_to(self.batch_sizes, B)  # type: ignore[return-value]  (B <= max_batch, the last size)
 
     def _body(self, B: int, K: int, max_kv: list[int] | None = None) -> None:
-        """Draft K tokens for rows [0, B) (reads only static buffers; writes ``tokens``)."""
+        """Draft K tokens for rows [0, B) from h0, base_pos, ks, block_tables into ``tokens``; rows past
+        their k write the scratch slot and attend one key, so one graph serves any mix of k."""
         head, bs = self.head, self.block_size
         h = self.h0[:B]
         tok = head.greedy_draft(h)
@@ -143,25 +90,14 @@ class ChainDraftRunner:
     def load(self, base: list[int], ks: list[int], tables: list[list[int]], Bp: int,
              device_base: torch.Tensor | None = None) -> None:
         """Write the step's per-request numbers into the static buffers (padding rows: k = 0)."""
-        B = len(ks)
-        width = max(len(t) for t in tables)
-        pad = Bp - B
-        flat = base + [0] * pad + ks + [0] * pad
-        for t in tables:
-            flat.extend(t)
-            flat.extend([0] * (width - len(t)))
-        buf = host_to_device(flat, self.device)
-        self.base_pos[:Bp].copy_(buf[:Bp])
-        self.ks[:Bp].copy_(buf[Bp : 2 * Bp])
-        self.block_tables[:B, :width].copy_(buf[2 * Bp :].view(B, width))
+        load_rows(self.device, Bp, [(self.base_pos, base), (self.ks, ks)], self.block_tables, tables)
         if device_base is not None:
-            self.base_pos[:B].copy_(device_base)
+            self.base_pos[: len(ks)].copy_(device_base)
 
     def run(self, base: list[int], ks: list[int], tables: list[list[int]],
             device_base: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
-        """Drafts [B, max(ks)] (device tensor; h0[:B] must hold the catch-up output) and the path taken.
-        ``device_base``: the base positions as a device tensor, computed there (``base`` is then an
-        upper bound of each, for the eager loop's key gathers)."""
+        """Drafts [B, max(ks)] on the device (h0[:B] holds the catch-up's output) and the path taken;
+        ``device_base``: base positions computed on the device (``base`` then bounds them)."""
         B, K = len(ks), max(ks)
         if B > self.max_batch or K > self.max_k:
             raise ValueError(f"draft batch {B} x {K} exceeds the loop's {self.max_batch} x {self.max_k}")
@@ -252,10 +188,8 @@ class CatchUpRunner:
     def run(self, ids: Sequence[int], pos: Sequence[int], slots: Sequence[int], q_lens: list[int],
             seq_lens: list[int], tables: list[list[int]], feats: torch.Tensor,
             device_ids: torch.Tensor | None = None, device_last: torch.Tensor | None = None) -> str:
-        """Fills h_out[:B]; returns the path taken ("graph" or "eager"). ``ids``, ``pos`` and ``slots``
-        are lists or numpy arrays (a catch-up's are built vectorised). ``device_ids`` / ``device_last``:
-        the token ids / each request's output row as device tensors, computed there (they replace
-        ``ids`` and the last row of each request's ``q_lens``)."""
+        """Fills h_out[:B]; the path taken. ``device_ids`` / ``device_last``: token ids / each request's
+        output row computed on the device, in place of ``ids`` and the last row of each ``q_lens``."""
         T, B = len(ids), len(q_lens)
         buf = self._plan(ids, pos, slots, q_lens, seq_lens, tables)
         o = 3 * T + self.last.shape[0]
@@ -291,18 +225,8 @@ FUSED_MAX_BATCH = 4  # requests per step the fused launch graphs cover (where a 
 
 
 class FusedLaunchRunner:
-    """The fused launch (pipeline.launch_fused: the verify's accepted counts, the catch-up over every
-    verified row, the next chain) as one CUDA graph per (catch-up size, padded batch, drafts verified,
-    drafts to make): one launch where the host issued ~25.
-
-    Everything the graph reads comes in one host-to-device copy of ``meta`` (``write``): for each
-    verified row the row of the draft after it (``nxt``), its index in its request (``j``), its
-    request, position and KV slot; for each request the rows of its drafts, which of them exist, its
-    first row, the chain's base position before acceptance, its next k and its block table. The
-    catch-up attends row by row through a decode attention (each row is a query at its position over
-    its request's keys, its metadata computed on the device), so nothing is planned on the host.
-    Padding rows write the scratch slot; padding requests accept nothing and draft nothing. Before
-    ``capture`` (the CPU under Triton's interpreter, in tests) the same body runs eagerly."""
+    """Acceptance, catch-up over every verified row and the next chain (pipeline.launch_fused) as one CUDA
+    graph per (catch-up size, padded batch, k verified, k next); its inputs one copy of ``meta``."""
 
     def __init__(self, cu: CatchUpRunner, chain: ChainDraftRunner, device: torch.device) -> None:
         from specserve.attention.triton_decode import TritonDecodeAttention
@@ -362,10 +286,8 @@ class FusedLaunchRunner:
 
     def write(self, key: tuple[int, int, int, int], computed: Sequence[int], ks: Sequence[int],
               next_ks: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
-        """A step's numbers into ``meta`` (one host-to-device copy): requests with ``computed``
-        tokens in their KV, verifying ``ks`` drafts, drafting ``next_ks`` next, their block
-        tables. Built in plain Python: a step here has at most FUSED_MAX_BATCH x (max_k + 1) rows,
-        and each numpy call would cost more than the loop (this is the host's part of a cycle)."""
+        """A step's numbers into ``meta`` (one host-to-device copy), in plain Python: at most
+        FUSED_MAX_BATCH x (max_k + 1) rows, where each numpy call would cost more than the loop."""
         n, Bp, K, _ = key
         bs, scratch = self.chain.block_size, self.chain.scratch_slot
         nxt: list[int] = []

@@ -1,19 +1,5 @@
-"""EAGLE / EAGLE-3 speculation inside the engine's step: the draft -> verify -> accept -> commit loop.
-
-    engine.step():  plan = schedule()
-                    verify_step(plan)     one target forward over every request's query tokens (prompt
-                                          chunks, plain decodes, last token + drafts), then acceptance
-                    scheduler.commit()    appends accepted + bonus tokens
-                    draft_step(plan)      the controller picks k per request; catch-up + k drafts
-A plain step (nobody verifies drafts) goes through plain_step / launch_ahead, which the engine may
-launch a step ahead. Each step lives in its own module: features (target features by KV slot),
-catch_up (the head's draft KV), propose (chains, trees), accept, pipeline (drafting steps launched
-ahead), cycle (the controller's clock), profile (start-up costs), static (CUDA-graph runners).
-
-The head's input at position i is (embedding of token i+1, target feature of token i); its output
-there predicts token i+2. The draft KV shares the target's block tables: position i's draft KV sits
-in the slot of its target KV, in a cache of the head's own layers.
-"""
+"""EAGLE / EAGLE-3 speculation in the engine's step: verify_step (one target forward, acceptance), commit,
+draft_step (k per request, catch-up, drafts); plain steps via plain_step (docs/architecture.md, "One step")."""
 
 from __future__ import annotations
 
@@ -37,11 +23,12 @@ from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.speculative import profile, static
 from specserve.speculative.accept import (Accepted, accept_chains_sampled, accept_greedy, accept_tree_sampled,
                                           compact_tree_kv)
-from specserve.speculative.catch_up import CatchUp, FinishCatchUp
+from specserve.speculative.catch_up import CatchUp
 from specserve.speculative.cycle import CycleClock
 from specserve.speculative.features import FeatureStore
-from specserve.speculative.pipeline import Pipeline, prefill_tokens_next_step
+from specserve.speculative.pipeline import Pipeline
 from specserve.speculative.policy.bandit import batch_key
+from specserve.speculative.policy.interface import Batch
 from specserve.speculative.policy.controller import SpecController
 from specserve.speculative.propose import Proposer
 from specserve.speculative.state import Caps
@@ -82,26 +69,21 @@ class EagleSpeculator:
         caches = allocate_kv_cache(self.head.num_kv_layers, engine.blocks.num_blocks + 1 + lanes, bs,
                                    hc.num_key_value_heads, hc.head_dim, self.head_dtype, self.device)
         self.scratch_slot = engine.blocks.num_blocks * bs
-        self._paths: Counter[str] = Counter()  # draft-side calls per path ("catch_up:graph", ...)
+        self.path_counts: Counter[str] = Counter()  # draft-side calls per path ("catch_up:graph", ...)
         self.features = FeatureStore(self.target, self.scratch_slot + bs, hc.feature_size, engine.dtype, self.device,
-                                     self.head.is_eagle3, self._paths)
+                                     self.head.is_eagle3, self.path_counts)
         self.attn = TorchNativeBackend(caches, bs, hc.head_dim**-0.5)
         engine.blocks.require_draft_kv = True
-        self.controller = SpecController(cfg, defer=True)  # bookkeeping deferred to the next forward's launch
+        self.controller = SpecController(cfg, defer=True, clock=clock)  # bookkeeping deferred to the next launch
         self.controller.early_verify = self.device.type == "cuda"
-        engine.scheduler.reuse_without_draft_kv = self._reuse_without_draft_kv
-        engine.scheduler.catch_up_cached_prefix = lambda: self.controller.catch_up_cached_prefix
         self.caps = Caps(self.max_k, self.topk, cfg.num_steps, engine.max_model_len)
         self.catch_up = CatchUp(self.head, self.target.embed_tokens, self.attn, self.features, engine.blocks, bs,
-                                self.device, self._paths)
+                                self.device, self.path_counts)
         self.proposer = Proposer(self.head, self.target.embed_tokens, self.catch_up,
                                  TreeDraftBackend(caches, bs, hc.head_dim**-0.5), self.topk, cfg.num_steps,
-                                 mc.vocab_size, self.runner.generator, self.device, self._paths)
+                                 mc.vocab_size, self.runner.generator, self.device, self.path_counts)
         self.pipeline = Pipeline(engine, self.controller, self.caps, self.catch_up, self.proposer, cfg.policy,
-                                 self._paths)
-        self.finish = FinishCatchUp(self.catch_up, engine.blocks, self.controller)
-        if cfg.policy == "adaptive":
-            engine.scheduler.on_finish = self.finish.on_finish
+                                 self.path_counts)
         self.cycle = CycleClock(self.controller, engine, self.max_k,
                                 time_on_device=cfg.policy == "adaptive" and self.device.type == "cuda")
         self._launched_ahead = False  # the next step, plain, went to the device already (launch_ahead)
@@ -123,37 +105,6 @@ class EagleSpeculator:
     @property
     def graph_memory_bytes(self) -> int:
         return static.graph_memory_bytes(self)
-
-    @property
-    def path_counts(self) -> Counter:
-        return self._paths
-
-    @path_counts.setter
-    def path_counts(self, counts: Counter) -> None:  # (shared with the step modules: updated in place)
-        self._paths.clear()
-        self._paths.update(counts)
-
-    # policy/calibrate.py resets the cycle clock through these
-    @property
-    def _cycle_head(self) -> float | None:
-        return self.cycle.head
-
-    @_cycle_head.setter
-    def _cycle_head(self, v: float | None) -> None:
-        self.cycle.head = v
-
-    @property
-    def _drafted_last(self) -> bool:
-        return self.cycle.drafted_last
-
-    @_drafted_last.setter
-    def _drafted_last(self, v: bool) -> None:
-        self.cycle.drafted_last = v
-
-    def _reuse_without_draft_kv(self, req: Request) -> bool:
-        """Whether a waiting request may take cached blocks without draft KV (it then never drafts): when it
-        would not draft anyway (its own cap, or speculation off at the batch it joins)."""
-        return req.params.max_spec_tokens == 0 or self.controller.speculation_off(len(self.engine.scheduler.running) + 1)
 
     def after_capture(self) -> None:
         """Where target steps replay CUDA graphs, profile them once captured; then calibrate."""
@@ -187,7 +138,7 @@ class EagleSpeculator:
     def launch_ahead(self, plan: StepPlan, after: LaunchedStep) -> LaunchedStep:
         """The next plain step launched before ``after``'s tokens are read back."""
         inputs, out = self.runner.launch_forward(plan, after)
-        self._paths["plain_ahead"] += 1
+        self.path_counts["plain_ahead"] += 1
         self._launched_ahead = True  # (the next decision is plain decoding: draft_step applies it)
         return self._launch_plain(plan, inputs, out)
 
@@ -401,8 +352,6 @@ class EagleSpeculator:
     @torch.inference_mode()
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         """Decide k per request for the next step, then catch up and draft."""
-        if self.finish.due:
-            self.finish.run()  # first: before any block is reserved again
         now = clock()
         prev, prev_s = self.cycle.close(now)
         # requests that produced a token this step and decode next step
@@ -437,40 +386,29 @@ class EagleSpeculator:
 
     def _decide(self, candidates: list[Request], launched_ahead: bool) -> tuple[list[int] | None, Any, float]:
         """(k per candidate or None for plain decoding, the full decision taken before the sync, the
-        decision's host seconds): a decision taken early (pipeline), a forced or quick arm, else a full decision."""
-        ctl, pipe = self.controller, self.pipeline
+        decision's host seconds): one taken early (pipeline), else the policy's ``decide(Batch)``."""
+        ctl, pipe, sched = self.controller, self.pipeline, self.engine.scheduler
         pre, pipe.pre_arm = pipe.pre_arm, None
         pre_ks, pipe.pre_ks = pipe.pre_ks, None
         early = None if pre_ks is None else self._early_decision(candidates, *pre_ks)
-        arm = ctl.forced_arm
-        if launched_ahead:
-            arm = 0
-        elif arm is None and pre is not None and pre[0] == len(candidates):
+        arm = 0 if launched_ahead else None
+        if arm is None and ctl.forced_arm is None and pre is not None and pre[0] == len(candidates):
             arm = pre[1]
-        elif arm is None and early is None:  # (a quick decision would replace a full one taken early)
-            arm = ctl.quick_arm(len(candidates), len(self.engine.scheduler.running))
         if arm == 0:
             return None, early, 0.0
         caps = [self.caps.cap(r) for r in candidates]
-        decide_s = 0.0
         if arm is not None:
-            ks = ctl.uniform(candidates, arm, caps)
-        elif early is not None:
-            ks = early[0]
+            return ctl.uniform(candidates, arm, caps), early, 0.0
+        if early is not None:
             ctl.install_cycle(early[1])
-        else:
-            t = clock()
-            behind = sum(r.num_computed_tokens - (r.spec.draft_pos if r.spec else 0)
-                         for r, cap in zip(candidates, caps) if cap > 0)
-            ks = ctl.decide(candidates, caps, len(self.engine.scheduler.running),
-                            prefill_tokens_next_step(self.engine.scheduler, self.engine.config), behind)
-            decide_s = clock() - t
-            ctl.observe_decide(decide_s)
-        never = sum(r.no_draft_kv for r in candidates)  # requests that cannot draft
-        if never:
-            ctl.mixed_batch(ks, never)
-        return ks, early, decide_s
+            return early[0], early, 0.0
 
+        def context() -> tuple[int, int]:
+            return sched.prefill_tokens_next_step(), sum(
+                r.num_computed_tokens - (r.spec.draft_pos if r.spec else 0) for r, cap in zip(candidates, caps) if cap)
+
+        ks = ctl.decide(Batch(candidates, caps, len(sched.running), context=context))
+        return ks, None, ctl.decide_seconds
 
     @staticmethod
     def _early_decision(candidates: list[Request], ids: list[str], ks: list[int], cycle: Any

@@ -1,10 +1,5 @@
-"""Target features (the aux layers' hidden states) of every computed token, kept by KV slot like the KV.
-
-A plain step keeps all its rows, a verify the rows it commits at the slots of the positions they are
-committed at (an accepted tree node moves up like its KV); a catch-up gathers them back by slot.
-With EAGLE-3 the target's forward writes every row at its slot itself (``set_feature_sink``), so a
-chain's verify copies nothing.
-"""
+"""Target features (the aux layers' hidden states) of every computed token, kept by KV slot like the KV; with
+EAGLE-3 the target's forward writes them itself (``set_feature_sink``) and a chain's verify copies nothing."""
 
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ class FeatureStore:
         if not self.in_forward:  # (a graph's output rows past the step's are padding)
             self.features.index_copy_(0, inputs.meta.slot_mapping, feats[: inputs.input_ids.shape[0]])
         for r in plan.admitted:
-            if not r.no_draft_kv:
-                state_of(r)
+            state_of(r)
 
     def keep_verified(self, plan: StepPlan, inputs, feats: torch.Tensor, kept_rows: list[list[int]]) -> None:
         """A verify's committed rows: kept row j of a request's query goes to its j-th slot."""
@@ -53,8 +47,7 @@ class FeatureStore:
                 rows = list(range(start, start + s.num_new_tokens))
             keep.extend(rows)
             dst.extend(range(start, start + len(rows)))
-            if not s.req.no_draft_kv:
-                state_of(s.req)
+            state_of(s.req)
             start += s.num_query_tokens
         if self.in_forward:
             moved = [(k, d) for k, d in zip(keep, dst) if k != d]

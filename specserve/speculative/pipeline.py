@@ -1,22 +1,15 @@
-"""Launch-ahead of drafting steps: the next drafts before a verify's sync, the next verify before commit.
-
-Where every request verifies a greedy chain (or a whole tree) with current draft KV and its next k is
-known before the verify's outcome, the next catch-up and drafts are queued behind the verify, with the
-accepted counts taken on the device (``launch_fused``); the host waits for the picks only then. On a GPU
-the verify of those drafts is launched right after the sync (``launch_early_verify``; trees: before it,
-``launch_presync_verify``): the next step finds its forward queued and only checks its plan (``take``).
-Drafts left on the device are written into a verify's inputs there (``fill_drafts``).
-"""
+"""Launch-ahead of drafting steps: the next drafts before a verify's sync, the next verify before its commit
+(docs/architecture.md, "The next drafts before the verify's sync"); device drafts into a verify's inputs."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from specserve.engine.host_copy import host_to_device
+from specserve.engine.host_copy import ReadBack, host_to_device
 from specserve.engine.request import Request
 from specserve.engine.runner import StepLists
 from specserve.engine.scheduler import StepPlan
@@ -49,8 +42,7 @@ class Pipeline:
         self.pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
         self.early: EarlyVerify | None = None  # the next step's verify, launched already
         self.presync: tuple[list[Target], list[list[int]], EarlyVerify] | None = None
-        self._readback: torch.Tensor | None = None  # pinned: the verify's picks
-        self._readback_done: Any = None
+        self.read_back_around = ReadBack(self.device)  # the verify's picks, the next drafts launched meanwhile
 
     def reset(self) -> None:
         """A new step: what the last one decided early is spent."""
@@ -68,8 +60,6 @@ class Pipeline:
             return True
         arm = ctl.forced_arm
         if arm is None:
-            if ctl.after_exploration(found):
-                return False
             # an exploration of plain decoding runs its measured cycle overlapped, as the pick would
             arm = 0 if ctl.plain_second_cycle(found) else ctl.quick_arm(found, len(sched.running))
             if arm is None:  # a full decision is due: taken now where it cannot explore
@@ -92,8 +82,12 @@ class Pipeline:
                 caps.append(self.caps.cap(r, 1))
                 if caps[-1] > 0:
                     behind += r.num_computed_tokens + s.num_new_tokens - (r.spec.draft_pos if r.spec else 0)
+        return self._decide_early(reqs, caps, behind)
+
+    def _decide_early(self, reqs: list[Request], caps: list[int], behind: int) -> list[int]:
+        """A full decision before the sync, left for draft_step (``pre_ks``)."""
         ks, cycle = self.controller.decide_early(reqs, caps, len(self.sched.running),
-                                                 prefill_tokens_next_step(self.sched, self.runner.config), behind)
+                                                 self.sched.prefill_tokens_next_step(), behind)
         self.pre_ks = ([r.request_id for r in reqs], ks, cycle)
         return ks
 
@@ -103,7 +97,7 @@ class Pipeline:
         ctl, caps = self.controller, self.caps
         if self.policy == "static":
             return [caps.after_verify(r, k, self.max_k) for r, k in found]
-        if self.policy != "adaptive" or not ctl.fuse_quick:
+        if self.policy != "adaptive":
             return []
 
         def drafts(arm: int) -> int:  # (a tree's arm is its depth: drafting it means the whole tree)
@@ -111,21 +105,14 @@ class Pipeline:
 
         if ctl.forced_arm is not None:
             return [caps.after_verify(r, k, drafts(ctl.forced_arm)) for r, k in found]
-        if ctl.after_exploration(len(found)):
-            return []
         arm = ctl.quick_arm(len(found), len(self.sched.running))
         if arm is not None:
             self.pre_arm = (len(found), arm)
             return [caps.after_verify(r, k, drafts(arm)) for r, k in found]
         capped = [caps.after_verify(r, k, self.max_k) for r, k in found]
-        if not all(capped) or not (ctl.fuse_full or ctl.full_early(len(found))):
+        if not all(capped) or not ctl.full_early(len(found)):
             return []
-        reqs = [r for r, _ in found]
-        ks, cycle = ctl.decide_early(reqs, capped, len(self.sched.running),
-                                     prefill_tokens_next_step(self.sched, self.runner.config),
-                                     sum(k + 1 for _, k in found))
-        self.pre_ks = ([r.request_id for r in reqs], ks, cycle)
-        return ks
+        return self._decide_early([r for r, _ in found], capped, sum(k + 1 for _, k in found))
 
     def fused_targets(self, plan: StepPlan) -> list[Target] | None:
         """(request, drafts verified, next k) of a step that only verifies greedy drafts with current
@@ -141,7 +128,7 @@ class Pipeline:
         for s in plan.scheduled:
             r, k = s.req, len(s.draft_token_ids)
             if not (k and s.samples and s.num_new_tokens == 1 and (s.tree is not None) == tree and r.params.greedy
-                    and r.params.logprobs is None and not r.no_draft_kv):
+                    and r.params.logprobs is None):
                 why["unfused:step"] += 1
                 return None
             st = r.spec
@@ -255,29 +242,10 @@ class Pipeline:
             (pend_trees if self.topk > 1 else pend)(adopted, self.fused_toks, rows)
         return rest
 
-    def read_back_around(self, t: torch.Tensor, launch: Callable[[], None]) -> list[int]:
-        """``t``'s values on the host, ``launch()`` queued on the device before the host waits."""
-        if self.device.type != "cuda":
-            vals = t.tolist()
-            launch()
-            return vals
-        n = t.shape[0]
-        if self._readback is None or self._readback.shape[0] < n:
-            self._readback = torch.empty(max(n, 1024), dtype=torch.long, pin_memory=True)
-        host = self._readback[:n]
-        host.copy_(t, non_blocking=True)
-        if self._readback_done is None:
-            self._readback_done = torch.cuda.Event()
-        self._readback_done.record()
-        launch()
-        self._readback_done.synchronize()
-        return host.tolist()
-
     # -- the next verify, before the commit ------------------------------------------------------------
     def launch_early_verify(self, targets: list[Target], results: list[Accepted]) -> None:
-        """The next step's verify from each request's accepted count and bonus token and the drafts left
-        on the device. Not where the next plan will differ (arrivals, requests outside this step, a stop,
-        over the budget, a request drafting nothing next)."""
+        """The next step's verify from each accepted count, bonus token and drafts on the device; not where
+        the next plan will differ (arrivals, requests outside the step, a stop, the budget, k = 0 next)."""
         sched = self.sched
         if sched.waiting or len(targets) != len(sched.running):
             return
@@ -507,13 +475,3 @@ class Pipeline:
             s.tree = s.req.draft_tree = DraftTree([s.req.all_token_ids[-1]] + s.draft_token_ids, [-1] + parents,
                                                   [0] + depths)
             s.req.spec.device_tree = None
-
-
-def prefill_tokens_next_step(sched, config) -> int:
-    """Prompt tokens the next step will also carry: running prefills and waiting requests for free seats."""
-    import itertools
-
-    n = sum(r.num_tokens - r.num_computed_tokens for r in sched.running if r.is_prefilling)
-    seats = max(config.max_num_seqs - len(sched.running), 0)
-    n += sum(r.num_tokens for r in itertools.islice(sched.waiting, seats))
-    return min(n, max(config.max_num_batched_tokens - len(sched.running), 0))

@@ -71,9 +71,8 @@ def load_or_profile_costs(d: Any) -> tuple[CostModel, str]:
 
 @torch.inference_mode()
 def profile_costs(d: Any) -> CostModel:
-    """Decode-shaped steps on scratch KV (the engine is idle at start-up): n requests x 1 token, each
-    over the same ``ctx`` cached positions (slots alias: only time matters); target steps include the
-    logits of every row; draft steps time the path greedy chains take (static runners where built)."""
+    """Decode-shaped steps on scratch KV: n requests x 1 token over the same ``ctx`` cached positions (slots
+    alias), logits included; draft steps time the path greedy chains take (static runners where built)."""
     e, dev, hc = d.engine, d.device, d.head.config
     bs = e.config.block_size
     sync = torch.cuda.synchronize if dev.type == "cuda" else None

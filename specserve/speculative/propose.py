@@ -1,9 +1,5 @@
-"""Proposing drafts: chains (topk = 1) and EAGLE-2 trees, eagerly or on static buffers (CUDA graphs).
-
-Eager: the head runs step by step from the catch-up's output ``h``, reading each step's tokens back.
-Static: the chain loop / tree expansion run on the device from ``h0``; their drafts stay there
-(PENDING on the host) until the next verify writes them into its input ids.
-"""
+"""Drafts: chains (topk = 1) and EAGLE-2 trees, eagerly from the catch-up's ``h`` (a read-back a step) or on
+static buffers from ``h0``, their drafts left on the device (PENDING on the host) until the verify."""
 
 from __future__ import annotations
 

@@ -67,9 +67,7 @@ class Caps:
         return (k if self.topk == 1 else min(k, self.num_steps)) + 1
 
     def cap(self, r: Request, committed: int = 0) -> int:
-        """The most ``r`` may draft once ``committed`` more tokens are committed (0 without draft KV)."""
-        if r.no_draft_kv:
-            return 0
+        """The most ``r`` may draft once ``committed`` more tokens are committed."""
         p = r.params
         cap = self.max_k if p.max_spec_tokens is None else min(self.max_k, p.max_spec_tokens)
         if p.max_tokens is not None:

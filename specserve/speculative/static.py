@@ -1,9 +1,5 @@
-"""Building the draft side's static-buffer runners and capturing their CUDA graphs.
-
-On CUDA with the Triton backend: the catch-up, the greedy chain loop (or the tree expansion) and the
-fused launch of small steps, captured at start-up unless --enforce-eager. On the CPU the eager loop
-stays; tests build the static runners there to compare the two.
-"""
+"""The draft side's static-buffer runners (catch-up, chain loop or tree expansion, fused launches), built on CUDA
+with the Triton backend and captured as CUDA graphs unless --enforce-eager; tests build them on the CPU."""
 
 from __future__ import annotations
 
@@ -14,8 +10,8 @@ import torch
 
 from specserve.engine.cuda_graph import capture_sizes
 from specserve.engine.runner import kv_slab
-from specserve.speculative.draft_graph import (FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner,
-                                               TorchDecodeAttention)
+from specserve.attention.torch_decode import TorchDecodeAttention
+from specserve.speculative.draft_graph import FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner
 from specserve.speculative.tree_graph import FusedTreeLaunch, TreeDraftRunner, TreeVerifyGraph
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,5 @@
-"""EAGLE-2 dynamic draft trees: selection, attention mask, verification.
-
-Drafting expands, at each step, the ``topk`` best frontier nodes by cumulative draft
-log-probability; every child seen becomes a candidate. The tree keeps the best
-``num_draft_tokens - 1`` candidates (an ancestor never scores below its descendant, so the set is
-closed under parents) below a root that is the request's last committed token.
-
-Acceptance: accept.py.
-"""
+"""EAGLE-2 dynamic draft trees: the best ``num_draft_tokens - 1`` candidates by cumulative draft log-probability
+below the last committed token (closed under parents), their mask and packed device form."""
 
 from __future__ import annotations
 
@@ -86,12 +79,8 @@ def select_tree(root_token: int, cands: list[Candidate], num_nodes: int) -> Draf
 
 
 def tree_is_final(cands: list[Candidate], num_nodes: int, frontier_best: float) -> bool:
-    """Whether expanding the frontier further can change ``select_tree(cands, num_nodes)``.
-
-    Every later node descends from a frontier node and scores at most its score (log-probabilities
-    only add non-positive terms), so once ``num_nodes`` candidates score at least the best frontier
-    node, no later node enters the selection (a tie goes to the shallower node): the remaining
-    depths would be drafted for nothing. Exact, not a heuristic."""
+    """Whether expanding further can change ``select_tree(cands, num_nodes)`` (exact): a later node scores at
+    most its frontier ancestor, so once num_nodes candidates score >= the best frontier node, none enters."""
     if len(cands) < num_nodes:
         return False
     return heapq.nlargest(num_nodes, (c.score for c in cands))[-1] >= frontier_best
@@ -109,22 +98,11 @@ def tree_fields(packed: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, tor
     return packed[:, :N], packed[:, N : 2 * N], packed[:, 2 * N : 3 * N], packed[:, 3 * N : 4 * N]
 
 
-def bits_to_mask(bits: torch.Tensor) -> torch.Tensor:
-    """Ancestor bits [..., n] -> the attention mask bool [..., n, n] (row i, column j: bit j of row i)."""
-    n = bits.shape[-1]
-    return ((bits[..., :, None] >> torch.arange(n, device=bits.device)) & 1).bool()
-
-
 def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: torch.Tensor,
                  cand_depth: torch.Tensor, num_nodes: int, max_depth: int, out: torch.Tensor,
                  sizes: torch.Tensor | None = None) -> None:
-    """``select_tree`` for every row at once: candidates [B, C] (token, score, parent candidate or -1)
-    of depths ``cand_depth`` [C] (non-decreasing: the expansion's order) into packed trees ``out``
-    [B, tree_width(num_nodes)] (nodes 1..N-1: the roots' columns are left as they are). Same trees
-    as the host: its order (-score, depth, index) is a stable sort by score, the depths rising with the index;
-    a parent scores at least its child and comes first, so the best num_nodes - 1 are closed under
-    parents; nodes then go in (depth, rank) order. ``sizes`` [B]: drafts per request where fewer than
-    num_nodes - 1 (its best ``sizes[b]`` come first; the nodes after them are left over)."""
+    """``select_tree`` for every row: candidates [B, C] of depths ``cand_depth`` [C] into packed trees ``out``
+    (nodes 1..N-1; ``sizes`` [B]: fewer drafts, the best first); a stable sort by score gives the host's order."""
     B, C = cand_score.shape
     M = num_nodes - 1
     if M > C:

@@ -1,30 +1,5 @@
-"""The EAGLE-2 tree expansion on static buffers, replayed as CUDA graphs on the GPU.
-
-The eager expansion (``propose.Proposer``) reads every depth's candidates back to the
-host (a sync per depth) and grows its attention buffers as it goes. Here the whole expansion runs
-on the device from the numbers written once per engine step:
-
-    h0[b]           the head's output at request b's last committed position (from the catch-up)
-    base_pos[b]     the position of depth-2 nodes (= num_tokens - 1); depth d runs at base + d - 2,
-                    and the request's committed draft KV is its first base_pos[b] positions
-    sizes[b]        how many drafts its tree holds
-    block_tables[b] its block table (the draft KV shares the target's tables)
-
-Depth 1 takes the ``topk`` best tokens of h0's logits. Each later depth runs the head once over
-the frontier (``topk`` nodes per request, all at the same position), takes each node's ``topk``
-best children (topk^2 candidates) and keeps the ``topk`` best by cumulative log-probability as the
-next frontier. Every candidate is written out (token, score, parent), and each request's tree is
-selected from them on the device (``select_trees``: the host's ``select_tree``), so nothing is read
-back until the verify that uses it.
-
-Attention: a frontier node sees its request's committed draft KV and its own ancestors. Each
-frontier slot (b, k) has a lane: a few blocks of the draft KV cache past the engine's own, holding
-a copy of request b's partly filled last block and then the K/V of the slot's path (one position
-per depth). A frontier node is then one query of a decode attention (the chain loop's kernel, with
-the rotary and KV write fused) over a block table that is b's with the lane's blocks in place of
-the last ones. When the next frontier is chosen, each new slot's lane is copied from its parent's.
-The lanes are scratch: the expansion leaves nothing in the request's own blocks.
-"""
+"""The EAGLE-2 tree expansion, the fused tree launch and the tree verify on static buffers, replayed as CUDA
+graphs on the GPU (docs/architecture.md, "Trees": lanes, selection on the device)."""
 
 from __future__ import annotations
 
@@ -34,13 +9,12 @@ import numpy as np
 import torch
 
 from specserve.attention.base import AttentionBackend, forward_context
-from specserve.engine.host_copy import host_buffer, host_to_device
-from specserve.engine.cuda_graph import pad_to
+from specserve.engine.cuda_graph import GraphStats, capture_each, ladder, pad_to, replay_or_eager
+from specserve.engine.host_copy import host_buffer
 from specserve.engine.kv_cache import kv_slot
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.engine.cuda_graph import GraphStats, capture_each, replay_or_eager
-from specserve.speculative.draft_graph import batch_buckets
+from specserve.speculative.draft_graph import load_rows
 from specserve.speculative.accept import accept_trees, compact_tree_kv
 from specserve.speculative.tree import select_trees, tree_fields, tree_width
 
@@ -85,7 +59,7 @@ class TreeDraftRunner:
         self.trees = torch.zeros(max_batch, tree_width(self.num_nodes), dtype=torch.long, device=device)
         self._first_parent = torch.full((topk,), -1, dtype=torch.long, device=device)
         self._steps = torch.arange(max(depth - 1, 1), device=device)
-        self.batch_sizes = batch_buckets(min(max_batch, graph_max_batch))
+        self.batch_sizes = ladder(min(max_batch, graph_max_batch))
         self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
@@ -158,17 +132,8 @@ class TreeDraftRunner:
         return pad_to(self.batch_sizes, B)
 
     def load(self, base: list[int], tables: list[list[int]], Bp: int, sizes: list[int] | None = None) -> None:
-        B = len(base)
-        width = max(len(t) for t in tables)
-        flat = base + [0] * (Bp - B) + (sizes or [self.num_nodes - 1] * B) + [0] * (Bp - B)
-        for t in tables:
-            flat.extend(t)
-            flat.extend([0] * (width - len(t)))
-        buf = host_to_device(flat, self.device)
-        self.base_pos[:Bp].copy_(buf[:Bp])
-        self.sizes[:Bp].copy_(buf[Bp : 2 * Bp])
-        # columns past a row's own table keep stale block ids: no key there is read (seq_lens)
-        self.block_tables[:B, :width].copy_(buf[2 * Bp :].view(B, width))
+        sizes = sizes or [self.num_nodes - 1] * len(base)
+        load_rows(self.device, Bp, [(self.base_pos, base), (self.sizes, sizes)], self.block_tables, tables)
 
     def run_device(self, base: list[int], tables: list[list[int]], sizes: list[int] | None = None) -> str:
         """Expand and select on the device, nothing read back: the trees (of ``sizes`` drafts; default
@@ -197,27 +162,8 @@ class TreeDraftRunner:
 
 
 class FusedTreeLaunch:
-    """The tree's fused launch: from a verify's picks, each request's accepted path (accept_trees),
-    the head's catch-up over it, the next expansion and the next trees (select_trees), all on the
-    device and launched before the verify's host sync; one CUDA graph per padded batch.
-
-    A request verified the whole tree (root + num_nodes - 1 drafts, rows b * N + i). The catch-up
-    runs L = min(depth, N - 1) + 1 rows per request at positions nc .. nc + L - 1: row j pairs the
-    target feature of the accepted node at depth j with the token after it (the next accepted
-    node's, or the bonus token at j = accepted); rows past that write draft KV at positions the next
-    catch-up rewrites before anything reads them (the expansion reads keys below nc + 1 + accepted).
-    It attends row by row (a decode attention, its metadata computed on the device). What the host
-    writes (``write``, one copy): each row's position and KV slot, each request's nc and block
-    table; padding rows write the scratch slot, padding requests accept nothing that matters.
-
-    It also moves the target KV of each request's accepted nodes to the positions right after its
-    root (``target_kv``: the host's compaction, done here so that nothing waits for the sync), keeps
-    the target features of the root and the accepted nodes at those positions' slots (``features``:
-    what the drafter's verify_step keeps for other steps after the sync), and
-    writes the inputs of the verify of the trees it selects (``next_ids``,
-    ``next_pos``, ``next_slots``: root = the bonus token at nc + 1 + accepted, then the nodes in
-    order; ``next_shift``: accepted minus the most a verify accepts, what that verify's lengths
-    differ from those its host plan assumes), so that the verify can be launched before the sync."""
+    """From a verify's picks: acceptance, target KV compaction, catch-up over the accepted path, the next
+    expansion and the inputs of the next trees' verify, on the device before the sync; a graph per batch."""
 
     def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, scratch_slot: int, feature_size: int,
                  dtype: torch.dtype, max_batch: int, target_kv: torch.Tensor, features: torch.Tensor) -> None:
@@ -248,9 +194,8 @@ class FusedTreeLaunch:
         self.stats = GraphStats()
 
     def layout(self, Bp: int) -> list[int]:
-        """Offsets in ``meta`` of pos, slot [Bp x L each], nc [Bp], block tables [Bp x width], live
-        (1: a request, 0: padding) [Bp], and the verified trees' rows in their packed tensor [Bp]
-        (read by ``run``, outside the graph)."""
+        """Offsets in ``meta``: pos, slot [Bp x L each], nc [Bp], block tables [Bp x width], live [Bp]
+        (1: a request), and the verified trees' rows in their packed tensor [Bp] (read by ``run``)."""
         n = Bp * self.L
         return np.cumsum([0, n, n, Bp, Bp * self.width, Bp, Bp]).tolist()
 
@@ -299,9 +244,8 @@ class FusedTreeLaunch:
 
     def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]],
               rows: Sequence[int] = ()) -> None:
-        """A step's numbers into ``meta`` (one host-to-device copy): requests with ``computed``
-        tokens in their KV before the verify, their block tables, and their trees' ``rows`` in the
-        packed tensor ``run`` is given."""
+        """A step's numbers into ``meta`` (one copy): each request's tokens computed before the verify, its
+        block table and its tree's row in the packed tensor ``run`` is given."""
         Bp = key[0]
         L, bs = self.L, self.block_size
         o = self.layouts[Bp]
@@ -324,9 +268,8 @@ class FusedTreeLaunch:
         self.meta[: o[-1]].copy_(t, non_blocking=True)
 
     def run(self, key: tuple[int], picks: torch.Tensor, feats: torch.Tensor, trees: torch.Tensor) -> str:
-        """After ``write``: the verify's picks and target features (rows b * N + i) and the verified
-        trees (the rows ``write`` was given, of packed ``trees``) in, launch; the next trees are in
-        ``tree.trees``."""
+        """After ``write``: the verify's picks and features (rows b * N + i) and the verified trees in,
+        launch; the next trees are in ``tree.trees``."""
         T = picks.shape[0]
         Bp = key[0]
         o = self.layouts[Bp]
@@ -348,11 +291,8 @@ class FusedTreeLaunch:
 
 
 class TreeVerifyGraph:
-    """The target's verify of the trees a FusedTreeLaunch selected, read from its ``next_ids`` and
-    ``next_pos``, with the logits and their argmax: one CUDA graph per padded batch. The picks and the
-    target features land in the launch's ``picks`` and ``feats``, where its next run reads them (the
-    two graphs exchange nothing through copies; nothing is cloned). The caller plans the target's
-    attention first (its slots, shifted lengths and tree bits: the launch's buffers, on the device)."""
+    """The target's verify of the trees a FusedTreeLaunch selected, from its ``next_ids``/``next_pos``;
+    picks and features land in the launch's buffers, which its next run reads (nothing copied)."""
 
     def __init__(self, launch: FusedTreeLaunch, model: Any, attn: AttentionBackend, vocab_size: int) -> None:
         self.launch = launch

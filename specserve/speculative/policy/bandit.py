@@ -1,17 +1,5 @@
-"""Measured goodput per (batch-size bucket, draft depth): what the adaptive controller decides by.
-
-An arm is a uniform draft depth d (0 = plain decoding) in one batch-size bucket. Each cycle's outcome
-is measured (the tokens its requests committed, the wall time from its decision to the next) and kept
-as decayed sums per arm. goodput(arm) = tokens per request per cycle (pooled over buckets, with the
-acceptance model's expectation as a prior) x requests per second (this bucket's cycles, with the cost
-model's prediction plus the measured excess seconds as a prior). A drafting arm's goodput is capped at
-plain decoding's x its tokens per request once plain decoding has ``cap_cycles`` cycles.
-
-Choice: the best arm, kept unless another beats it by ``margin`` and ``band`` standard errors, and out
-of plain decoding by enough to repay the catch-up within ``switch_horizon`` cycles. Explorations (two
-cycles each) come on exploration turns, within ``explore_budget`` of the bucket's time. Pure numbers:
-no clock, no tensors. The fields are AdaptivePolicyConfig's; docs/decisions.md says why.
-"""
+"""Measured goodput per (batch-size bucket, draft depth), the models' predictions as priors: what the adaptive
+controller decides by (docs/architecture.md, "Controller"; the fields: AdaptivePolicyConfig)."""
 
 from __future__ import annotations
 
@@ -28,7 +16,6 @@ def batch_key(batch: int) -> int:
 
 def shallower_tokens(accepted: list[int], depth: int) -> dict[int, float]:
     """What each depth e < ``depth`` would have committed on a chain cycle's drafts: sum of min(a, e) + 1.
-
     accepted [0, 5, 2], depth 5 -> {1: 5.0, 2: 7.0, 3: 8.0, 4: 9.0}"""
     reached = [0] * (depth + 1)  # reached[j]: requests that accepted exactly j (depth: j or more)
     for a in accepted:
@@ -163,9 +150,8 @@ class GoodputBandit:
         return num / den if den > 0 else 0.0
 
     def _drafting_excess(self, arms: dict[int, ArmStats], batch: int, bucket: float) -> float:
-        """Excess seconds per cycle a drafting arm of bucket ``arms`` borrows: its drafting arms' served
-        cycles, with every bucket's drafting excess per request worth ``borrow`` cycles (seeds left out);
-        ``bucket`` where no drafting cycle was served anywhere."""
+        """Excess seconds per cycle a drafting arm of bucket ``arms`` borrows: its served drafting cycles', with
+        every bucket's per request worth ``borrow`` cycles; ``bucket`` where none was served anywhere."""
         num = den = n = ex = 0.0
         for key_arms in self.stats.values():
             for arm, st in key_arms.items():

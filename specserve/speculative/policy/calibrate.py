@@ -1,17 +1,10 @@
-"""Start-up calibration of the adaptive controller: whole engine steps timed per (batch, depth).
-
-The forward profile misses a step's host time (scheduling, sampling, commit), most of a step where
-forwards replay CUDA graphs. So scratch requests (random prompts, greedy) run through the engine: per
-bucket batch size (largest first) and depth, a few steps with every request forced to that depth,
-timed as ``engine.step()``; the median seeds the bandit (``SpecController.seed``: time only). All
-else the steps touched is put back; only the live cost model keeps what they taught it.
-"""
+"""Start-up calibration: scratch requests stepped through the engine at every (batch bucket, depth), the
+median step time seeding the bandit (time only); everything else the steps touched is put back."""
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from statistics import median
 from typing import TYPE_CHECKING, Any
@@ -19,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specserve.sampling_params import SamplingParams
+from specserve.speculative.policy.bandit import batch_key, bucket_batch
 
 if TYPE_CHECKING:
     from specserve.speculative.drafter import EagleSpeculator
@@ -28,14 +22,9 @@ PREFIX = "__specserve_calibration_"
 
 
 def bucket_batches(max_batch: int) -> list[int]:
-    """One batch size per bandit bucket (half octaves: 1, 2, 3, 4, 6, 8, 11, 16, 23, ...) up to
-    max_batch (included), largest first."""
-    out = {max_batch}
-    for k in range(int(2 * math.log2(max(max_batch, 1))) + 1):
-        b = round(2 ** (k / 2))
-        if b <= max_batch:
-            out.add(b)
-    return sorted(out, reverse=True)
+    """One batch size per bandit bucket (1, 2, 3, 4, 6, 8, 11, 16, 23, ...) up to max_batch, largest first."""
+    sizes = {bucket_batch(k) for k in range(batch_key(max_batch) + 1)}
+    return sorted({max_batch} | {b for b in sizes if b <= max_batch}, reverse=True)
 
 
 def calibrate(drafter: EagleSpeculator, steps: int = 3, warm: int = 1, prompt_len: int = 64,
@@ -109,10 +98,10 @@ def calibrate(drafter: EagleSpeculator, steps: int = 3, warm: int = 1, prompt_le
         e.blocks.reset_prefix_cache()
         vars(ctl).update(saved_ctl)
         e.stats = saved_stats
-        drafter.path_counts = saved_paths
+        drafter.path_counts.clear()  # (shared with the step modules: restored in place)
+        drafter.path_counts.update(saved_paths)
         e.scheduler.num_preemptions = saved_preempt
-        drafter._cycle_head = None
-        drafter._drafted_last = False
+        drafter.cycle.reset()
     for b, per_arm in measured.items():
         for arm, s in per_arm.items():
             ctl.seed(b, arm, s)

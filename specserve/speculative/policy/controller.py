@@ -1,13 +1,5 @@
-"""How many tokens each request drafts next step (0 = plain decode).
-
-Policies: ``static`` (every request drafts its cap), ``threshold`` (off while more than N requests
-run, with hysteresis) and ``adaptive``: among uniform depths d = 0..K (arms; a tree is off or whole)
-per batch-size bucket, the best measured goodput (``GoodputBandit``) with the models' predictions as
-priors (priors.py). Within an arm a request drafts min(d, its cap), less where its own acceptance is
-far below the mean (``arm_depths``). The caller reports each cycle's wall time and accepted counts
-(the controller times only its own full decisions). The narrow interface: ``decide(Batch) -> k per request`` and
-``observe(StepOutcome)``; the other public methods are its parts, for a caller that pipelines.
-"""
+"""How many tokens each request drafts next step (0 = plain decode): ``static``, ``threshold`` or ``adaptive``
+(a bandit over uniform depths per batch bucket, priors.py); interface.py is its narrow interface."""
 
 from __future__ import annotations
 
@@ -81,17 +73,14 @@ class SpecController:
     catch_up_cost: LinearCost = field(default_factory=LinearCost)  # catch-ups after plain decoding
     switch_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> predicted catch-up, last full decision
     _next: Cycle | None = None  # an early decision's cycle: current once ``observe`` ends the one in flight
-    clock: Callable[[], float] = time.perf_counter  # times ``decide(Batch)``'s full decisions (host seconds)
+    clock: Callable[[], float] = time.perf_counter  # times ``decide(Batch)``'s full decisions (host seconds) ...
+    decide_seconds: float = 0.0  # ... the last one's (0: the last decide(Batch) was quick)
 
-    # Launch-path settings the drafter reads (drafter.py); not policy. ``early_verify`` is set by the
-    # drafter (True on a GPU); the rest are constant and can go once the drafter uses decide/observe.
+    # launch-path switches the pipeline reads (not policy): the next verify launched before the commit
+    # (the drafter sets it on a GPU), a tree's before the sync, the fused launch as one graph
     early_verify = False
-    fuse_quick = True
-    fuse_full = False
     presync_verify = True
     fused_launch_graph = True
-    catch_up_cached_prefix = True
-    charge_unpaid_catch_up = True
 
     def __post_init__(self) -> None:
         self.policy = self.cfg.adaptive  # the adaptive policy's tunables
@@ -100,19 +89,9 @@ class SpecController:
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
 
     # -- observations ------------------------------------------------------------------------
-    def observe_request(self, request_id: str, k: int, accepted: int) -> None:
-        """Request ``request_id`` verified ``k`` drafts and accepted ``accepted``."""
-        c = self._cycle
-        if c is not None and c.request_ids is not None and request_id in c.request_ids:
-            c.tokens += accepted + 1
-        if k == 0:
-            return
-        self.overall.observe(k, accepted, decay=ACCEPT_DECAY)
-        st = self.per_request.setdefault(request_id, AcceptanceStats.zeros(self.cfg.num_steps))
-        st.observe(k, accepted)
-
     def observe_many(self, request_ids: list[str], ks: list[int], accepted: list[int]) -> None:
-        """``observe_request`` for every request of a step (the overall rates decay once, by ACCEPT_DECAY**n)."""
+        """Requests ``request_ids`` verified ``ks`` drafts and accepted ``accepted`` (the overall rates decay
+        by ACCEPT_DECAY a request)."""
         c = self._cycle
         if c is not None and c.request_ids is not None:
             mine = [a for rid, a in zip(request_ids, accepted) if rid in c.request_ids]
@@ -169,10 +148,6 @@ class SpecController:
         if self._cycle is not None:
             self._cycle.launched_early = n
 
-    def after_exploration(self, batch: int) -> bool:
-        """Whether the next decision must wait for the sync: never (kept for the drafter's calls)."""
-        return False
-
     def full_early(self, batch: int) -> bool:
         """Whether the next full decision for ``batch`` requests may be taken before the verify's sync:
         it is sure not to explore, or it is an exploration's second cycle (its depth known)."""
@@ -202,26 +177,9 @@ class SpecController:
         if c is not None and c.exploring:
             self._later(self.bandit.charge_overhead, c.key, seconds)
 
-    def speculation_off(self, batch: int) -> bool:
-        """Whether a request admitted now into a batch of ``batch`` will plain-decode for a while (the
-        threshold policy off, or plain decoding its bucket's pick): it may take blocks without draft KV."""
-        if self.cfg.policy == "threshold":
-            return not self.spec_on
-        return self.cfg.policy == "adaptive" and self.bandit.chosen.get(batch_key(batch)) == 0
-
-    def mixed_batch(self, ks: list[int] | np.ndarray, never_draft: int) -> None:
-        """A drafting decision where ``never_draft`` requests cannot draft: above ``nodraft_share_limit``
-        of the batch its cycle is charged, not measured (it is not the arm's)."""
-        self._mixed(self._cycle, ks, never_draft)
-
-    def _mixed(self, c: Cycle | None, ks: list[int] | np.ndarray, never_draft: int) -> None:
-        if c is not None and never_draft > self.policy.nodraft_share_limit * len(ks) and any(k > 0 for k in ks):
-            c.measured = False
-
     def plain_second_cycle(self, batch: int) -> bool:
-        """Take the next decision now, before the sync, where it is plain decoding's second exploration
-        cycle (launched ahead like the pick's); its first is then charged, not measured. True: taken
-        (``count_off`` applies it)."""
+        """Take the next decision now where it is plain decoding's second exploration cycle (launched ahead
+        like the pick's; its first is then charged, not measured). True: taken, ``count_off`` applies it."""
         if self.cfg.policy != "adaptive":
             return False
         key = batch_key(batch)
@@ -236,9 +194,8 @@ class SpecController:
         return True
 
     def count_off(self, batch: int) -> None:
-        """A quick decision of k = 0 for the whole batch (no per-request bookkeeping; under the
-        adaptive policy still measured, one token per request), or the plain exploration cycle
-        ``plain_second_cycle`` took."""
+        """A quick decision of k = 0 for the whole batch (adaptive: still measured, one token a request),
+        or the plain exploration cycle ``plain_second_cycle`` took."""
         exploring, self._plain_exploring = self._plain_exploring, False
         if self.cfg.policy == "adaptive":
             self._cycle = Cycle(self._quick_key, 0, 0.0, None, tokens=batch, requests=batch, exploring=exploring)
@@ -273,10 +230,6 @@ class SpecController:
         c, self._cycle = self._cycle, None
         return c
 
-    def end_cycle(self, seconds: float) -> None:
-        """The wall time since the last adaptive decision: its outcome goes to the bandit."""
-        self.finish_cycle(self.detach_cycle(), seconds)
-
     def _later(self, fn: Callable[..., None], *args: object) -> None:
         """``fn(*args)`` now, or at the next ``flush`` when deferring."""
         if self.defer:
@@ -307,9 +260,6 @@ class SpecController:
                                 c.requests, c.tokens_at)
             self.cycles += 1
 
-    def forget(self, request_id: str) -> None:
-        self.per_request.pop(request_id, None)
-
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0,
                      decode_rows: int = 0, own_time: bool = True) -> None:
         """A target step of ``num_tokens`` (``prefill_tokens`` of them prompt, ``decode_rows`` sampling,
@@ -334,9 +284,8 @@ class SpecController:
         self._later(lambda: self.cost.observe_draft(batch, steps, seconds))  # self.cost as it is when this runs
 
     def _reference_step(self, num_tokens: int, num_seqs: int, decode_rows: int, prefill_tokens: int) -> float:
-        """The reference's seconds for a target step of this shape, less its prompt tokens' share: looked
-        up where the reference is the frozen profile (plain decoding asks it the same shape every cycle),
-        computed where it is the live model (no profile), which learns."""
+        """The reference's seconds for a target step of this shape, less its prompt share: remembered where
+        the reference is the frozen profile, computed where it is the live model (which learns)."""
         ref = self._reference()
         frozen = ref is not self.cost
         key = (num_tokens, num_seqs, decode_rows, prefill_tokens)
@@ -360,9 +309,8 @@ class SpecController:
         return list(range(self.cfg.num_steps + 1)) if self.cfg.is_chain else [0, self.cfg.num_steps]
 
     def seed(self, batch: int, arm: int, seconds: float, cycles: float = 2.0) -> None:
-        """Engine steps of ``batch`` requests all drafting ``arm`` took ``seconds`` each (timed on
-        scratch requests before serving): the bandit's time for that arm in that bucket, as
-        ``cycles`` measured cycles, against what the reference cost model predicts for them."""
+        """Steps of ``batch`` requests all drafting ``arm`` took ``seconds`` each (timed before serving): the
+        bandit's time for that arm and bucket as ``cycles`` cycles, against the reference's prediction."""
         K = self.cfg.num_steps
         tree = None if self.cfg.is_chain else (self.cfg.resolved_num_draft_tokens - 1, self.cfg.eagle_topk)
         ks = np.full((1, batch), arm, dtype=np.int64)
@@ -372,8 +320,7 @@ class SpecController:
     # -- the narrow interface: decide(Batch) -> k per request, observe(StepOutcome) --------------
     def decide(self, batch: Batch | list, caps: list[int] | None = None, num_running: int = 0,
                prefill_tokens: int = 0, behind: int = 0, early: bool = False) -> list[int] | None:
-        """k per request of ``batch``. ``early``: before the outcome of the step in flight (its ``observe``
-        then makes this decision current); None where the decision needs that outcome.
+        """k per request of ``batch`` (``early``: before the step in flight's outcome, None where it needs it);
         ``decide(requests, caps, num_running, prefill_tokens, behind)``: the arms weighed now."""
         if isinstance(batch, Batch):
             return self._decide_early(batch) if early else self._decide_now(batch)
@@ -395,6 +342,7 @@ class SpecController:
 
     def _decide_now(self, batch: Batch) -> list[int]:
         B = len(batch.requests)
+        self.decide_seconds = 0.0
         arm = self.forced_arm if self.forced_arm is not None else self.quick_arm(B, batch.num_running)
         if arm == 0:
             self.count_off(B)
@@ -403,9 +351,10 @@ class SpecController:
             ks = self.uniform(batch.requests, arm, batch.caps)
         else:
             t0 = self.clock()
-            ks = self.decide(batch.requests, batch.caps, batch.num_running, batch.prefill_tokens, batch.behind)
-            self.observe_decide(self.clock() - t0)
-        self._mixed(self._cycle, ks, batch.never_draft)
+            prefill, behind = batch.weighed()
+            ks = self._decide_full(batch.requests, batch.caps, batch.num_running, prefill, behind)
+            self.decide_seconds = self.clock() - t0
+            self.observe_decide(self.decide_seconds)
         return ks
 
     def _decide_early(self, batch: Batch) -> list[int] | None:
@@ -425,15 +374,13 @@ class SpecController:
                 sure = self.cfg.policy == "static"
             if not sure:
                 return None
-            ks, self._next = self.decide_early(batch.requests, batch.caps, batch.num_running,
-                                               batch.prefill_tokens, batch.behind)
+            ks, self._next = self.decide_early(batch.requests, batch.caps, batch.num_running, *batch.weighed())
         else:
             in_flight = self.detach_cycle()
             ks = [0] * B if arm == 0 else self.uniform(batch.requests, arm, batch.caps)
             if arm == 0:
                 self.count_off(B)
             self._next, self._cycle = self.detach_cycle(), in_flight
-        self._mixed(self._next, ks, batch.never_draft)
         return ks
 
     # -- decision ----------------------------------------------------------------------------
@@ -457,9 +404,8 @@ class SpecController:
 
     def decide_early(self, requests: list, caps: list[int], num_running: int, prefill_tokens: int,
                      behind: int = 0) -> tuple[list[int], Cycle | None]:
-        """``decide`` before the cycle in flight has its tokens (the drafter decides before the verify's
-        sync): that cycle stays current, and the new decision's cycle is returned for
-        ``install_cycle`` once the old one is detached."""
+        """``decide`` before the cycle in flight has its tokens: that cycle stays current; the new one is
+        returned for ``install_cycle``."""
         saved = self.detach_cycle()
         ks = self.decide(requests, caps, num_running, prefill_tokens, behind)
         early = self.detach_cycle()

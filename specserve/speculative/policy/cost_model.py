@@ -1,11 +1,5 @@
-"""Measured step costs: target step time vs. tokens in the step, draft forward time vs. batch.
-
-Each curve is a table, exact at every count 1..EXACT and on a grid above, linear between grid points
-(a forward's time is not smooth in its token count). A start-up profile fills it (``measure``);
-online, a bucket's median replaces the profile once it has ``min_samples``, and unseen buckets keep
-the profile's increments shifted by their seen neighbours' offset. A profile far off for many steps
-is ``stale``.
-"""
+"""Step costs as tables (exact to EXACT tokens, a grid above): target step time vs. tokens, draft time vs.
+batch; a start-up profile, shifted online by measured buckets' medians (docs/decisions.md, "Cost model")."""
 
 from __future__ import annotations
 
@@ -136,9 +130,8 @@ class Curve:
         return self._plist[-1]
 
     def table(self) -> tuple[np.ndarray, np.ndarray]:
-        """(counts, seconds) the predictions interpolate, non-decreasing in the count: the profile shifted
-        by the measured buckets' offsets (interpolated), a bucket with ``min_samples`` its median, one
-        with fewer a log-average of median and prior (the prior counted as one sample)."""
+        """(counts, seconds), non-decreasing: the profile shifted by measured buckets' offsets; a bucket with
+        ``min_samples`` its median, one with fewer a log-average of median and prior."""
         if self._table is not None:
             return self._table
         med = self._medians()
@@ -391,15 +384,8 @@ def measure(points: list[int], fn: Callable[[int], None], rounds: int = 3, repea
             recheck_spread: float = 0.15, sync: Callable[[], None] | None = None,
             clock: Callable[[], float] = time.perf_counter, budget_s: float = float("inf"),
             label: str = "step costs") -> Measurement:
-    """Seconds of fn(n) for every n in points.
-
-    Each round visits every point in turn (alternately up and down), taking the median of
-    ``repeats`` calls, so a burst of background load spoils one round of many points rather than
-    every round of one point. The result per point is the median over rounds; a point whose round
-    medians spread by more than ``recheck_spread`` gets two more rounds (the quick re-check).
-    Past ``budget_s`` no further round starts (the first always completes). Each round is logged
-    (``label``: what is profiled) as progress.
-    """
+    """Seconds of fn(n) per point: the median over rounds (each visits every point, alternately up and down) of
+    ``repeats`` calls; spread points get two more rounds; no round starts past ``budget_s``."""
     start = clock()
 
     def once(n: int) -> float:

@@ -1,15 +1,9 @@
-"""The policy's two hooks, as SGLang's adaptive speculation meets its worker:
-
-    ks = controller.decide(Batch(requests, caps, num_running))   # k per request, 0 = plain decode
-    ... run the step ...
-    controller.observe(StepOutcome(ids, drafted, accepted, num_tokens, seconds, cycle_seconds))
-
-``decide(batch, early=True)`` is the launch-ahead form: taken before the outcome of the step in
-flight, or None where the decision needs it; that step's ``observe`` then makes it current.
-"""
+"""The policy's two hooks: ``ks = controller.decide(Batch(...))`` (0 = plain decode; ``early=True``: before the
+step in flight ends, or None) and ``controller.observe(StepOutcome(...))``, which ends that step's cycle."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -22,7 +16,11 @@ class Batch:
     num_running: int
     prefill_tokens: int = 0  # prompt tokens sharing the step
     behind: int = 0  # tokens whose draft KV drafting would first catch up
-    never_draft: int = 0  # of ``requests``, those that cannot draft (blocks without draft KV)
+    context: Callable[[], tuple[int, int]] | None = None  # (prefill_tokens, behind), computed where a full decision
+    # needs them (inside its timing), in place of the two fields
+
+    def weighed(self) -> tuple[int, int]:
+        return self.context() if self.context is not None else (self.prefill_tokens, self.behind)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,5 @@
-"""The cost and acceptance models' prediction of each uniform depth (arm): the bandit's priors.
-
-    goodput = sum_r E_r(k_r) / (T(n + P + sum_r k_r) - (T(n + P) - T(n)) + D(k))
-
-n decoding requests, P prompt tokens sharing the step (their own share left out: the same at every
-depth), E_r(k) = 1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (conditional acceptance per position, per
-request, shrunk towards the overall rate), T the target step time, D the draft time.
-"""
+"""Each arm's predicted cycle: sum_r E_r(k_r) / (T(n + P + sum_r k_r) - (T(n + P) - T(n)) + D(k)), E_r(k) =
+1 + sum_{j<=k} prod_{i<=j} alpha_{r,i} (acceptance per position), T target and D draft time: the bandit's priors."""
 
 from __future__ import annotations
 
@@ -78,10 +72,7 @@ class AcceptanceStats:
     def zeros(cls, k: int) -> "AcceptanceStats":
         return cls([0.0] * k, [0.0] * k)
 
-    def observe(self, k: int, a: int, decay: float = 1.0) -> None:
-        if decay < 1.0:
-            self.drafted = [x * decay for x in self.drafted]
-            self.accepted = [x * decay for x in self.accepted]
+    def observe(self, k: int, a: int) -> None:
         for j in range(min(k, a + 1)):  # position j was reached iff all before it were accepted: j <= a
             self.drafted[j] += 1
         for j in range(a):
@@ -89,12 +80,8 @@ class AcceptanceStats:
 
     prior_strength = 4.0  # pseudo-observations of the overall rate in a request's own
 
-    def rates(self, prior: list[float] | np.ndarray | None = None, strength: float = prior_strength,
-              unseen: float = 0.7, chain_strength: float = 8.0, first_strength: float = 2.0) -> list[float]:
-        """Per-position rates; with ``prior``, shrunk towards it by ``strength`` pseudo-observations.
-        Without, position 0 shrinks towards ``unseen`` and each later one towards the one before it."""
-        if prior is not None:
-            return [(a + strength * p) / (d + strength) for a, d, p in zip(self.accepted, self.drafted, prior)]
+    def rates(self, unseen: float = 0.7, chain_strength: float = 8.0, first_strength: float = 2.0) -> list[float]:
+        """Per-position rates: position 0 shrunk towards ``unseen``, each later one towards the one before it."""
         out = []
         prev = unseen
         for j, (d, a) in enumerate(zip(self.drafted, self.accepted)):
