@@ -221,9 +221,11 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    core = None
+    core = engine = None
     try:
         engine = engine_factory()
+        if getattr(engine, "tp", None) is not None:  # a tensor-parallel rank died: go now, front-ends answer 503
+            engine.tp.on_failure = _exit_on_rank_failure
         core = EngineCore(engine, addresses, parent_pid)
         frozen = freeze_startup_heap()  # the engine lives as long as this process
         log.info("moved %d start-up objects out of the garbage collector's reach", frozen)
@@ -238,3 +240,11 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
     finally:
         if core is not None:
             core.close()
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
+
+
+def _exit_on_rank_failure(error: str) -> None:
+    log.error("engine core exits: %s", error)
+    logging.shutdown()
+    os._exit(1)

@@ -1,0 +1,127 @@
+"""Tensor parallelism on the CPU (gloo, two ranks): greedy outputs equal one rank's, token for token,
+on the real SmolLM2 (9 heads over 3 KV heads: uneven shards) with and without speculation, and on a
+tiny random Qwen3 with fewer KV heads than ranks (checked against transformers); a torchrun-style
+start of two local ranks; a rank that dies ends the engine with an error naming it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.distributed.driver import RankFailure
+from specserve.distributed.parallel import head_shard, split
+from specserve.loader import load_model_source
+from tiny_model import make_tiny_hf_model
+
+KV = dict(num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+TREES = dict(speculative_algorithm="EAGLE3", speculative_policy="static", speculative_num_steps=3,
+             speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+
+
+def test_shards_cover_every_head_once() -> None:
+    assert [split(9, 2, r) for r in range(2)] == [(0, 5), (5, 4)]
+    assert [head_shard(9, 3, 2, r) for r in range(2)] == [(0, 6, 0, 2), (6, 3, 2, 1)]
+    assert [head_shard(8, 2, 4, r) for r in range(4)] == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]
+    assert [head_shard(4, 1, 2, r) for r in range(2)] == [(0, 2, 0, 1), (2, 2, 0, 1)]
+    with pytest.raises(ValueError, match="multiple of the 2 KV heads"):
+        head_shard(6, 2, 3, 0)
+    with pytest.raises(ValueError, match="more ranks than"):
+        head_shard(2, 1, 4, 3)
+
+
+@pytest.fixture(scope="module")
+def smollm_prompts(chat_prompts):
+    tok = load_model_source(None).tokenizer
+    return [tok.apply_chat_template(c) for c in chat_prompts[:3]]
+
+
+def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_smollm2_two_ranks_equal_one(smollm_prompts) -> None:
+    """Plain decoding, then tree speculation (its KV compaction runs on both ranks' heads)."""
+    one = _tokens(LLM(**KV), smollm_prompts)
+    for spec in ({}, TREES):
+        llm = LLM(tensor_parallel_size=2, **KV, **spec)
+        try:
+            assert llm.engine.runner.mc.num_key_value_heads == 2  # rank 0's share of 3
+            assert _tokens(llm, smollm_prompts) == one
+            if spec:
+                assert llm.engine.stats.spec_accepted_tokens > 0
+        finally:
+            llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """2 layers, 4 heads over 1 KV head (replicated on both ranks), a vocabulary of 63 (split 32 + 31)."""
+    path = str(tmp_path_factory.mktemp("qwen3"))
+    return path, make_tiny_hf_model(path, "qwen3", vocab=63, kv_heads=1)
+
+
+def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        for _ in range(n):
+            ids = ids + [int(hf(torch.tensor([ids])).logits[0, -1].argmax())]
+    return ids[-n:]
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 40], [7, 8, 61, 3, 12, 44, 30, 1, 22]]
+
+
+def test_fewer_kv_heads_than_ranks(tiny_qwen3) -> None:
+    path, hf = tiny_qwen3
+    llm = LLM(model=path, tensor_parallel_size=2, **KV)
+    try:
+        assert llm.engine.runner.mc.num_key_value_heads == 1 and llm.engine.runner.mc.num_attention_heads == 2
+        assert _tokens(llm, PROMPTS) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
+        # a rank that dies: the next step names it, within seconds
+        victim = llm.engine.tp.procs[1]
+        victim.kill()
+        victim.wait()
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=f"tensor-parallel rank 1 \\(pid {victim.pid}\\) exited with code -9"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - t0 < 10
+    finally:
+        llm.engine.close()
+    assert not torch.distributed.is_initialized()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_style_start(tiny_qwen3) -> None:
+    """Two ranks started as torchrun starts them (its environment variables), through `specserve generate`:
+    rank 0 prints the text, rank 1 serves its shard and exits 0 when rank 0 is done."""
+    path, hf = tiny_qwen3
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_RANK=str(rank))
+        cmd = [sys.executable, "-m", "specserve.cli", "generate", "--model", path, "-tp", "2", "--no-chat",
+               "--prompt", " ".join(f"t{i}" for i in PROMPTS[0]), "--max-tokens", "6", "--num-kv-blocks", "16",
+               "--max-model-len", "64"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    text = outs[0][0].split("\n")[1]
+    assert text.split() == [f"t{i}" for i in _hf_greedy(hf, PROMPTS[0], 6)]
+    assert "rank 1/2 ready" in outs[1][1]
