@@ -212,10 +212,12 @@ def shutdown_engine_core(proc: Any, addresses: CoreAddresses, timeout: float = 1
 
 
 def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses, parent_pid: int,
-                    log_level: int = logging.INFO) -> None:
-    """Entry point of the engine-core process (multiprocessing, spawn)."""
+                    log_level: int = logging.INFO, env: dict[str, str] | None = None) -> None:
+    """Entry point of the engine-core process (multiprocessing, spawn); ``env``: set before the engine
+    is built (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
     from specserve.engine.heap import freeze_startup_heap
 
+    os.environ.update(env or {})
     # a Ctrl-C or a SIGTERM to the whole process group (systemd, `timeout`): the front-ends drain first,
     # then the supervisor sends Shutdown
     signal.signal(signal.SIGINT, signal.SIG_IGN)

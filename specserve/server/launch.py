@@ -29,7 +29,7 @@ from fastapi import FastAPI
 import prometheus_client
 import uvicorn
 
-from specserve.server.client import EngineClient
+from specserve.server.client import DataParallelClient, EngineClient, connect
 from specserve.server.engine_core import CoreAddresses, run_engine_core, shutdown_engine_core
 from specserve.server.api import ServerState, build_app
 
@@ -47,14 +47,36 @@ def _spawn() -> multiprocessing.context.SpawnContext:
     return multiprocessing.get_context("spawn")
 
 
-def start_engine_core(engine_factory: Callable[[], Any], num_frontends: int = 1,
-                      log_level: int = logging.INFO) -> tuple[multiprocessing.process.BaseProcess, CoreAddresses]:
+def start_engine_core(engine_factory: Callable[[], Any], num_frontends: int = 1, log_level: int = logging.INFO,
+                      env: dict[str, str] | None = None, name: str = "specserve-engine-core",
+                      ) -> tuple[multiprocessing.process.BaseProcess, CoreAddresses]:
     """Start the engine-core process; ``engine_factory`` (picklable) builds the engine in it."""
     addresses = CoreAddresses.new(num_frontends)
-    proc = _spawn().Process(target=run_engine_core, args=(engine_factory, addresses, os.getpid(), log_level),
-                            name="specserve-engine-core", daemon=True)
+    proc = _spawn().Process(target=run_engine_core, args=(engine_factory, addresses, os.getpid(), log_level, env),
+                            name=name, daemon=True)
     proc.start()
     return proc, addresses
+
+
+def start_engine_cores(engine_factory: Callable[[], Any], num_frontends: int, data_parallel_size: int,
+                       gpus_per_replica: int, log_level: int = logging.INFO,
+                       ) -> list[tuple[multiprocessing.process.BaseProcess, CoreAddresses]]:
+    """``data_parallel_size`` engine cores; with CUDA devices each replica sees its own
+    ``gpus_per_replica`` of them (CUDA_VISIBLE_DEVICES), in order."""
+    if data_parallel_size == 1:
+        return [start_engine_core(engine_factory, num_frontends, log_level)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    import torch
+
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if gpus and len(gpus) < data_parallel_size * gpus_per_replica:
+        raise SystemExit(f"{data_parallel_size} replicas of {gpus_per_replica} GPU(s) need "
+                         f"{data_parallel_size * gpus_per_replica} GPUs; {len(gpus)} visible")
+    cores = []
+    for i in range(data_parallel_size):
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * gpus_per_replica : (i + 1) * gpus_per_replica])} if gpus else None
+        cores.append(start_engine_core(engine_factory, num_frontends, log_level, env, f"specserve-engine-core-{i}"))
+    return cores
 
 
 @dataclasses.dataclass
@@ -63,10 +85,11 @@ class LocalServer:
 
     url: str
     app: FastAPI
-    core: multiprocessing.process.BaseProcess
+    core: multiprocessing.process.BaseProcess  # (data parallel: the first replica's; all in ``cores``)
+    cores: list[multiprocessing.process.BaseProcess] = dataclasses.field(default_factory=list)
 
     @property
-    def client(self) -> EngineClient:
+    def client(self) -> EngineClient | DataParallelClient:
         return self.app.state.server.client
 
     def on_engine(self, fn: str | Callable[..., Any], *args: Any) -> Any:
@@ -78,10 +101,12 @@ class LocalServer:
 def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | list[str] | None = None,
                     api_key: str | None = None, stream_interval: int = 1, host: str = "127.0.0.1",
                     port: int = 0, startup_timeout: float = 120.0,
-                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S) -> Iterator[LocalServer]:
-    """An engine-core process and one front-end in a uvicorn thread (tests, tools); stops both on exit."""
-    core, addresses = start_engine_core(engine_factory, log_level=logging.WARNING)
-    client = EngineClient(addresses, 0, core.pid, stream_interval=stream_interval)
+                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S, data_parallel_size: int = 1) -> Iterator[LocalServer]:
+    """An engine-core process (``data_parallel_size`` of them) and one front-end in a uvicorn thread
+    (tests, tools); stops them on exit."""
+    cores = start_engine_cores(engine_factory, 1, data_parallel_size, 1, logging.WARNING)
+    core = cores[0][0]
+    client = connect([a for _, a in cores], 0, [p.pid for p, _ in cores], stream_interval)
     app = build_app(client, served_model_name, api_key, startup_timeout)
     sock = _bind(host, port)
     port = sock.getsockname()[1]
@@ -96,12 +121,13 @@ def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | 
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start (engine core exit code {core.exitcode})")
             time.sleep(0.01)
-        yield LocalServer(f"http://{host}:{port}", app, core)
+        yield LocalServer(f"http://{host}:{port}", app, core, [p for p, _ in cores])
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
-        shutdown_engine_core(core, addresses)
+        for proc, addresses in cores:
+            shutdown_engine_core(proc, addresses)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -125,6 +151,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="waiting-queue size; requests beyond it get 503 + Retry-After (default: engine's)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP front-end processes sharing the port (tokenize, detokenize, stream); one engine core")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core replicas (each of --tensor-parallel-size GPUs) behind the front-ends; a "
+                        "request goes to the least loaded")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="tokens a stream gathers before it sends a chunk; a chunk always carries every token "
                         "gained since the last one (default %(default)s)")
@@ -141,7 +170,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
-    for name, low in (("max_waiting", 1), ("timeout_keep_alive", 1), ("api_server_count", 1),
+    for name, low in (("max_waiting", 1), ("timeout_keep_alive", 1), ("api_server_count", 1), ("data_parallel_size", 1),
                       ("stream_interval", 1), ("shutdown_timeout", 0)):
         value = getattr(args, name)
         if value is not None and value < low:
@@ -193,7 +222,7 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = _bind(args.host, args.port)
     n = args.api_server_count
-    core, addresses = start_engine_core(engine_factory, n)
+    cores = start_engine_cores(engine_factory, n, args.data_parallel_size, getattr(args, "tensor_parallel_size", 1))
     metrics_dir = None
     if n > 1:  # the front-ends' metrics go to files that each one's /metrics sums
         metrics_dir = tempfile.mkdtemp(prefix="specserve-metrics-")
@@ -201,7 +230,7 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
     opts = FrontendOptions(args.served_model_name, api_key, args.stream_interval, args.shutdown_timeout,
                            args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level)
-    fronts = [_spawn().Process(target=run_frontend, args=(opts, addresses, i, core.pid, sock),
+    fronts = [_spawn().Process(target=run_frontend, args=(opts, [a for _, a in cores], i, [p.pid for p, _ in cores], sock),
                                name=f"specserve-api-{i}") for i in range(n)]
     for f in fronts:
         f.start()
@@ -218,7 +247,8 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    log.info("serving on http://%s:%d: engine core pid %d, %d front-end(s)", args.host, args.port, core.pid, n)
+    log.info("serving on http://%s:%d: engine core pid(s) %s, %d front-end(s)", args.host, args.port,
+             ", ".join(str(p.pid) for p, _ in cores), n)
     failed = False
     while any(f.is_alive() for f in fronts):
         multiprocessing.connection.wait([f.sentinel for f in fronts], timeout=1.0)
@@ -227,8 +257,9 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
             for f in fronts:
                 if f.is_alive():
                     os.kill(f.pid, signal.SIGTERM)
-    core_died = core.exitcode is not None
-    shutdown_engine_core(core, addresses)
+    core_died = any(p.exitcode is not None for p, _ in cores)
+    for proc, addresses in cores:
+        shutdown_engine_core(proc, addresses)
     if metrics_dir is not None:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     code = 1 if failed or core_died else 0
@@ -247,12 +278,12 @@ class FrontendOptions:
     log_level: str
 
 
-def run_frontend(opts: FrontendOptions, addresses: CoreAddresses, index: int, core_pid: int,
+def run_frontend(opts: FrontendOptions, addresses: list[CoreAddresses], index: int, core_pids: list[int],
                  sock: socket.socket) -> None:
-    """Entry point of a front-end process: serve until drained (exit 0) or the core dies (exit 1)."""
+    """Entry point of a front-end process: serve until drained (exit 0) or a core dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # no *_created series next to every counter
-    client = EngineClient(addresses, index, core_pid, stream_interval=opts.stream_interval)
+    client = connect(addresses, index, core_pids, opts.stream_interval)
     app = build_app(client, opts.served_model_name, opts.api_key)
     srv: ServerState = app.state.server
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.enable_access_log,
