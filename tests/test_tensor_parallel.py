@@ -6,18 +6,23 @@ start of two local ranks; a rank that dies ends the engine with an error naming 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from functools import partial
 
+import openai
 import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.config import EngineConfig
 from specserve.distributed.driver import RankFailure
 from specserve.distributed.parallel import head_shard, split
 from specserve.loader import load_model_source
+from specserve.server.launch import build_engine, serve_in_thread
 from tiny_model import make_tiny_hf_model
 
 KV = dict(num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)
@@ -125,3 +130,27 @@ def test_torchrun_style_start(tiny_qwen3) -> None:
     text = outs[0][0].split("\n")[1]
     assert text.split() == [f"t{i}" for i in _hf_greedy(hf, PROMPTS[0], 6)]
     assert "rank 1/2 ready" in outs[1][1]
+
+
+def _rank1_pid(engine) -> int:
+    return engine.tp.procs[1].pid
+
+
+def test_server_answers_503_once_a_rank_dies(tiny_qwen3) -> None:
+    """The engine core goes within seconds of its rank 1 (it was idle: no step had to fail first)."""
+    path, hf = tiny_qwen3
+    config = EngineConfig(model=path, tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64)
+    with serve_in_thread(partial(build_engine, config)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def complete():
+            return client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert complete().split() == [f"t{i}" for i in _hf_greedy(hf, PROMPTS[0], 6)]
+        os.kill(server.on_engine(_rank1_pid), signal.SIGKILL)
+        server.core.join(10)
+        assert server.core.exitcode == 1
+        with pytest.raises(openai.APIStatusError) as e:
+            complete()
+        assert e.value.status_code == 503

@@ -54,6 +54,7 @@ class TPGroup:
     size: int
     group: Any = None  # the model's all-reduces and gathers
     cpu_group: Any = None  # step plans (pickled objects), gloo
+    device: torch.device = torch.device("cpu")  # this rank's: where ``group``'s tensors live
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -115,4 +116,4 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device) -> 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else dist.group.WORLD
-    return TPGroup(rank, size, dist.group.WORLD, cpu_group)
+    return TPGroup(rank, size, dist.group.WORLD, cpu_group, device)

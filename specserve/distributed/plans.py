@@ -25,8 +25,8 @@ from specserve.distributed.parallel import TPGroup
 def send_op(tp: TPGroup, op: str, header: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
     specs = [(tuple(t.shape), t.dtype) for t in tensors]
     dist.broadcast_object_list([(op, header or {}, specs)], src=0, group=tp.cpu_group)
-    for t in tensors:  # (gloo has no bool: sent as bytes)
-        t = t.contiguous()
+    for t in tensors:  # (gloo has no bool: sent as bytes; NCCL only device tensors, e.g. a tree mask built on the host)
+        t = t.to(tp.device).contiguous()
         dist.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=0, group=tp.group)
 
 
