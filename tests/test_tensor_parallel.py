@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, two ranks): greedy outputs equal one rank's, token for token,
-on the real SmolLM2 (9 heads over 3 KV heads: uneven shards) with and without speculation, and on a
-tiny random Qwen3 with fewer KV heads than ranks (checked against transformers); a torchrun-style
-start of two local ranks; a rank that dies ends the engine with an error naming it."""
+on the real SmolLM2 (9 heads over 3 KV heads: uneven shards) with and without speculation, and on
+tiny random Qwen3 and Gemma 3 models with fewer KV heads than ranks (checked against transformers); a
+torchrun-style start of two local ranks; a rank that dies ends the engine (and a server's core) with an
+error naming it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from specserve.distributed.driver import RankFailure
 from specserve.distributed.parallel import head_shard, split
 from specserve.loader import load_model_source
 from specserve.server.launch import build_engine, serve_in_thread
-from tiny_model import make_tiny_hf_model
+from tiny_model import make_tiny_gemma3, make_tiny_hf_model
 
 KV = dict(num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -100,6 +101,18 @@ def test_fewer_kv_heads_than_ranks(tiny_qwen3) -> None:
     finally:
         llm.engine.close()
     assert not torch.distributed.is_initialized()
+
+
+def test_gemma3_two_ranks(tmp_path) -> None:
+    """Sliding-window and global layers, soft-capped logits, 4 heads over 1 KV head: transformers' tokens."""
+    path = str(tmp_path / "gemma3")
+    hf = make_tiny_gemma3(path)
+    prompt = [5, 17, 33, 2, 9, 40, 44, 7, 8, 61, 3, 12]  # past the window of 8
+    llm = LLM(model=path, tensor_parallel_size=2, **KV)
+    try:
+        assert _tokens(llm, [prompt]) == [_hf_greedy(hf, prompt, 10)]
+    finally:
+        llm.engine.close()
 
 
 def _free_port() -> int:

@@ -154,16 +154,17 @@ class TPDriver:
         for p in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline - time.monotonic()))
-        self._finalizer()  # kills whatever did not exit
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        self._finalizer()  # kills whatever did not exit, leaves the group
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:
+    """Kill the ranks started here that are still running and leave the group (an engine dropped unclosed)."""
     for p in procs.values():
         if p.poll() is None:
             p.kill()
             p.wait()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class PlanRecorder(AttentionBackend):

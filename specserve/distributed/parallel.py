@@ -83,8 +83,8 @@ class TPGroup:
 
 def check_tp_shapes(mc: ModelConfig, size: int) -> None:
     """A clear error before any process starts if ``mc`` cannot be split over ``size`` ranks."""
-    if mc.architecture not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        raise ValueError(f"tensor parallelism supports the Llama and Qwen families, not {mc.architecture}")
+    if mc.architecture not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        raise ValueError(f"tensor parallelism supports Llama, Qwen2, Qwen3 and Gemma 3, not {mc.architecture}")
     for r in range(size):
         head_shard(mc.num_attention_heads, mc.num_key_value_heads, size, r)
     if mc.intermediate_size < size or mc.vocab_size < size:
