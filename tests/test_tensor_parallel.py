@@ -69,9 +69,10 @@ def test_smollm2_two_ranks_equal_one(smollm_prompts) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    """2 layers, 4 heads over 1 KV head (replicated on both ranks), a vocabulary of 63 (split 32 + 31)."""
+    """2 layers, 4 heads over 1 KV head (replicated on both ranks), a vocabulary of 63 (split 32 + 31),
+    biases on q, k, v and o (o_proj's added once, by rank 0)."""
     path = str(tmp_path_factory.mktemp("qwen3"))
-    return path, make_tiny_hf_model(path, "qwen3", vocab=63, kv_heads=1)
+    return path, make_tiny_hf_model(path, "qwen3", vocab=63, kv_heads=1, attention_bias=True)
 
 
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:

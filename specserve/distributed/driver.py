@@ -164,7 +164,8 @@ def _stop(procs: dict[int, subprocess.Popen]) -> None:
             p.kill()
             p.wait()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 class PlanRecorder(AttentionBackend):

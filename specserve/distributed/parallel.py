@@ -60,8 +60,9 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
-        """[N, widths[rank]] on each rank -> [N, sum(widths)] (rank order), on every rank."""
+    def gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor:
+        """Each rank's columns [N, split(total)] -> all of them [N, total] in rank order, on every rank."""
+        widths = [split(total, self.size, r)[1] for r in range(self.size)]
         w = max(widths)
         if x.shape[-1] < w:
             x = torch.nn.functional.pad(x, (0, w - x.shape[-1]))

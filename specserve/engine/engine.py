@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.config import EngineConfig
-from specserve.distributed.parallel import check_tp_shapes, rank_device
+from specserve.distributed.parallel import check_tp_shapes
 from specserve.engine import gc_pauses
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.request import Request, Status
@@ -123,9 +123,9 @@ class LLMEngine:
 
             check_tp_shapes(src.config, config.tensor_parallel_size)
             self.tp = start_tensor_parallel(config, self.device)
-            self.device = rank_device(self.device, self.tp.tp.rank)
+            self.device = self.tp.tp.device
             runner_mc = self.tp.tp.local_config(src.config)  # this rank's heads
-            runner_config = dataclasses.replace(config, enforce_eager=True)  # (CUDA graphs: one rank only)
+            runner_config = dataclasses.replace(config, enforce_eager=True)  # (no CUDA graphs across ranks yet)
         model, self.packed_linears = load_target(src, config, self.device, self.dtype, self.tp and self.tp.tp)
         num_blocks = num_kv_blocks_for(config, runner_mc, self.dtype, self.device)
         if self.tp is not None:

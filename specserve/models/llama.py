@@ -18,7 +18,7 @@ from torch import nn
 
 from specserve.attention.base import get_forward_context
 from specserve.config import ModelConfig
-from specserve.distributed.parallel import TPGroup, split
+from specserve.distributed.parallel import TPGroup
 from specserve.models import layers
 from specserve.models.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding,
                                      apply_rotary, rotary_qkv)
@@ -196,8 +196,7 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
         if self.tp is None:
             return logits
-        return self.tp.gather_columns(logits, [split(self.config.vocab_size, self.tp.size, r)[1]
-                                               for r in range(self.tp.size)])
+        return self.tp.gather_columns(logits, self.config.vocab_size)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -300,18 +299,18 @@ class LlamaForCausalLM(nn.Module):
         if base.endswith("mlp.down_proj"):
             return (1, mlp.intermediate_start, mlp.intermediate_size) if leaf == "weight" else (0, 0, -1)
         if base in ("model.embed_tokens", "lm_head"):
-            return 0, self.vocab_start, split(self.config.vocab_size, tp.size, tp.rank)[1]
+            return 0, *tp.vocab(self.config.vocab_size)
         return None
 
     def _shard(self, name: str, tensor, dst: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor: a torch tensor, or a lazy safetensors slice read here
         (only that part leaves the file)."""
         shard = self.hf_shard(name)
-        if shard is None:
+        if shard is not None and shard[2] < 0 and self.tp.rank > 0:  # a row-parallel bias: rank 0's alone
+            return torch.zeros(dst.shape, dtype=dst.dtype)
+        if shard is None or shard[2] < 0:
             return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
         dim, start, count = shard
-        if count < 0:  # a row-parallel bias: rank 0's alone
-            return tensor if self.tp.rank == 0 else torch.zeros(dst.shape, dtype=dst.dtype)
         if isinstance(tensor, torch.Tensor):
             return tensor.narrow(dim, start, count)
         return tensor[start : start + count] if dim == 0 else tensor[:, start : start + count]
