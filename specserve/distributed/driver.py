@@ -213,11 +213,11 @@ class DriverModel(nn.Module):
         meta = attn.meta if isinstance(attn, PlanRecorder) else None
         if meta is None:
             raise RuntimeError("a tensor-parallel forward needs its attention planned through the runner's backend")
-        trees = sorted(meta.tree_masks or {})
-        tensors = [input_ids, positions, meta.slot_mapping, meta.block_tables] + [meta.tree_masks[b] for b in trees]
+        tensors = [input_ids, positions, meta.slot_mapping, meta.block_tables]
         if meta.seq_shift is not None:
             tensors.append(meta.seq_shift)
-        header = {"query_lens": meta.query_lens, "seq_lens": meta.seq_lens, "trees": trees,
+        # (tree masks: built on the host, and pickled so)
+        header = {"query_lens": meta.query_lens, "seq_lens": meta.seq_lens, "tree_masks": meta.tree_masks,
                   "shift": meta.seq_shift is not None}
         with self.driver.guard():
             send_op(self.driver.tp, "forward", header, tensors)

@@ -3,7 +3,7 @@
 An op is a name, a small picklable header and tensors: the header goes over the gloo group
 (``broadcast_object_list``), the tensors over the model's group, device to device.
 
-    forward    header: query_lens, seq_lens, tree rows, shift   tensors: ids, positions, slots, tables, masks
+    forward    header: query_lens, seq_lens, tree masks, shift  tensors: ids, positions, slots, tables(, shift)
     logits     tensors: hidden [N, H]
     embed      tensors: ids [N]
     aux        header: the layers whose residual stream the forward also returns
@@ -25,7 +25,7 @@ from specserve.distributed.parallel import TPGroup
 def send_op(tp: TPGroup, op: str, header: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> None:
     specs = [(tuple(t.shape), t.dtype) for t in tensors]
     dist.broadcast_object_list([(op, header or {}, specs)], src=0, group=tp.cpu_group)
-    for t in tensors:  # (gloo has no bool: sent as bytes; NCCL only device tensors, e.g. a tree mask built on the host)
+    for t in tensors:  # (gloo has no bool: sent as bytes; NCCL takes device tensors only)
         t = t.to(tp.device).contiguous()
         dist.broadcast(t.view(torch.uint8) if t.dtype == torch.bool else t, src=0, group=tp.group)
 

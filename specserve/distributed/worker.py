@@ -56,9 +56,8 @@ def run_worker(config: EngineConfig) -> None:
             op, header, t = recv_op(tp, device)
             if op == "forward":
                 ids, pos, slots, tables = t[:4]
-                masks = dict(zip(header["trees"], t[4 : 4 + len(header["trees"])]))
-                meta = AttentionMetadata(header["query_lens"], header["seq_lens"], slots, tables, masks or None,
-                                         t[-1] if header["shift"] else None)
+                meta = AttentionMetadata(header["query_lens"], header["seq_lens"], slots, tables,
+                                         header["tree_masks"], t[4] if header["shift"] else None)
                 runner.attn.plan(meta)
                 with forward_context(runner.attn):
                     model(ids, pos)
