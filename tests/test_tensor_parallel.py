@@ -116,6 +116,19 @@ def test_gemma3_two_ranks(tmp_path) -> None:
         llm.engine.close()
 
 
+def test_a_rank_that_raises_ends_the_engine(tiny_qwen3) -> None:
+    path, _ = tiny_qwen3
+    llm = LLM(model=path, tensor_parallel_size=2, **KV)
+    try:
+        llm.engine.tp.send("no-such-op")  # rank 1 raises on it and exits 1
+        with pytest.raises(RankFailure, match="tensor-parallel rank 1 .* exited with code 1"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        with pytest.raises(RankFailure, match="exited with code 1"):  # and so does every later call, at once
+            llm.generate(PROMPTS[:1], GREEDY)
+    finally:
+        llm.engine.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -108,14 +108,14 @@ class TPDriver:
     # -- failures ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Any collective's error, raised as the failed rank's."""
+        """Any error of a call on the group, raised as RankFailure naming the rank that failed."""
         if self.failure is not None:
             raise RankFailure(self.failure)
         try:
             yield
         except RankFailure:
             raise
-        except Exception as e:
+        except Exception as e:  # the ranks are out of step now: every later call fails at once
             raise RankFailure(self._explain(e)) from e
 
     def _explain(self, e: Exception) -> str:
@@ -123,7 +123,9 @@ class TPDriver:
         while self.failure is None and self.procs and time.monotonic() < deadline:
             self._find_dead()
             time.sleep(0.05)
-        return self.failure or f"a tensor-parallel collective failed: {type(e).__name__}: {e}"
+        if self.failure is None:
+            self.failure = f"a tensor-parallel call failed on rank 0: {type(e).__name__}: {e}"
+        return self.failure
 
     def _find_dead(self) -> str | None:
         for r, p in self.procs.items():
@@ -147,14 +149,20 @@ class TPDriver:
         if self.closed:
             return
         self.closed = True
-        if self.failure is None:
-            with contextlib.suppress(Exception):
-                send_op(self.tp, "shutdown")
-        deadline = time.monotonic() + timeout
+        if self.failure is None:  # (in a thread: ranks stuck in another collective would never take it)
+            sender = threading.Thread(target=_send_quietly, args=(self.tp, "shutdown"), daemon=True)
+            sender.start()
+            sender.join(timeout / 2)
+        deadline = time.monotonic() + timeout / 2
         for p in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline - time.monotonic()))
         self._finalizer()  # kills whatever did not exit, leaves the group
+
+
+def _send_quietly(tp: TPGroup, op: str) -> None:
+    with contextlib.suppress(Exception):
+        send_op(tp, op)
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:

@@ -65,6 +65,8 @@ def start_engine_cores(engine_factory: Callable[[], Any], num_frontends: int, da
     ``gpus_per_replica`` of them (CUDA_VISIBLE_DEVICES), in order."""
     if data_parallel_size == 1:
         return [start_engine_core(engine_factory, num_frontends, log_level)]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise SystemExit("--data-parallel-size > 1 under torchrun: its ranks form one replica; start replicas apart")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     import torch
 
