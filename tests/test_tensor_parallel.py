@@ -26,7 +26,7 @@ from specserve.loader import load_model_source
 from specserve.server.launch import build_engine, serve_in_thread
 from tiny_model import make_tiny_gemma3, make_tiny_hf_model
 
-KV = dict(num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)
+KV = dict(device="cpu", num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)  # (gloo, on any machine)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 TREES = dict(speculative_algorithm="EAGLE3", speculative_policy="static", speculative_num_steps=3,
              speculative_eagle_topk=2, speculative_num_draft_tokens=6)
@@ -145,8 +145,8 @@ def test_torchrun_style_start(tiny_qwen3) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE="2", LOCAL_RANK=str(rank))
         cmd = [sys.executable, "-m", "specserve.cli", "generate", "--model", path, "-tp", "2", "--no-chat",
-               "--prompt", " ".join(f"t{i}" for i in PROMPTS[0]), "--max-tokens", "6", "--num-kv-blocks", "16",
-               "--max-model-len", "64"]
+               "--prompt", " ".join(f"t{i}" for i in PROMPTS[0]), "--max-tokens", "6", "--device", "cpu",
+               "--num-kv-blocks", "16", "--max-model-len", "64"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         outs = [p.communicate(timeout=120) for p in procs]
@@ -166,7 +166,7 @@ def _rank1_pid(engine) -> int:
 def test_server_answers_503_once_a_rank_dies(tiny_qwen3) -> None:
     """The engine core goes within seconds of its rank 1 (it was idle: no step had to fail first)."""
     path, hf = tiny_qwen3
-    config = EngineConfig(model=path, tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64)
+    config = EngineConfig(model=path, device="cpu", tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64)
     with serve_in_thread(partial(build_engine, config)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 

@@ -40,7 +40,8 @@ def run_worker(config: EngineConfig) -> None:
     device = rank_device(resolve_device(config.device), int(env["LOCAL_RANK"]))
     dtype = resolve_dtype(config.dtype, device)
     tp = init_group(rank, size, "env://", device)
-    src = load_model_source(config.model, tokenizer_path=config.tokenizer, require_weights=config.load_format != "dummy")
+    src = load_model_source(config.model, tokenizer_path=config.tokenizer,
+                            require_weights=config.load_format != "dummy")
     model, _ = load_target(src, config, device, dtype, tp)
     op, header, _ = recv_op(tp, device)
     if op == "shutdown":  # rank 0 failed before its KV cache was sized

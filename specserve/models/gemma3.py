@@ -19,8 +19,8 @@ from torch import nn
 from specserve.attention.base import get_forward_context
 from specserve.config import ModelConfig
 from specserve.distributed.parallel import TPGroup
-from specserve.models.layers import (Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding, VocabParallelEmbedding,
-                                     apply_rotary)
+from specserve.models.layers import (Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding,
+                                     VocabParallelEmbedding, apply_rotary)
 from specserve.models.llama import LlamaForCausalLM
 
 

@@ -62,7 +62,7 @@ def start_engine_cores(engine_factory: Callable[[], Any], num_frontends: int, da
                        gpus_per_replica: int, log_level: int = logging.INFO,
                        ) -> list[tuple[multiprocessing.process.BaseProcess, CoreAddresses]]:
     """``data_parallel_size`` engine cores; with CUDA devices each replica sees its own
-    ``gpus_per_replica`` of them (CUDA_VISIBLE_DEVICES), in order."""
+    ``gpus_per_replica`` of them (CUDA_VISIBLE_DEVICES), in order (0: CPU engines)."""
     if data_parallel_size == 1:
         return [start_engine_core(engine_factory, num_frontends, log_level)]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -71,12 +71,14 @@ def start_engine_cores(engine_factory: Callable[[], Any], num_frontends: int, da
     import torch
 
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = gpus if gpus_per_replica else []
     if gpus and len(gpus) < data_parallel_size * gpus_per_replica:
         raise SystemExit(f"{data_parallel_size} replicas of {gpus_per_replica} GPU(s) need "
                          f"{data_parallel_size * gpus_per_replica} GPUs; {len(gpus)} visible")
     cores = []
     for i in range(data_parallel_size):
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * gpus_per_replica : (i + 1) * gpus_per_replica])} if gpus else None
+        mine = gpus[i * gpus_per_replica : (i + 1) * gpus_per_replica]
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if mine else None
         cores.append(start_engine_core(engine_factory, num_frontends, log_level, env, f"specserve-engine-core-{i}"))
     return cores
 
@@ -103,10 +105,11 @@ class LocalServer:
 def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | list[str] | None = None,
                     api_key: str | None = None, stream_interval: int = 1, host: str = "127.0.0.1",
                     port: int = 0, startup_timeout: float = 120.0,
-                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S, data_parallel_size: int = 1) -> Iterator[LocalServer]:
-    """An engine-core process (``data_parallel_size`` of them) and one front-end in a uvicorn thread
-    (tests, tools); stops them on exit."""
-    cores = start_engine_cores(engine_factory, 1, data_parallel_size, 1, logging.WARNING)
+                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S, data_parallel_size: int = 1,
+                    gpus_per_replica: int = 1) -> Iterator[LocalServer]:
+    """An engine-core process (``data_parallel_size`` of them, see start_engine_cores) and one front-end in
+    a uvicorn thread (tests, tools); stops them on exit."""
+    cores = start_engine_cores(engine_factory, 1, data_parallel_size, gpus_per_replica, logging.WARNING)
     core = cores[0][0]
     client = connect([a for _, a in cores], 0, [p.pid for p, _ in cores], stream_interval)
     app = build_app(client, served_model_name, api_key, startup_timeout)
@@ -224,7 +227,8 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = _bind(args.host, args.port)
     n = args.api_server_count
-    cores = start_engine_cores(engine_factory, n, args.data_parallel_size, getattr(args, "tensor_parallel_size", 1))
+    gpus = 0 if getattr(args, "device", "auto") == "cpu" else getattr(args, "tensor_parallel_size", 1)
+    cores = start_engine_cores(engine_factory, n, args.data_parallel_size, gpus)
     metrics_dir = None
     if n > 1:  # the front-ends' metrics go to files that each one's /metrics sums
         metrics_dir = tempfile.mkdtemp(prefix="specserve-metrics-")
@@ -232,8 +236,9 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
     opts = FrontendOptions(args.served_model_name, api_key, args.stream_interval, args.shutdown_timeout,
                            args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level)
-    fronts = [_spawn().Process(target=run_frontend, args=(opts, [a for _, a in cores], i, [p.pid for p, _ in cores], sock),
-                               name=f"specserve-api-{i}") for i in range(n)]
+    addresses, pids = [a for _, a in cores], [p.pid for p, _ in cores]
+    fronts = [_spawn().Process(target=run_frontend, args=(opts, addresses, i, pids, sock), name=f"specserve-api-{i}")
+              for i in range(n)]
     for f in fronts:
         f.start()
     sock.close()  # the front-ends have their own copies
