@@ -98,7 +98,7 @@ def test_fewer_kv_heads_than_ranks(tiny_qwen3) -> None:
         t0 = time.monotonic()
         with pytest.raises(RankFailure, match=f"tensor-parallel rank 1 \\(pid {victim.pid}\\) exited with code -9"):
             llm.generate(PROMPTS[:1], GREEDY)
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 60  # (not the collectives' 120 s timeout: no hang)
     finally:
         llm.engine.close()
     assert not torch.distributed.is_initialized()
