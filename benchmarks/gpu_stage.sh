@@ -13,7 +13,8 @@
 # and every benchmark call starts with `export PYTHONPATH=/tmp/site:$PWD`.
 set -euo pipefail
 WHEELS="gguf fastapi uvicorn starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
-        opentelemetry-api pyzmq msgspec httptools"
+        opentelemetry-api pyzmq msgspec httptools xgrammar apache-tvm-ffi jsonschema jsonschema-specifications
+        referencing rpds-py"
 
 prepare() {
     local n=${1:-3} py=${PYTHON:-python3}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -232,6 +233,16 @@ class SpeculativeConfig:
     @property
     def is_chain(self) -> bool:
         return self.eagle_topk == 1
+
+
+DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-eagle3"  # shipped for the default model
+
+
+def default_draft_path() -> str:
+    if not (DEFAULT_HEAD / "config.json").exists():
+        raise FileNotFoundError(f"no draft head given and the default head is missing at {DEFAULT_HEAD}; "
+                                "pass --speculative-draft-model-path")
+    return str(DEFAULT_HEAD)
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -11,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine  # noqa: E402
 
-from specserve.server.launch import add_serve_args, run_server  # noqa: E402
+from specserve.server.args import add_serve_args  # noqa: E402
+from specserve.server.launch import run_server  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -374,3 +374,20 @@ def test_datasets(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="positive integer"):
         load_jsonl_requests(str(p))
     assert math.isinf(BenchConfig().request_rate)
+
+
+def test_served_clients_split_the_streams_over_processes() -> None:
+    """Two client processes share 4 streams: every request completes once, and the closed loop keeps 4 in
+    flight (8 requests of TTFT 0.2 s + 5 x 0.05 s take two waves, not four or eight)."""
+    from specserve.bench.served_vs_offline import ServedClients
+
+    reqs = [BenchRequest(prompt=f"prompt {i}", output_len=6) for i in range(8)]
+    with ThreadedServer(make_app(FakeSpec(ttft_s=0.2, itl_s=0.05))) as srv:
+        clients = ServedClients(2)
+        try:
+            results, duration = clients.run(srv.base_url, reqs, 4)
+        finally:
+            clients.close()
+    assert len(results) == 8 and all(r.success for r in results)
+    assert sum(r.output_len for r in results) == 48
+    assert 2 * 0.45 <= duration < 3 * 0.45 + 1.0, duration

@@ -68,12 +68,34 @@ def test_min_tokens_defers_every_stop(llm):
     out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64, min_tokens=mt))[0].outputs[0]
     assert len(out.token_ids) >= mt
     assert out.token_ids[: n - 1] == base.token_ids[: n - 1]
+    eos = set(llm.tokenizer.eos_token_ids)
+    assert not eos & set(out.token_ids[:mt])  # EOS is masked, not just passed over
     first = base.token_ids[0]
     early = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64, min_tokens=mt, stop_token_ids=[first],
                                           stop=[base.text[:2]]))[0].outputs[0]
     assert len(early.token_ids) >= mt
+    assert first not in early.token_ids[:mt] and not eos & set(early.token_ids[:mt])
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_repetition_penalty_is_transformers(llm, chat_prompts):
+    """Greedy tokens under repetition_penalty are the argmax of transformers' logits after its
+    RepetitionPenaltyLogitsProcessor over prompt + tokens so far (teacher forced), and differ from
+    the unpenalized ones."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    hf = hf_smollm2()
+    conv = chat_prompts[0]
+    ids = llm.tokenizer.apply_chat_template(conv)
+    got = llm.chat(conv, SamplingParams(repetition_penalty=1.4, max_tokens=16, **GREEDY))[0].outputs[0].token_ids
+    plain = llm.chat(conv, SamplingParams(max_tokens=16, **GREEDY))[0].outputs[0].token_ids
+    assert got != plain
+    proc = RepetitionPenaltyLogitsProcessor(1.4)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1 :].float()
+    want = [int(proc(torch.tensor([ids + got[:i]]), logits[i : i + 1]).argmax()) for i in range(len(got))]
+    assert got == want
 
 
 def test_include_stop_str_in_output(llm):

@@ -4,8 +4,8 @@ from specserve.engine import sampler
 from specserve.sampling_params import SamplingParams
 
 
-def _sb(params, gens=None):
-    return sampler.SamplingBatch.build(params, gens or [None] * len(params), torch.device("cpu"))
+def _sb(params, out_index=None):
+    return sampler.SamplingBatch.build(params, out_index or [0] * len(params), torch.device("cpu"))
 
 
 def test_greedy_is_argmax():
@@ -39,8 +39,7 @@ def test_seeded_rows_repeat_their_seed_and_differ_across_seeds():
     logits = torch.zeros(8, 1000)
 
     def draw(seed):
-        return sampler.sample(logits, _sb([SamplingParams(seed=seed)] * 8,
-                                          [torch.Generator().manual_seed(seed + i) for i in range(8)]))
+        return sampler.sample(logits, _sb([SamplingParams(seed=seed)] * 8, list(range(8))))
 
     assert torch.equal(draw(7), draw(7))
     assert not torch.equal(draw(7), draw(8))

@@ -77,7 +77,11 @@ def test_stop_on_eos_and_length_frees_blocks():
     b = _req(1, 3)
     s.add(b)
     _commit(s, s.schedule(), tok=0)
-    assert b.finish_reason == "stop" and b.stop_reason == 0
+    assert b.finish_reason == "stop" and b.stop_reason is None  # EOS: no stop reason, as vLLM
+    c = Request("r2", None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[7]))
+    s.add(c)
+    _commit(s, s.schedule(), tok=7)
+    assert c.finish_reason == "stop" and c.stop_reason == 7  # a stop token: its id
 
 
 def test_prefix_cache_hit_skips_computed_blocks():

@@ -135,6 +135,43 @@ def test_prompt_too_long_and_huge_max_tokens_are_400_with_lengths(live: Live) ->
         live.client.completions.create(model="default", prompt=[1, 10**7], max_tokens=1)
 
 
+def test_stop_reason_is_null_for_eos_and_the_id_for_a_stop_token(live: Live) -> None:
+    body = {"model": "default", "messages": CHAT, "max_tokens": 64, "temperature": 0}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["stop_reason"] is None  # EOS, as vLLM
+    ids = live.tokenizer.encode(r["message"]["content"])
+    r = httpx.post(live.url + "/v1/chat/completions", json={**body, "stop_token_ids": [ids[1]]},
+                   timeout=120).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["stop_reason"] == ids[1]
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(live: Live) -> None:
+    """~2 MB of prompt takes the tokenizer a second or more; /health keeps answering meanwhile."""
+    import threading
+
+    done: list[float] = []
+    answer: list[httpx.Response] = []
+
+    def big() -> None:
+        answer.append(httpx.post(live.url + "/v1/completions", json={"prompt": "hello world. " * 160_000,
+                                                                      "max_tokens": 1}, timeout=120))
+        done.append(time.monotonic())
+
+    t = threading.Thread(target=big)
+    start = time.monotonic()
+    t.start()
+    beats = []
+    while t.is_alive():
+        assert httpx.get(live.url + "/health", timeout=60).status_code == 200
+        beats.append(time.monotonic())
+        time.sleep(0.01)
+    t.join()
+    assert answer[0].status_code == 400 and str(MAX_MODEL_LEN) in answer[0].text  # far too long
+    took = done[0] - start
+    gaps = [b - a for a, b in zip([start, *beats], beats)]
+    assert max(gaps) < took / 2, (max(gaps), took)  # not one long stall while it was tokenized
+
+
 def _blocks(e) -> tuple[dict[str, int], int]:
     held = {rid: len(r.kv.block_table) for rid, r in e.requests.items()}
     return held, e.blocks.num_blocks - e.blocks.num_free_blocks
@@ -274,3 +311,38 @@ def test_cli_serve_subprocess_with_api_key() -> None:
             proc.wait(10)
     # start-up objects were frozen out of the garbage collector's reach before serving
     assert "start-up objects out of the garbage collector's reach" in proc.stdout.read()
+
+
+def test_logit_bias_and_penalties_through_the_openai_client(live: Live) -> None:
+    """+100 on a token makes every token it; a key past the vocabulary is a 400; penalties are taken."""
+    tok = live.tokenizer.encode(" blue", add_special_tokens=False)[0]
+    word = live.tokenizer.decode([tok])
+    r = live.client.chat.completions.create(model="default", messages=CHAT, max_tokens=5, temperature=0.7,
+                                            logit_bias={str(tok): 100})
+    assert r.choices[0].message.content == word * 5
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        live.client.completions.create(model="default", prompt="x", max_tokens=2, logit_bias={"10000000": -100})
+    r = live.client.completions.create(model="default", prompt="1, 1, 1, 1,", max_tokens=6, temperature=0,
+                                       frequency_penalty=2.0, presence_penalty=2.0,
+                                       extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
+    assert r.usage.completion_tokens == 6 and " 1," not in r.choices[0].text
+
+
+def test_seeded_text_is_the_same_alone_and_among_concurrent_requests(live: Live) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def seeded(seed: int) -> str:
+        return live.client.completions.create(model="default", prompt="Once upon a time", max_tokens=8,
+                                              temperature=0.9, seed=seed).choices[0].text
+
+    def other(i: int) -> str:
+        return live.client.completions.create(model="default", prompt=f"Count to {i}:", max_tokens=3 + i % 4,
+                                              temperature=1.0).choices[0].text
+
+    alone = seeded(4321)
+    with ThreadPoolExecutor(17) as pool:
+        busy = [pool.submit(other, i) for i in range(16)]
+        loaded = pool.submit(seeded, 4321)
+        assert all(f.result() is not None for f in busy)
+    assert loaded.result() == alone
+    assert seeded(4322) != alone

@@ -146,10 +146,11 @@ class ServerProcess:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ns = argparse.Namespace(host="127.0.0.1", port=port, api_key=None, served_model_name=None, max_waiting=None,
-                                api_server_count=api_server_count, stream_interval=stream_interval,
-                                shutdown_timeout=5.0, enable_access_log=False, timeout_keep_alive=30,
-                                uvicorn_log_level="warning")
+        from specserve.server.args import add_serve_args
+
+        ns = add_serve_args(argparse.ArgumentParser()).parse_args(
+            ["--host", "127.0.0.1", "--port", str(port), "--api-server-count", str(api_server_count),
+             "--stream-interval", str(stream_interval), "--shutdown-timeout", "5", "--uvicorn-log-level", "warning"])
         self.url = f"http://127.0.0.1:{port}"
         self.proc = multiprocessing.get_context("spawn").Process(target=_serve_child, args=(ns, config))
         self.proc.start()
@@ -191,9 +192,40 @@ def _served(url: str, requests: list[BenchRequest], concurrency: int, warm_up: b
     return asyncio.run(go())
 
 
-def run_served(url: str, requests: list[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
-    """The serving client's closed loop of ``concurrency`` streams; (results, duration s)."""
-    return _served(url, requests, concurrency, warm_up=False)
+def _served_part(url: str, requests: list[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float, float]:
+    """One client process's share of a served run: (results, wall start, wall end)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    start = time.time()
+    results, _ = _served(url, requests, concurrency, warm_up=False)
+    return results, start, time.time()
+
+
+class ServedClients:
+    """The serving client's closed loop of C streams, split over ``processes`` processes (one Python
+    process parses ~25k SSE events/s: at high C it, not the server, would set the pace)."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self.pool = multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else None
+
+    def run(self, url: str, requests: list[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
+        """(results, duration s): process i runs requests[i::P] with its share of the C streams."""
+        p = max(1, min(self.processes, concurrency, len(requests)))
+        if p == 1 or self.pool is None:
+            return _served(url, requests, concurrency, warm_up=False)
+        conc = [concurrency // p + (i < concurrency % p) for i in range(p)]
+        parts = self.pool.starmap(_served_part, [(url, requests[i::p], conc[i]) for i in range(p)])
+        results = [r for part, _, _ in parts for r in part]
+        return results, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+
+
+def default_client_processes(concurrency: int) -> int:
+    """Enough client processes for ~16 streams each, leaving the server two cores and one each."""
+    return max(1, min(8, concurrency // 16, ((os.cpu_count() or 2) - 2) // 2))
 
 
 def warm_up_server(url: str, requests: list[BenchRequest]) -> None:
@@ -205,8 +237,8 @@ def warm_up_server(url: str, requests: list[BenchRequest]) -> None:
 
 
 def prompts_for(concurrency: int, args: argparse.Namespace) -> int:
-    """Prompts run at this concurrency: enough to keep it busy, not 480 one at a time."""
-    return min(args.num_prompts, max(args.min_prompts, args.prompts_per_concurrency * concurrency))
+    """Requests run at this concurrency: enough for a steady state (the prompts cycle), not 480 one at a time."""
+    return min(args.max_requests, max(args.min_prompts, args.prompts_per_concurrency * concurrency))
 
 
 def _headline(summary: dict[str, Any]) -> dict[str, Any]:
@@ -242,13 +274,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     base = engine_config_from_args(args, default_speculative=False)
     draft_path = args.speculative_draft_model_path
     if draft_path is None and args.model is None and any(CONFIGS[n] for n in names):
-        from specserve.speculative.drafter import default_draft_path
+        from specserve.config import default_draft_path
 
         draft_path = default_draft_path()
     num_blocks = args.num_kv_blocks or max(concurrencies) * math.ceil(
         (args.max_input_len + args.output_len) / base.block_size) + 64
     base = replace(base, max_num_seqs=max(concurrencies), num_kv_blocks=num_blocks,
-                   max_waiting_requests=max(args.num_prompts, base.max_waiting_requests))
+                   max_waiting_requests=max(args.max_requests, base.max_waiting_requests))
 
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -259,6 +291,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len, "api_server_count": args.api_server_count,
         "stream_interval": args.stream_interval, "num_kv_blocks": num_blocks, "runs": [],
     }
+    procs = args.client_processes or default_client_processes(max(concurrencies))
+    result["client_processes"] = procs
+    clients = ServedClients(procs)
     tokenizer = None
     for name in names:
         config = engine_config(base, name, draft_path)
@@ -282,7 +317,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 warm_up_server(server.url, requests[: args.warmup])
             for ci, c in enumerate(concurrencies):
                 n = prompts_for(c, args)
-                parts = [range(n)[r :: args.rounds] for r in range(args.rounds)]
+                parts = [[i % len(prompts) for i in range(n)[r :: args.rounds]] for r in range(args.rounds)]
                 sides: dict[str, list] = {"offline": [[], 0.0, 0.0], "served": [[], 0.0, 0.0]}
                 for ri, part in enumerate(parts):  # rounds alternate which side goes first
                     order = ("offline", "served") if (ci + ri) % 2 == 0 else ("served", "offline")
@@ -291,7 +326,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             res, duration, step_s = run_offline(engine, [prompts[i] for i in part],
                                                                 [max_tokens[i] for i in part], c)
                         else:
-                            res, duration = run_served(server.url, [requests[i] for i in part], c)
+                            res, duration = clients.run(server.url, [requests[i] for i in part], c)
                             step_s = 0.0
                         acc = sides[side]
                         acc[0] += res
@@ -314,6 +349,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    clients.close()
     write_json(out_dir / "served_vs_offline.json", result)
     plot(result, out_dir / "served_vs_offline.png")
     print(f"wrote {out_dir / 'served_vs_offline.json'} and {out_dir / 'served_vs_offline.png'}")
@@ -364,8 +400,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts-file", default=None,
                    help="JSON list of prompts instead of ShareGPT (e.g. benchmarks/data/sharegpt_prompts_seed0.json)")
     g.add_argument("--prompts-per-concurrency", type=int, default=8,
-                   help="a run at concurrency C takes min(num-prompts, max(min-prompts, this x C)) prompts")
+                   help="a run at concurrency C takes min(max-requests, max(min-prompts, this x C)) requests")
     g.add_argument("--min-prompts", type=int, default=64)
+    g.add_argument("--max-requests", type=int, default=2048,
+                   help="most requests a run takes (the prompts repeat past --num-prompts)")
     g.add_argument("--output-len", type=int, default=256, help="max_tokens per request (natural stops end earlier)")
     g.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
     g.add_argument("--warmup", type=int, default=8, help="short requests through each side before measuring")
@@ -374,4 +412,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "concurrency (finer interleaving where the machine drifts; each round should hold >= C prompts)")
     g.add_argument("--api-server-count", type=int, default=1)
     g.add_argument("--stream-interval", type=int, default=1)
+    g.add_argument("--client-processes", type=int, default=0,
+                   help="client processes sharing the C streams (0: about one per 16 streams, up to 8, as the "
+                        "machine's cores allow)")
     g.add_argument("--output-dir", default=".", help="where served_vs_offline.json / .png go")

@@ -94,6 +94,9 @@ def main() -> None:
     if parent:
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     config = pickle.load(sys.stdin.buffer)
+    from specserve.engine.threads import set_cpu_threads
+
+    set_cpu_threads()
     try:
         run_worker(config)
     except Exception:

@@ -212,6 +212,7 @@ class CUDAGraphRunner:
             with forward_context(self.attn):
                 return self.model(self.input_ids[:n], self.positions[:n])
 
+        log.info("capturing %d CUDA graphs (steps of up to %d tokens)...", len(self.sizes), self.max_size)
         stats = capture_per_size(self.attn, self.sizes, body, self.device, self.graphs, self.outputs)
         self.capture_seconds, self.capture_bytes = stats
         self._captured_for = _aux_key(self.model)

@@ -113,6 +113,8 @@ class LLMEngine:
         src = load_model_source(config.model, tokenizer_path=config.tokenizer,
                                 require_weights=config.load_format != "dummy")
         self.model_config = src.config
+        log.info("loading the %s of %s (%s) on %s/%s...", "dummy weights" if config.load_format == "dummy" else "weights",
+                 os.path.basename(src.path), src.format, self.device, str(self.dtype).replace("torch.", ""))
         self.tokenizer = src.tokenizer
         self.model_name = served_model_name(config.model)
         # rank 0 of a tensor-parallel group: the other ranks run each target call on their shards
@@ -130,7 +132,8 @@ class LLMEngine:
         num_blocks = num_kv_blocks_for(config, runner_mc, self.dtype, self.device)
         if self.tp is not None:
             self.tp.init_workers(num_blocks)
-        self.runner = ModelRunner(model, runner_mc, runner_config, num_blocks, self.device, self.dtype, self.tp)
+        self.runner = ModelRunner(model, runner_mc, runner_config, num_blocks, self.device, self.dtype,
+                                  eos_token_ids=frozenset(self.tokenizer.eos_token_ids), driver=self.tp)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_capacity = num_blocks * config.block_size
         ctx = src.config.max_position_embeddings
@@ -139,6 +142,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or ctx, kv_capacity)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
         self.requests: dict[str, Request] = {}
+        self._grammars = None  # structured.grammar.GrammarCompiler, built by the first constrained request
         gc_pauses.install()
         self.step_started = 0.0  # gc_pauses.clock() at the start of the current step()
         self.step_ended = 0.0  # ... and at the end of the last step() that served requests
@@ -179,6 +183,10 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         params.validate()
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got "
+                             f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
         max_new = params.max_tokens if params.max_tokens is not None else 1
         if len(ids) + max_new > self.max_model_len:
             raise ValueError(
@@ -187,11 +195,20 @@ class LLMEngine:
             )
         req = Request(request_id, text, ids, params, arrival_time=arrival_time or time.time())
         req.detok = IncrementalDetokenizer(self.tokenizer, ids)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.structured_outputs is not None:  # its grammar: state and mask (structured/matcher.py)
+            req.grammar = self._grammar_state(request_id, params)
+            req.logits_processors.append(req.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(ids)
+
+    def _grammar_state(self, request_id: str, params: SamplingParams):
+        from specserve.structured.grammar import GrammarCompiler
+        from specserve.structured.matcher import GrammarState
+
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return GrammarState(self._grammars.submit(params.structured_outputs), self.model_config.vocab_size, request_id)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -245,7 +262,8 @@ class LLMEngine:
         elif launched is None:
             launched = self.runner.launch(plan)
         went_ahead = False
-        if self.overlap and (d is None or d.plain_next(plan)):
+        # (a request whose logits are processed needs its history on the host: no step goes ahead of it)
+        if self.overlap and not any(s.req.processes_logits for s in plan.scheduled) and (d is None or d.plain_next(plan)):
             self.scheduler.advance(plan)
             nxt = self.scheduler.schedule()
             if nxt.scheduled:

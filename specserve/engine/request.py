@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from specserve.engine.kv_cache import KVSlots
 from specserve.outputs import RequestMetrics
 from specserve.sampling_params import SamplingParams
@@ -42,7 +40,10 @@ class Request:
     text: str = ""
     detok: object | None = None  # IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None = None
-    generator: torch.Generator | None = None
+    # its own logits processors (logits_process.LogitsProcessor, e.g. a grammar's mask), besides the
+    # edits its params ask for
+    logits_processors: list[Any] = field(default_factory=list)
+    grammar: Any = None  # structured.matcher.GrammarState: what its committed tokens allow next
     metrics: RequestMetrics = field(init=False)
     # speculation: tokens drafted for the next verify (target ids)
     draft_token_ids: list[int] = field(default_factory=list)
@@ -67,6 +68,12 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
         if self.params.logprobs is not None:
             self.logprobs = []
+        self._params_process = self.params.processes_logits
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether its rows go through logits_process.process (a bool check per request and step)."""
+        return self._params_process or bool(self.logits_processors)
 
     @property
     def num_tokens(self) -> int:
@@ -96,5 +103,7 @@ class Request:
         return self.num_tokens - self.num_computed_tokens > 1
 
     def append_token(self, token_id: int) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

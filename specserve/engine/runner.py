@@ -23,7 +23,7 @@ import torch
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context, is_fp8
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.config import EngineConfig, ModelConfig
-from specserve.engine import sampler
+from specserve.engine import logits_process, sampler
 from specserve.engine.host_copy import host_buffer, host_to_device, pinned_copy
 from specserve.engine.kv_cache import kv_slot
 from specserve.engine.scheduler import CommitResult, StepPlan
@@ -198,10 +198,12 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 num_blocks: int, device: torch.device, dtype: torch.dtype, driver: "TPDriver | None" = None) -> None:
+                 num_blocks: int, device: torch.device, dtype: torch.dtype,
+                 eos_token_ids: frozenset[int] = frozenset(), driver: "TPDriver | None" = None) -> None:
         """``model_config``: this rank's heads under tensor parallelism; ``driver`` there (rank 0): the
         group's other ranks, sent each target call (then no CUDA graphs)."""
         self.model = model
+        self.eos_token_ids = eos_token_ids  # masked before a request's min_tokens (logits_process)
         self.mc = model_config
         self.config = config
         self.device = device
@@ -365,17 +367,19 @@ class ModelRunner:
         if not sampling:
             return LaunchedStep(None, {})
         rows = host_to_device([a for a, _ in inputs.sample_spans], self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        raw = self.model.compute_logits(hidden[rows])
+        spans = [(s.req, j, [[]]) for j, s in enumerate(sampling) if s.req.processes_logits]
+        logits = logits_process.process(raw, spans, self.eos_token_ids) if spans else raw
         if all(s.req.params.greedy for s in sampling):
             tokens = logits.argmax(dim=-1)  # building a SamplingBatch would copy (and sync) 4 tensors
-        else:
+        else:  # (the token sampled sits at index num_tokens: after a pending token, where there is one)
             sb = sampler.SamplingBatch.build([s.req.params for s in sampling],
-                                             [s.req.generator for s in sampling], self.device)
+                                             [s.req.num_tokens - s.req.num_prompt_tokens for s in sampling], self.device)
             tokens = sampler.sample(logits, sb, self.generator)
         launched = LaunchedStep(tokens, {s.req: j for j, s in enumerate(sampling)})
         want = [s.req.params.logprobs for s in sampling]
-        if any(w is not None for w in want):
-            launched.logprobs = sampler.top_logprobs_on_device(logits, tokens, max(w or 0 for w in want))
+        if any(w is not None for w in want):  # (the model's distribution: before processing)
+            launched.logprobs = sampler.top_logprobs_on_device(raw, tokens, max(w or 0 for w in want))
             launched.logprobs_wanted = want
         launched.read_back_later()
         return launched

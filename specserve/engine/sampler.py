@@ -1,8 +1,10 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 One call handles every sampling row of a step. Random rows draw with the exponential-race
-trick (argmax of p / E, E ~ Exp(1)), which lets a seeded request use its own generator while
-the others share one draw; nothing here syncs with the host.
+trick (argmax of p / E, E ~ Exp(1)). Unseeded rows share the engine's generator. A seeded row's
+E is a hash of (seed, output index, token id) computed on the device (``seeded_exponential``), so
+the token a seeded request draws at output index t depends on nothing else: not the batch, not
+whether speculation verified it. Nothing here syncs with the host.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 from specserve.engine.host_copy import host_to_device
 from specserve.sampling_params import SamplingParams
 
+M32 = 0xFFFFFFFF
+
 
 @dataclass
 class SamplingBatch:
@@ -21,36 +25,46 @@ class SamplingBatch:
     top_k: torch.Tensor  # [N] long; 0 means off
     top_p: torch.Tensor  # [N] float
     min_p: torch.Tensor  # [N] float
-    generators: list[torch.Generator | None]  # per row; None: the engine's shared generator
+    out_index: torch.Tensor  # [N] long: the output index of the token each row draws
+    seeds: torch.Tensor  # [N, 2] long: the seed's low and high 32 bits (seeded rows)
+    seeded: list[int]  # rows drawn from their seed (random rows of seeded requests)
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+    def build(cls, params: list[SamplingParams], out_index: list[int] | torch.Tensor,
               device: torch.device) -> "SamplingBatch":
+        """Row i samples with ``params[i]`` the output token number ``out_index[i]`` (0: the first)."""
         temps = [0.0 if p.greedy else float(p.temperature) for p in params]
         top_k = [max(p.top_k, 0) for p in params]
-        top_p = [float(p.top_p) for p in params]
-        min_p = [float(p.min_p) for p in params]
-        return cls(  # (copies without a host sync: the device may still run the forward they follow)
-            temperature=host_to_device(temps, device, torch.float32),
-            top_k=host_to_device(top_k, device, torch.long),
-            top_p=host_to_device(top_p, device, torch.float32),
-            min_p=host_to_device(min_p, device, torch.float32),
-            generators=generators,
+        seeded = [i for i, p in enumerate(params) if p.seeded]
+        seeds = [0] * (2 * len(params))
+        for i in seeded:
+            s = params[i].seed & (2**64 - 1)  # (an OpenAI seed may be negative)
+            seeds[2 * i], seeds[2 * i + 1] = s & M32, s >> 32
+        n = len(params)
+        ints = top_k + seeds + (out_index if isinstance(out_index, list) else [])
+        floats = temps + [float(p.top_p) for p in params] + [float(p.min_p) for p in params]
+        # (copies without a host sync: the device may still run the forward they follow)
+        i_d, f_d = host_to_device(ints, device, torch.long), host_to_device(floats, device, torch.float32)
+        out_d = i_d[3 * n :] if isinstance(out_index, list) else out_index
+        return cls(
+            temperature=f_d[:n], top_k=i_d[:n], top_p=f_d[n : 2 * n], min_p=f_d[2 * n :],
+            out_index=out_d, seeds=i_d[n : 3 * n].view(n, 2), seeded=seeded,
             all_greedy=all(t == 0.0 for t in temps),
             any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
-            any_min_p=any(m > 0.0 for m in min_p),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
         )
 
-    def select(self, rows: torch.Tensor | list[int]) -> "SamplingBatch":
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.temperature.device)
-        rows_l = idx.tolist()
+    def select(self, rows: list[int]) -> "SamplingBatch":
+        idx = host_to_device(rows, self.temperature.device)
+        was = set(self.seeded)
+        seeded = [i for i, r in enumerate(rows) if r in was]
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
-                             [self.generators[r] for r in rows_l], self.all_greedy, self.any_top_k,
+                             self.out_index[idx], self.seeds[idx], seeded, self.all_greedy, self.any_top_k,
                              self.any_top_p, self.any_min_p)
 
 
@@ -87,20 +101,40 @@ def processed_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      shared: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    q = torch.empty(shape, device=device)
-    if not any(g is not None for g in generators):
-        return q.exponential_(generator=shared)
-    q.exponential_(generator=shared)
-    for i, g in enumerate(generators):
-        if g is not None:
-            q[i].exponential_(generator=g)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding 32-bit values:
+    multipliers below 2**31 keep each product below 2**63, so int64 arithmetic never overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x21F0AAAD) & M32
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(seeds: torch.Tensor, out_index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [S, vocab], entry (i, v) a function of (seeds[i], out_index[i], v) alone: a
+    counter-based hash, 24 bits of uniform per entry (u = (h + 0.5) / 2**24, E = -log u)."""
+    k1 = _mix32(seeds[:, 0] ^ _mix32(out_index & M32))
+    k2 = _mix32(seeds[:, 1] ^ _mix32(k1 ^ 0x9E3779B9))
+    v = torch.arange(vocab, device=seeds.device)
+    h = _mix32(_mix32(k1[:, None] ^ v[None, :]) ^ k2[:, None])
+    return -torch.log(((h >> 8).float() + 0.5) * 2.0**-24)
+
+
+def exponential_noise(shape: tuple[int, int], sb: SamplingBatch, shared: torch.Generator | None,
+                      device: torch.device) -> torch.Tensor:
+    """Exp(1) noise per row: seeded rows' from their seed and output index, the others' from ``shared``."""
+    if len(sb.seeded) == shape[0]:
+        return seeded_exponential(sb.seeds, sb.out_index, shape[1])
+    q = torch.empty(shape, device=device).exponential_(generator=shared)
+    if sb.seeded:
+        idx = host_to_device(sb.seeded, device)
+        q.index_copy_(0, idx, seeded_exponential(sb.seeds[idx], sb.out_index[idx], shape[1]))
     return q
 
 
 def draw(probs: torch.Tensor, sb: SamplingBatch, shared: torch.Generator | None) -> torch.Tensor:
-    q = exponential_noise(tuple(probs.shape), sb.generators, shared, probs.device)
+    q = exponential_noise(tuple(probs.shape), sb, shared, probs.device)
     return (probs / q).argmax(dim=-1)
 
 
@@ -109,6 +143,17 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, shared: torch.Generator | No
     if sb.all_greedy:
         return logits.argmax(dim=-1)
     return draw(processed_probs(logits, sb), sb, shared)
+
+
+def picks(logits: torch.Tensor, sb: SamplingBatch | None, argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """The token plain sampling takes at each row where it is not left to chance: the argmax (greedy
+    rows; ``argmax`` if computed already), a seeded row's draw. Other rows: their argmax (unused)."""
+    out = logits.argmax(dim=-1) if argmax is None else argmax
+    if sb is None or not sb.seeded:
+        return out
+    idx = host_to_device(sb.seeded, logits.device)
+    sub = sb.select(sb.seeded)
+    return out.index_copy(0, idx, draw(processed_probs(logits.index_select(0, idx), sub), sub, None))
 
 
 @dataclass

@@ -257,7 +257,7 @@ class Scheduler:
         j = 0
         for s in plan.scheduled:
             req = s.req
-            if plan.advanced and req.is_finished:  # aborted after the step was launched: its token is dropped
+            if req.is_finished:  # ended (stop, abort) after this step was launched ahead: its token is dropped
                 j += s.samples
                 continue
             if not plan.advanced:

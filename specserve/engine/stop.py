@@ -33,8 +33,8 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
     p = req.params
     tok = req.output_token_ids[-1]
     n_out = req.num_output_tokens
-    if stops_at_token(req, tok, n_out, eos_token_ids):
-        return "stop", tok
+    if stops_at_token(req, tok, n_out, eos_token_ids):  # stop_reason: the stop token's id, None for EOS (vLLM)
+        return "stop", tok if tok in p.stop_token_ids else None
     if n_out >= p.min_tokens:
         if p.stop_list:
             found = find_stop_string(req.text, p.stop_list, new_text_start)
@@ -42,6 +42,8 @@ def check_stop(req: Request, eos_token_ids: set[int], max_model_len: int,
                 at, s = found
                 req.text = req.text[: at + len(s)] if p.include_stop_str_in_output else req.text[:at]
                 return "stop", s
+    if req.grammar is not None and req.grammar.terminated:  # at an EOS the grammar allowed (with ignore_eos)
+        return "stop", None
     if p.max_tokens is not None and n_out >= p.max_tokens:
         return "length", None
     if req.num_tokens >= max_model_len:

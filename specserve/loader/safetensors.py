@@ -5,9 +5,10 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

@@ -102,8 +102,11 @@ class Tokenizer:
     # -- text <-> ids --------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """add_special_tokens=True applies the tokenizer's post-processor (e.g. a BOS prefix)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """add_special_tokens=True applies the tokenizer's post-processor (e.g. a BOS prefix).
+
+        Through encode_batch, which releases the GIL (encode does not): a server thread tokenizing a long
+        prompt leaves the event loop free."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

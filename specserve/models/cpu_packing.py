@@ -16,6 +16,9 @@ reads shapes or dtypes keeps working), so the packed copy costs one more copy of
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
 
 import torch
@@ -51,13 +54,18 @@ def padded_rows(rows: int) -> int:
 
 
 def packed_min_rows(dtype: torch.dtype) -> int:
-    """Rows from which the packed kernel is used, measured once per process for fp32: on a 2-core
-    AVX-512 machine F.linear's matrix-vector kernel won below 4 rows, on a 2-core AVX2 one the
-    packed kernel won from 2 rows (3 rows 0.43 vs 1.37 ms on SmolLM2's gate/up weight), so steps
-    of 2-3 rows were several times dearer than they needed to be."""
+    """Rows from which the packed kernel is used, measured for fp32 once per CPU model, torch version and
+    thread count (cached under SPECSERVE_CACHE_DIR: a busy machine measured another value at each start,
+    and the cost profile's cache key, which holds it, changed with it): on a 2-core AVX-512 machine
+    F.linear's matrix-vector kernel won below 4 rows, on a 2-core AVX2 one the packed kernel won from
+    2 rows (3 rows 0.43 vs 1.37 ms on SmolLM2's gate/up weight), so steps of 2-3 rows were several
+    times dearer than they needed to be."""
     if dtype not in _MIN_ROWS:
         rows = PACKED_MIN_ROWS[dtype]
-        if dtype == torch.float32:
+        cached = _cached_rows() if dtype == torch.float32 else {}
+        if _machine_key() in cached:
+            rows = cached[_machine_key()]
+        elif dtype == torch.float32:
             w = torch.randn(1536, 576)
             packed = torch.ops.mkldnn._reorder_linear_weight(w)
 
@@ -78,8 +86,43 @@ def packed_min_rows(dtype: torch.dtype) -> int:
                             best(lambda: F.linear(x, w)):
                         rows = r
                         break
+            _save_rows({**cached, _machine_key(): rows})
         _MIN_ROWS[dtype] = rows
     return _MIN_ROWS[dtype]
+
+
+def _rows_path() -> str:
+    from specserve.loader.gguf import cache_root
+
+    return os.path.join(cache_root(), "cpu_packing_min_rows.json")
+
+
+def _machine_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        cpu = ""
+    return f"{cpu or platform.processor()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def _cached_rows() -> dict[str, int]:
+    try:
+        with open(_rows_path()) as f:
+            return {k: int(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _save_rows(table: dict[str, int]) -> None:
+    path = _rows_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # measured again at the next start
 
 
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:

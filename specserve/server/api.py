@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -29,10 +30,13 @@ from specserve.sampling_params import SamplingParams
 from specserve.server import protocol as P
 from specserve.server.client import EngineClient, EngineDeadError, RequestRejected, RequestState
 from specserve.server.metrics import ServerMetrics, avg_accept_length
+from specserve.structured import tools as T
 
 log = logging.getLogger(__name__)
 
 QUEUE_FULL_RETRY_AFTER_S = 1
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 class ApiError(Exception):
@@ -45,7 +49,7 @@ class ApiError(Exception):
         self.code, self.param, self.headers = code, param, headers
 
 
-def _error(status: int, message: str, err_type: str, code: Any = None, param: str | None = None,
+def _error(status: int, message: str, err_type: str, code: str | None = None, param: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(P.error_body(message, err_type, code, param), status_code=status, headers=headers)
 
@@ -99,11 +103,11 @@ class ServerState:
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      arrival: float) -> RequestState:
         if not self.accepting:
-            raise ApiError(503, "The server is shutting down.", "ServiceUnavailableError")
+            raise ApiError(503, "The server is shutting down.", "ServiceUnavailableError", "shutting_down")
         try:
             return await self.client.add_request(request_id, prompt_ids, params, arrival)
         except EngineDeadError as e:
-            raise ApiError(503, f"The engine is not running: {e}", "ServiceUnavailableError") from e
+            raise ApiError(503, f"The engine is not running: {e}", "ServiceUnavailableError", "engine_dead") from e
         except RequestRejected as e:
             if e.status == 503:
                 raise ApiError(
@@ -113,7 +117,7 @@ class ServerState:
                 ) from e
             if e.status == 400:  # the engine's verdict on the input (lengths, token ids, ...)
                 raise ApiError(400, str(e), "BadRequestError", "invalid_request") from e
-            raise ApiError(e.status, str(e), "InternalServerError") from e
+            raise ApiError(e.status, str(e), "InternalServerError", "internal_error") from e
 
     async def drain(self, timeout: float) -> None:
         """Stop admission, let requests in flight finish for up to ``timeout`` s, abort the rest."""
@@ -145,7 +149,7 @@ async def _collect(srv: ServerState, state: RequestState, request: Request) -> b
             try:
                 task.result()
             except EngineDeadError as e:
-                raise ApiError(503, f"The engine stopped: {e}", "ServiceUnavailableError") from e
+                raise ApiError(503, f"The engine stopped: {e}", "ServiceUnavailableError", "engine_dead") from e
             return True
         return False
     finally:
@@ -155,7 +159,33 @@ async def _collect(srv: ServerState, state: RequestState, request: Request) -> b
         srv.client.abort(state.request_id)  # a no-op once finished
 
 
+async def _abort(client: EngineClient, request_id: str) -> None:
+    """After a stream: abort it if it has not finished (a no-op once finished). A coroutine, so it runs
+    on the event loop (a plain function would go to a worker thread, racing the loop on the socket)."""
+    client.abort(request_id)
+
+
 _json = msgspec.json.Encoder()
+
+
+class _ApiKeyCheck:
+    """Bearer-key check on /v1 routes, as plain ASGI (starlette's BaseHTTPMiddleware wraps every
+    streamed chunk in an extra task and queue)."""
+
+    def __init__(self, app: Any, srv: ServerState) -> None:
+        self.app, self.srv = app, srv
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        key = self.srv.api_key
+        if key is not None and scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+                response = _error(401, "Missing or invalid API key (send `Authorization: Bearer <key>`).",
+                                  "AuthenticationError", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -165,8 +195,47 @@ def _sse(obj: dict[str, Any]) -> bytes:
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before the app reads or parses it,
+    decided from Content-Length, or while a chunked body streams in (buffered up to the limit)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:  # the server enforces the declared length
+            if int(length) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+        buffered, size = [], 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
+        message = f"Request body too large: the limit is {self.max_bytes} bytes (--max-request-bytes)."
+        response = _error(413, message, "BadRequestError", "request_too_large", headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
 def build_app(client: EngineClient, served_model_name: str | list[str] | None = None,
-              api_key: str | None = None, startup_timeout: float = 3600.0) -> FastAPI:
+              api_key: str | None = None, startup_timeout: float = 3600.0,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app of one front-end; it connects to the engine core on start-up (lifespan)."""
     names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
     srv = ServerState(client, names, api_key)
@@ -185,6 +254,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.server = srv
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     # ------------------------------------------------------------ errors
 
@@ -204,23 +274,16 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
-        return _error(exc.status_code, str(exc.detail), err_type, exc.status_code, headers=getattr(exc, "headers", None))
+        return _error(exc.status_code, str(exc.detail), err_type, _HTTP_CODES.get(exc.status_code),
+                      headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
-        return _error(500, f"Internal server error: {type(exc).__name__}: {exc}", "InternalServerError")
+        return _error(500, f"Internal server error: {type(exc).__name__}: {exc}", "InternalServerError",
+                      "internal_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if srv.api_key is not None and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), srv.api_key):
-                return _error(401, "Missing or invalid API key (send `Authorization: Bearer <key>`).",
-                              "AuthenticationError", "invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    app.add_middleware(_ApiKeyCheck, srv=srv)
 
     # ------------------------------------------------------------ info endpoints
 
@@ -229,16 +292,20 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         if client.is_alive and srv.accepting:
             return JSONResponse({"status": "ok"})
         why = "shutting down" if client.is_alive else f"engine is not running: {client.error}"
-        return _error(503, why, "ServiceUnavailableError")
+        return _error(503, why, "ServiceUnavailableError", "shutting_down" if client.is_alive else "engine_dead")
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": srv.started, "owned_by": "specserve",
+                "root": getattr(srv.info.config, "model", None) or name, "max_model_len": srv.info.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [
-            {"id": name, "object": "model", "created": srv.started, "owned_by": "specserve",
-             "root": getattr(srv.info.config, "model", None) or name, "max_model_len": srv.info.max_model_len}
-            for name in srv.model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in srv.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        srv.check_model(model_id)  # 404 in the one error shape; "default" names the first
+        return model_card(model_id if model_id in srv.model_names else srv.model_name)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -263,6 +330,7 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
             "speculative_algorithm": getattr(spec, "algorithm", None),
             "engine_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
             "engine_core_pid": srv.info.core_pid,
+            "front_end_pid": os.getpid(),
             "internal_states": [state],
         })
 
@@ -273,27 +341,37 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         arrival = time.perf_counter()
         srv.check_model(body.model)
         params = body.to_sampling_params()
-        try:
-            prompt_ids = srv.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True)
+        try:  # in a thread: the tokenizer releases the GIL, so other streams and /health keep flowing
+            prompt_ids = await asyncio.to_thread(srv.tokenizer.apply_chat_template, body.chat_messages(),
+                                                 add_generation_prompt=True)
         except Exception as e:  # a template may refuse a message sequence (roles, order)
             raise P.BadRequest(f"Could not apply the chat template to these messages: {e}", "messages") from e
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created, model = P.now(), body.model or srv.model_name
         top_n = body.top_logprobs or 0
+        plan = body.tool_plan()
+        tools = plan is not None and plan.active  # the output is parsed for tool calls
         state = await srv.submit(request_id, list(prompt_ids), params, arrival)
 
         if body.stream:
-            gen = _chat_stream(srv, state, created, model, top_n, body.include_usage)
+            gen = _chat_stream(srv, state, created, model, top_n, body.include_usage, tools)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(client.abort, request_id))
+                                     background=BackgroundTask(_abort, client, request_id))
         if not await _collect(srv, state, request):
             return Response(status_code=499)  # client closed the request; nobody reads this
+        message: dict[str, Any] = {"role": "assistant", "content": state.text}
+        finish_reason = state.finish_reason
+        if tools:
+            message["content"], calls = T.parse_tool_calls(state.text)
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": state.text},
+            "message": message,
             "logprobs": (P.chat_logprobs(srv.tokenizer, state.token_ids, state.logprobs, top_n)
                          if state.logprobs is not None else None),
-            "finish_reason": state.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": state.stop_reason,
         }
         return JSONResponse({
@@ -314,14 +392,14 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created, model = P.now(), body.model or srv.model_name
         top_n = body.logprobs or 0
-        prompt_ids = srv.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = await asyncio.to_thread(srv.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
         state = await srv.submit(request_id, prompt_ids, params, arrival)
         echo_text = "" if not body.echo else (prompt if isinstance(prompt, str) else srv.tokenizer.decode(prompt))
 
         if body.stream:
             gen = _completion_stream(srv, state, created, model, top_n, body.include_usage, echo_text)
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(client.abort, request_id))
+                                     background=BackgroundTask(_abort, client, request_id))
         if not await _collect(srv, state, request):
             return Response(status_code=499)
         logprobs = None
@@ -341,8 +419,9 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
 
 
 async def _chat_stream(srv: ServerState, state: RequestState, created: int, model: str, top_n: int,
-                       include_usage: bool) -> AsyncIterator[bytes]:
+                       include_usage: bool, tools: bool = False) -> AsyncIterator[bytes]:
     request_id = state.request_id
+    calls = T.ToolCallStream() if tools else None
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
               stop_reason: Any = None) -> dict[str, Any]:
@@ -363,9 +442,17 @@ async def _chat_stream(srv: ServerState, state: RequestState, created: int, mode
                 yield _sse(chunk({"role": "assistant", "content": ""}))
                 first = False
             logprobs = P.chat_logprobs(srv.tokenizer, ids, lps, top_n) if lps and ids else None
-            delta = {"content": text} if text else {}
+            made: list[dict[str, Any]] = []
+            if calls is not None:
+                text, made = calls.feed(text, final=last)
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if made:
+                delta["tool_calls"] = made
             if last:
-                yield _sse(chunk(delta, state.finish_reason, logprobs, state.stop_reason))
+                finish = state.finish_reason
+                if calls is not None and calls.num_calls and finish == "stop":
+                    finish = "tool_calls"
+                yield _sse(chunk(delta, finish, logprobs, state.stop_reason))
                 break
             if delta or logprobs:
                 yield _sse(chunk(delta, None, logprobs))
@@ -373,10 +460,11 @@ async def _chat_stream(srv: ServerState, state: RequestState, created: int, mode
             yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                         "choices": [], "usage": P.usage_dict(state)})
     except EngineDeadError as e:
-        yield _sse(P.error_body(f"The engine stopped: {e}", "ServiceUnavailableError", 503))
+        yield _sse(P.error_body(f"The engine stopped: {e}", "ServiceUnavailableError", "engine_dead"))
     except Exception as e:
         log.exception("stream %s failed", request_id)
-        yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError", 500))
+        yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError",
+                                "internal_error"))
     finally:
         srv.client.abort(request_id)  # frees its KV blocks when the client went away mid-stream
     yield b"data: [DONE]\n\n"
@@ -413,10 +501,11 @@ async def _completion_stream(srv: ServerState, state: RequestState, created: int
             yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                         "choices": [], "usage": P.usage_dict(state)})
     except EngineDeadError as e:
-        yield _sse(P.error_body(f"The engine stopped: {e}", "ServiceUnavailableError", 503))
+        yield _sse(P.error_body(f"The engine stopped: {e}", "ServiceUnavailableError", "engine_dead"))
     except Exception as e:
         log.exception("stream %s failed", request_id)
-        yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError", 500))
+        yield _sse(P.error_body(f"Internal server error: {type(e).__name__}: {e}", "InternalServerError",
+                                "internal_error"))
     finally:
         srv.client.abort(request_id)
     yield b"data: [DONE]\n\n"

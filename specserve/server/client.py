@@ -27,7 +27,9 @@ from specserve.server.engine_core import CoreAddresses, EngineInfo
 log = logging.getLogger(__name__)
 
 _PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-                 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "max_spec_tokens")
+                 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "max_spec_tokens",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "structured_outputs")
 
 
 class EngineDeadError(RuntimeError):
@@ -301,15 +303,21 @@ class EngineClient:
                         frames.append(sock.recv(zmq.NOBLOCK, copy=False).result())
                     except zmq.Again:
                         break
+                stats = None
                 for frame in frames:
-                    self._handle(decode(frame.buffer))
+                    stats = self._handle(decode(frame.buffer)) or stats
+                if stats is not None:  # counters are cumulative: the newest message's stats suffice
+                    self.stats = SimpleNamespace(**stats)
+                    if self.metrics is not None:
+                        self.metrics.on_stats(self.stats, time.perf_counter())
         except asyncio.CancelledError:
             pass
         except Exception as e:  # a bug here must not leave requests hanging
             log.exception("engine client receive loop failed")
             self._die(EngineDeadError(f"front-end receive loop failed: {e!r}"))
 
-    def _handle(self, batch: M.CoreOutputs) -> None:
+    def _handle(self, batch: M.CoreOutputs) -> dict[str, Any] | None:
+        """Deliver one message; its engine stats (the caller applies only the newest)."""
         now = time.perf_counter()
         for rid in batch.accepted:
             fut = self._accepting.pop(rid, None)
@@ -336,12 +344,9 @@ class EngineClient:
                 del self.requests[d.request_id]
             if metrics is not None:
                 metrics.on_output(state, len(d.new_token_ids), now)
-        if batch.stats is not None:
-            self.stats = SimpleNamespace(**batch.stats)
-            if metrics is not None:
-                metrics.on_stats(self.stats, now)
         if batch.error is not None:
             self._die(EngineDeadError(f"the engine core failed: {batch.error}"))
+        return batch.stats
 
 
 class DataParallelClient:

@@ -211,11 +211,20 @@ def shutdown_engine_core(proc: Any, addresses: CoreAddresses, timeout: float = 1
     shutil.rmtree(addresses.input[len("ipc://") :].rsplit("/", 1)[0], ignore_errors=True)
 
 
+def build_engine(config: Any) -> Any:
+    """The engine-core process's engine (module level, here: a spawned core unpickles it without
+    importing the HTTP side)."""
+    from specserve.engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
 def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses, parent_pid: int,
                     log_level: int = logging.INFO, env: dict[str, str] | None = None) -> None:
     """Entry point of the engine-core process (multiprocessing, spawn); ``env``: set before the engine
     is built (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
     from specserve.engine.heap import freeze_startup_heap
+    from specserve.engine.threads import set_cpu_threads
 
     os.environ.update(env or {})
     # a Ctrl-C or a SIGTERM to the whole process group (systemd, `timeout`): the front-ends drain first,
@@ -223,6 +232,7 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_cpu_threads(reserved=len(addresses.outputs))  # a core for each front-end (tokenize, stream)
     core = engine = None
     try:
         engine = engine_factory()

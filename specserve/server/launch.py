@@ -29,16 +29,14 @@ from fastapi import FastAPI
 import prometheus_client
 import uvicorn
 
-from specserve.server.client import DataParallelClient, EngineClient, connect
-from specserve.server.engine_core import CoreAddresses, run_engine_core, shutdown_engine_core
 from specserve.server.api import ServerState, build_app
+from specserve.server.args import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_REQUEST_BYTES, check_serve_args
+from specserve.server.client import DataParallelClient, EngineClient, connect
+from specserve.server.engine_core import CoreAddresses, build_engine, run_engine_core, shutdown_engine_core
 
 log = logging.getLogger(__name__)
 
 
-# Longer than the idle expiry of common HTTP client pools (httpx and the openai client: 5 s). With equal
-# timeouts the server may close an idle connection just as the client reuses it: connection reset.
-DEFAULT_KEEP_ALIVE_S = 30
 GRACEFUL_CLOSE_S = 5  # after the drain: time for the last chunks to reach their clients
 
 
@@ -105,14 +103,15 @@ class LocalServer:
 def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | list[str] | None = None,
                     api_key: str | None = None, stream_interval: int = 1, host: str = "127.0.0.1",
                     port: int = 0, startup_timeout: float = 120.0,
-                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S, data_parallel_size: int = 1,
+                    timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S,
+                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, data_parallel_size: int = 1,
                     gpus_per_replica: int = 1) -> Iterator[LocalServer]:
     """An engine-core process (``data_parallel_size`` of them, see start_engine_cores) and one front-end in
     a uvicorn thread (tests, tools); stops them on exit."""
     cores = start_engine_cores(engine_factory, 1, data_parallel_size, gpus_per_replica, logging.WARNING)
     core = cores[0][0]
     client = connect([a for _, a in cores], 0, [p.pid for p, _ in cores], stream_interval)
-    app = build_app(client, served_model_name, api_key, startup_timeout)
+    app = build_app(client, served_model_name, api_key, startup_timeout, max_request_bytes)
     sock = _bind(host, port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
@@ -144,77 +143,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer <key>` on /v1/* (default: $SPECSERVE_API_KEY if set)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model id(s) clients may send (default: the engine's model name; 'default' always works)")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help="waiting-queue size; requests beyond it get 503 + Retry-After (default: engine's)")
-    g.add_argument("--api-server-count", type=int, default=1,
-                   help="HTTP front-end processes sharing the port (tokenize, detokenize, stream); one engine core")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine-core replicas (each of --tensor-parallel-size GPUs) behind the front-ends; a "
-                        "request goes to the least loaded")
-    g.add_argument("--stream-interval", type=int, default=1,
-                   help="tokens a stream gathers before it sends a chunk; a chunk always carries every token "
-                        "gained since the last one (default %(default)s)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds requests in flight may run on before they are aborted "
-                        "(default %(default)s)")
-    g.add_argument("--enable-access-log", action="store_true", help="log every HTTP request (off: it costs at load)")
-    g.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_S,
-                   help="seconds an idle HTTP/1.1 connection stays open (default %(default)s; keep it longer "
-                        "than clients' pool expiry, or a reused connection may be reset)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    return parser
-
-
-def check_serve_args(args: argparse.Namespace) -> None:
-    for name, low in (("max_waiting", 1), ("timeout_keep_alive", 1), ("api_server_count", 1), ("data_parallel_size", 1),
-                      ("stream_interval", 1), ("shutdown_timeout", 0)):
-        value = getattr(args, name)
-        if value is not None and value < low:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-
-
-def _default_head_available() -> bool:
-    """The default model is served with its shipped EAGLE-3 head when that head exists."""
-    try:
-        from specserve.speculative.drafter import default_draft_path
-
-        default_draft_path()
-        return True
-    except (ImportError, FileNotFoundError) as e:
-        log.warning("serving without speculation by default: %s", e)
-        return False
-
-
-def build_engine(config: Any) -> Any:
-    """The engine-core process's engine (module level: picklable for spawn)."""
-    from specserve.engine.engine import LLMEngine
-
-    return LLMEngine(config)
-
-
 def main(args: argparse.Namespace) -> None:
     """`specserve serve`."""
     import functools
 
-    from specserve.config import replace
     from specserve.engine.args import engine_config_from_args
 
     check_serve_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    default_spec = (getattr(args, "model", None) is None and getattr(args, "speculative_algorithm", None) is None
-                    and _default_head_available())
-    config = engine_config_from_args(args, default_speculative=default_spec)
-    if args.max_waiting is not None:
-        config = replace(config, max_waiting_requests=args.max_waiting)
+    config = engine_config_from_args(args)
     sys.exit(run_server(args, functools.partial(build_engine, config)))
 
 
@@ -235,7 +172,8 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     api_key = args.api_key if args.api_key is not None else os.environ.get("SPECSERVE_API_KEY") or None
     opts = FrontendOptions(args.served_model_name, api_key, args.stream_interval, args.shutdown_timeout,
-                           args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level)
+                           args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level,
+                           args.max_request_bytes)
     addresses, pids = [a for _, a in cores], [p.pid for p, _ in cores]
     fronts = [_spawn().Process(target=run_frontend, args=(opts, addresses, i, pids, sock), name=f"specserve-api-{i}")
               for i in range(n)]
@@ -283,6 +221,7 @@ class FrontendOptions:
     enable_access_log: bool
     timeout_keep_alive: int
     log_level: str
+    max_request_bytes: int
 
 
 def run_frontend(opts: FrontendOptions, addresses: list[CoreAddresses], index: int, core_pids: list[int],
@@ -291,7 +230,7 @@ def run_frontend(opts: FrontendOptions, addresses: list[CoreAddresses], index: i
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # no *_created series next to every counter
     client = connect(addresses, index, core_pids, opts.stream_interval)
-    app = build_app(client, opts.served_model_name, opts.api_key)
+    app = build_app(client, opts.served_model_name, opts.api_key, max_request_bytes=opts.max_request_bytes)
     srv: ServerState = app.state.server
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.enable_access_log,
                             timeout_graceful_shutdown=GRACEFUL_CLOSE_S, timeout_keep_alive=opts.timeout_keep_alive)

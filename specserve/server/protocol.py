@@ -12,6 +12,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.sampling_params import SamplingParams
+from specserve.structured import openai_fields, tools as T
 
 MAX_TOP_LOGPROBS = 20
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
@@ -29,15 +30,22 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def error_body(message: str, err_type: str, code: int | str | None = None, param: str | None = None) -> dict:
+def error_body(message: str, err_type: str, code: str | None = None, param: str | None = None) -> dict:
+    """The one error shape of every endpoint and stream: OpenAI's (``code`` a string or null)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+# Request models are strict, as OpenAI is: `"max_tokens": "10"`, `"stream": "yes"` are 400s, not coerced
+# (a JSON integer is still a float). JSON object keys are strings: a dict field keyed by token ids is
+# dict[str, ...], converted after validation.
+_STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 # ---------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -45,7 +53,7 @@ class StreamOptions(BaseModel):
 class _Base(BaseModel):
     # extra="ignore": clients send fields we do not use (user, metadata, ...); NaN/inf are not
     # numbers a sampler can use, so reject them at parse time.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(_STRICT, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -68,23 +76,38 @@ class _Base(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     # extensions (vLLM / SGLang bench clients send these)
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     max_spec_tokens: int | None = None
+    # structured outputs (OpenAI's response_format, vLLM's extras): structured/openai_fields.py
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def _structured(self) -> Any:
+        names = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
+        try:
+            return openai_fields.structured_outputs({n: getattr(self, n) for n in names})
+        except openai_fields.FieldError as e:
+            raise BadRequest(str(e), e.param) from e
 
     def _check_common(self) -> None:
         if self.n != 1:
             raise BadRequest(f"n must be 1: only one choice per request is supported, got n={self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise BadRequest(f"{name} is not supported (must be 0), got {getattr(self, name)}", name)
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, structured: Any = None) -> SamplingParams:
         kwargs: dict[str, Any] = dict(
+            structured_outputs=structured,
             max_tokens=max_tokens,
             seed=self.seed,
             stop=self.stop,
@@ -94,6 +117,10 @@ class _Base(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             max_spec_tokens=self.max_spec_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(),
         )
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
@@ -104,16 +131,30 @@ class _Base(BaseModel):
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e)) from e
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            out[tok] = bias
+        return out
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
     @field_validator("content")
     @classmethod
@@ -140,6 +181,15 @@ class ChatCompletionRequest(_Base):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> T.ToolPlan | None:
+        try:
+            return T.plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except T.ToolError as e:
+            raise BadRequest(str(e), e.param) from e
 
     def to_sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -152,10 +202,21 @@ class ChatCompletionRequest(_Base):
                 raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        structured = self._structured()
+        plan = self.tool_plan()
+        if plan is not None and plan.active:
+            if structured is not None and plan.mode != "auto":
+                raise BadRequest(f"tool_choice {plan.mode!r} fixes the output's format: leave out response_format "
+                                 "and guided_*", "tool_choice")
+            structured = structured or plan.structured_outputs()
+        return self._sampling_params(max_tokens, logprobs, structured)
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        msgs = [{"role": m.role, "content": m.text(), "tool_calls": m.tool_calls} for m in self.messages]
+        try:
+            return T.render_messages(msgs, self.tool_plan())
+        except T.ToolError as e:
+            raise BadRequest(str(e), e.param) from e
 
 
 class CompletionRequest(_Base):
@@ -174,7 +235,7 @@ class CompletionRequest(_Base):
             raise BadRequest("suffix is not supported", "suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self._structured())
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused: n=1, one choice)."""

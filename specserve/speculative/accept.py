@@ -6,6 +6,9 @@ Sampled chains (drafts drawn from q): accept d_j with probability min(1, p_j(d_j
 first rejection draw from norm(max(0, p_j - q_j)), else the bonus from p_{k+1}.
 Sampled trees (deterministic top-k proposals): try children in order, accepting c with probability
 p(c), else remove c from p. Both follow exactly what plain sampling would.
+Seeded requests take the greedy rule over their picks: at each row the token plain sampling draws
+there (sampler.picks: a function of the seed and the output index), so their outputs are the same
+token for token with speculation on or off.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.kv_cache import kv_slot
-from specserve.engine.sampler import exponential_noise
 from specserve.speculative.tree import DraftTree
 
 
@@ -64,19 +66,8 @@ def accept_tree_sampled(tree: DraftTree, probs: torch.Tensor, gen: torch.Generat
         node = accepted
 
 
-def uniform_noise(shape: tuple[int, ...], generators: list[torch.Generator | None],
-                  shared: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """U(0,1) draws, row i from generators[i] when it has one (seeded requests), else from ``shared``."""
-    u = torch.rand(shape, generator=shared, device=device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(shape[1:], generator=g, device=device)
-    return u
-
-
 def accept_chains_sampled(p: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, q: torch.Tensor,
-                          generators: list[torch.Generator | None], shared: torch.Generator | None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling for R chains padded to K drafts: p [R, K+1, V], drafts [R, K], num_drafts [R],
     q [R, K, V]. Returns (accepted count [R], the target's token after the accepted drafts [R])."""
     R, K1, V = p.shape
@@ -85,8 +76,9 @@ def accept_chains_sampled(p: torch.Tensor, drafts: torch.Tensor, num_drafts: tor
     if K:
         p_d = p[:, :K].gather(-1, drafts[..., None])[..., 0]
         q_d = q.gather(-1, drafts[..., None])[..., 0]
-        u = uniform_noise((R, K), generators, shared, p.device)
-        ok = (u * q_d <= p_d) & (torch.arange(K, device=p.device)[None] < num_drafts[:, None])
+        u = torch.rand((R, K), generator=gen, device=p.device)
+        # (strict: a draft p rules out, by a grammar's mask say, is never accepted, whatever u)
+        ok = (u * q_d < p_d) & (torch.arange(K, device=p.device)[None] < num_drafts[:, None])
         acc = ok.long().cumprod(1).sum(1)
         rejected = acc < num_drafts
         q_at = q[rows, acc.clamp(max=K - 1)] * rejected[:, None]
@@ -97,7 +89,7 @@ def accept_chains_sampled(p: torch.Tensor, drafts: torch.Tensor, num_drafts: tor
     residual = (p_at - q_at).clamp_min(0)
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q there: drawing from p is exact
     residual = torch.where(empty, p_at, residual)
-    noise = exponential_noise((R, V), generators, shared, p.device)
+    noise = torch.empty((R, V), device=p.device).exponential_(generator=gen)
     return acc, (residual / noise).argmax(-1)
 
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specserve.attention.torch_native import TorchNativeBackend
 from specserve.attention.tree_draft import TreeDraftBackend
-from specserve.engine import sampler
+from specserve.config import DEFAULT_HEAD, default_draft_path  # noqa: F401  (DEFAULT_HEAD: for tests)
+from specserve.engine import logits_process, sampler
 from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.request import Request, Status
@@ -52,16 +52,6 @@ if TYPE_CHECKING:
     from specserve.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
-
-DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m-eagle3"
-
-
-def default_draft_path() -> str:
-    if not (DEFAULT_HEAD / "config.json").exists():
-        raise FileNotFoundError(f"no draft head given and the default head is missing at {DEFAULT_HEAD}; "
-                                "pass --speculative-draft-model-path")
-    return str(DEFAULT_HEAD)
-
 
 class EagleSpeculator:
     def __init__(self, engine: "LLMEngine") -> None:
@@ -235,20 +225,24 @@ class EagleSpeculator:
         hidden, feats = out if isinstance(out, tuple) else (out, out)
         sampling = [s for s in plan.scheduled if s.samples]
         logits = early.logits if early is not None else None
+        rows = None
         if early is None and sampling:
             rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
             logits = self.target.compute_logits(hidden[rows])
-        sb = None if all(s.req.params.greedy for s in sampling) else sampler.SamplingBatch.build(
-            [s.req.params for s in sampling], [s.req.generator for s in sampling], self.device)
+        sb = None if early is not None else self._row_sampling(sampling, inputs, rows)
+        processed = early is None and any(s.req.processes_logits for s in sampling)
         argmax_host: list[int] = []
         fused = None
-        if logits is not None:  # the step's one host sync: picks, and drafts left on the device
+        raw = logits
+        if logits is not None:  # the step's one host sync (two where logits are processed): picks, drafts
             argmax = early.argmax if early is not None else logits.argmax(-1)
+            if not processed:
+                argmax = sampler.picks(logits, sb, argmax)
             back = argmax
             if pending:
                 back = torch.cat([argmax, inputs.input_ids.index_select(0, pending_rows)]
                                  + ([] if tree_extra is None else [tree_extra]))
-            fused = pipe.fused_targets(plan) if sb is None else None
+            fused = pipe.fused_targets(plan) if sb is None and not processed else None
             if fused:  # the next catch-up and drafts go to the device before the host waits
                 def launch() -> None:
                     pipe.launch_fused(fused, inputs, argmax, feats)
@@ -261,12 +255,15 @@ class EagleSpeculator:
             argmax_host = vals[: argmax.shape[0]]
             if pending:
                 pipe.resolve_drafts(pending, vals[argmax.shape[0]:])
+            if processed:  # the drafts are known now: each row's history
+                logits = self._process(sampling, logits)
+                argmax_host = sampler.picks(logits, sb).tolist()
         on_device = bool(fused) and self.topk > 1  # a fused tree launch moved KV and kept features already
         results = self._accept(sampling, logits, argmax_host, sb, compact=not on_device)
         if not pipe.adopt_presync_verify(results) and fused and self.controller.early_verify:
             pipe.launch_early_verify(fused, results)
         kept_rows = [[0] + r.path for r in results]  # query rows whose KV/features are kept
-        lps = self._logprobs(sampling, results, kept_rows, logits)
+        lps = self._logprobs(sampling, results, kept_rows, raw)
         if not on_device:
             self.features.keep_verified(plan, inputs, feats, kept_rows)
         # a verify queued behind drafts on a GPU: its time is not the target's alone
@@ -275,29 +272,55 @@ class EagleSpeculator:
         self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=[r.tokens for r in results], logprobs=lps, num_accepted_drafts=accepted)
 
-    def _accept(self, sampling, logits, argmax: list[int], sb, compact: bool) -> list[Accepted]:
+    def _row_sampling(self, sampling, inputs, rows: torch.Tensor | None) -> sampler.SamplingBatch | None:
+        """Per verify row, its request's params and the output index of the token it predicts (the row's
+        position + 1 - prompt length: a chain's row j, a tree node's depth, after the committed tokens);
+        None where every request is greedy."""
+        if rows is None or all(s.req.params.greedy for s in sampling):
+            return None
+        params, prompt = [], []
+        for s, (_, n) in zip(sampling, inputs.sample_spans):
+            params += [s.req.params] * n
+            prompt += [s.req.num_prompt_tokens - 1] * n
+        out_index = inputs.positions.index_select(0, rows) - host_to_device(prompt, self.device)
+        return sampler.SamplingBatch.build(params, out_index, self.device)
+
+    def _process(self, sampling, logits: torch.Tensor) -> torch.Tensor:
+        """Logits with each row's edits (logits_process), from its request's history and draft prefix."""
+        spans, off = [], 0
+        for s in sampling:
+            k = len(s.draft_token_ids)
+            if s.req.processes_logits:
+                t = s.tree.truncated(k) if s.tree is not None else None
+                spans.append((s.req, off, logits_process.tree_prefixes(t.tokens, t.parents) if t is not None
+                              else logits_process.chain_prefixes(s.draft_token_ids)))
+            off += k + 1
+        return logits_process.process(logits, spans, self.engine.scheduler.eos_token_ids)
+
+    def _accept(self, sampling, logits, picks: list[int], sb, compact: bool) -> list[Accepted]:
         """Per sampling request: accepted path and tokens; sampled chains in one batch; trees' accepted
-        target KV moved up behind the root (``compact``)."""
+        target KV moved up behind the root (``compact``). Greedy and seeded requests follow the target's
+        picks (what plain sampling takes at each row); the others are verified by rejection sampling."""
         results: list[Accepted | None] = [None] * len(sampling)
         chains, offs, off = [], [], 0
         for i, s in enumerate(sampling):
             offs.append(off)
             k = len(s.draft_token_ids)
-            span = slice(off, off + k + 1)
+            span = list(range(off, off + k + 1))
             off += k + 1
-            if s.req.params.greedy:
+            p = s.req.params
+            if p.greedy or p.seeded:
                 tree = s.tree.truncated(k) if s.tree is not None else DraftTree.chain(0, s.draft_token_ids)
-                results[i] = accept_greedy(tree, argmax[span])
+                results[i] = accept_greedy(tree, picks[span[0] : span[-1] + 1])
             elif s.tree is not None:
-                probs = sampler.processed_probs(logits[span], sb.select([i] * (k + 1)))
-                results[i] = accept_tree_sampled(s.tree.truncated(k), probs, s.req.generator or self.runner.generator)
+                probs = sampler.processed_probs(logits[span], sb.select(span))
+                results[i] = accept_tree_sampled(s.tree.truncated(k), probs, self.runner.generator)
             else:
                 chains.append(i)
         if chains:
             K = max(len(sampling[i].draft_token_ids) for i in chains)
-            row_idx = torch.tensor([offs[i] + min(j, len(sampling[i].draft_token_ids)) for i in chains
-                                    for j in range(K + 1)], device=self.device)
-            p = sampler.processed_probs(logits[row_idx], sb.select([i for i in chains for _ in range(K + 1)]))
+            row_idx = [offs[i] + min(j, len(sampling[i].draft_token_ids)) for i in chains for j in range(K + 1)]
+            p = sampler.processed_probs(logits[row_idx], sb.select(row_idx))
             p = p.view(len(chains), K + 1, -1)
             drafts = torch.zeros(len(chains), K, dtype=torch.long)
             q = torch.zeros(len(chains), K, p.shape[-1], device=self.device)
@@ -307,8 +330,7 @@ class EagleSpeculator:
                     drafts[c, : len(d)] = torch.tensor(d)
                     q[c, : len(d)] = sampling[i].req.spec.draft_probs[: len(d)]
             n_d = torch.tensor([len(sampling[i].draft_token_ids) for i in chains], device=self.device)
-            acc, bonus = accept_chains_sampled(p, drafts.to(self.device), n_d, q,
-                                               [sampling[i].req.generator for i in chains], self.runner.generator)
+            acc, bonus = accept_chains_sampled(p, drafts.to(self.device), n_d, q, self.runner.generator)
             for c, (a, b) in enumerate(zip(acc.tolist(), bonus.tolist())):
                 d = sampling[chains[c]].draft_token_ids
                 results[chains[c]] = Accepted(list(range(1, a + 1)), d[:a] + [b], a)

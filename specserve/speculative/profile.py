@@ -50,17 +50,20 @@ def load_or_profile_costs(d: Any) -> tuple[CostModel, str]:
     cost = None if d.cfg.recalibrate else CostModel.load(path)
     if cost is not None:
         cost.meta["source"] = f"cache {path}"
-        log.info("cost model loaded from %s (profiled %s)", path, cost.meta.get("date"))
+        log.info("cost model loaded from %s (profiled %s%s)", path, cost.meta.get("date"),
+                 ", on a busy machine" if cost.meta.get("noisy") else "")
         return cost, path
+    log.info("profiling step costs (%s; cached for later starts)...",
+             "--speculative-recalibrate" if d.cfg.recalibrate else f"no profile cached at {path}")
     cost = profile_costs(d)
-    if cost.meta["noisy"]:
-        log.warning("cost profile taken on a busy machine (not cached; online measurements refine it)")
-    else:
-        try:
-            cost.save(path)
-        except OSError as err:
-            log.warning("could not cache the cost profile at %s: %s", path, err)
-    cost.meta["source"] = "profiled at start-up" + (" (noisy, not cached)" if cost.meta["noisy"] else "")
+    if cost.meta["noisy"]:  # cached all the same: check_stale removes a profile that steps disprove
+        log.warning("cost profile taken on a busy machine (online measurements refine it; "
+                    "--speculative-recalibrate takes it again)")
+    try:
+        cost.save(path)
+    except OSError as err:
+        log.warning("could not cache the cost profile at %s: %s", path, err)
+    cost.meta["source"] = "profiled at start-up" + (" (noisy)" if cost.meta["noisy"] else "")
     log.info("cost model profiled in %.1fs (re-checked %s): target ms %s, draft ms %s", cost.meta["seconds"],
              cost.meta["rechecked"], {k: round(v * 1e3, 2) for k, v in sorted(cost.target.profile.items())},
              {k: round(v * 1e3, 2) for k, v in sorted(cost.draft.profile.items())})

@@ -56,7 +56,7 @@ class Proposer:
             self._tree_static(todo)
         elif self.topk > 1:
             self._tree(todo, h)
-        elif self.chain_runner is not None and all(r.params.greedy for r, _ in todo):
+        elif self.chain_runner is not None and all(r.params.greedy and r.grammar is None for r, _ in todo):
             self._chain_static(todo)
         else:
             self._chain(todo, h)
@@ -75,20 +75,38 @@ class Proposer:
         self.path_counts[f"tree:{path}"] += 1
         pend_trees(todo, self.tree_runner.trees[: len(reqs)].clone(), list(range(len(reqs))))
 
-    def _pick(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Next draft token per request (target ids) and, for sampled requests, its distribution q."""
+    def _pick(self, reqs: list[Request], logits: torch.Tensor, step: int) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Draft ``step`` (1: the first) per request (target ids) and, for sampled requests, its distribution
+        q. A seeded request's draft uses the noise its verify row will (the same output index). A request with
+        a grammar drafts what it allows (and moves along its drafts, tentatively)."""
+        grammars = [r.grammar for r in reqs]
+        if any(g is not None for g in grammars):
+            from specserve.structured.matcher import mask_draft_logits
+
+            mask_draft_logits(grammars, logits, self.head.draft_to_target(
+                torch.arange(logits.shape[1], device=logits.device)))
+            picks = self._draw(reqs, logits, step)
+            for g, t in zip(grammars, picks[0]):
+                if g is not None:
+                    g.draft(t)
+            return picks
+        return self._draw(reqs, logits, step)
+
+    def _draw(self, reqs: list[Request], logits: torch.Tensor, step: int
+              ) -> tuple[list[int], list[torch.Tensor | None]]:
         if all(r.params.greedy for r in reqs):
             return self.head.draft_to_target(logits.argmax(-1)).tolist(), [None] * len(reqs)
         full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
         full[:, self.head.draft_to_target(torch.arange(logits.shape[1], device=logits.device))] = logits
-        sb = sampler.SamplingBatch.build([r.params for r in reqs], [r.generator for r in reqs], self.device)
+        sb = sampler.SamplingBatch.build([r.params for r in reqs],
+                                         [r.num_tokens - r.num_prompt_tokens + step - 1 for r in reqs], self.device)
         q = sampler.processed_probs(full, sb)
         toks = sampler.draw(q, sb, self.generator).tolist()
         return toks, [None if r.params.greedy else q[i] for i, r in enumerate(reqs)]
 
     def _chain(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
         reqs = [r for r, _ in todo]
-        toks, qs = self._pick(reqs, self.head.compute_logits(h))
+        toks, qs = self._pick(reqs, self.head.compute_logits(h), 1)
         drafts, dprobs = [[t] for t in toks], [[q] for q in qs]
         active = list(range(len(reqs)))
         for j in range(2, max(k for _, k in todo) + 1):  # draft step j runs at position num_tokens + j - 3
@@ -101,14 +119,16 @@ class Proposer:
             emb = self.embed(host_to_device([drafts[i][-1] for i in active], self.device))
             h_sub = self.catch_up.run_head(sub, [1] * len(sub), pos, [p + 1 for p in pos], emb, h[idx])
             h = h.index_copy(0, idx, h_sub)
-            toks, qs = self._pick(sub, self.head.compute_logits(h_sub))
+            toks, qs = self._pick(sub, self.head.compute_logits(h_sub), j)
             for i, t, q in zip(active, toks, qs):
                 drafts[i].append(t)
                 dprobs[i].append(q)
         for i, r in enumerate(reqs):
+            if r.grammar is not None:
+                r.grammar.end_drafts()
             r.draft_token_ids = drafts[i]
             r.draft_tree = None
-            r.spec.draft_probs = None if r.params.greedy else torch.stack(dprobs[i])
+            r.spec.draft_probs = None if r.params.greedy or r.params.seeded else torch.stack(dprobs[i])
 
     def _tree(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
         """EAGLE-2: expand the topk best frontier nodes per depth; keep the best k candidates."""
