@@ -10,6 +10,10 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import LLMEngine
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -34,10 +38,18 @@ def _generate(args: argparse.Namespace) -> None:
     from specserve.engine.args import engine_config_from_args
     from specserve.engine.engine import LLMEngine
     from specserve.engine.threads import set_cpu_threads
-    from specserve.sampling_params import SamplingParams
 
     set_cpu_threads()
     engine = LLMEngine(engine_config_from_args(args))
+    try:
+        _generate_with(engine, args)
+    finally:
+        engine.close()
+
+
+def _generate_with(engine: "LLMEngine", args: argparse.Namespace) -> None:
+    from specserve.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
     prompts = args.prompt or ["Write a haiku about speculative decoding."]
@@ -56,6 +68,13 @@ def _generate(args: argparse.Namespace) -> None:
         info = {"tokens": len(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
                 "ttft_s": round(m.ttft or 0, 3), "accept_length": m.accept_length}
         print(json.dumps(info), file=sys.stderr)
+
+
+def _torchrun_rank() -> int:
+    from specserve.distributed.parallel import torchrun_env
+
+    env = torchrun_env()
+    return int(env["RANK"]) if env is not None else 0
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -134,6 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    if args.cmd in ("serve", "generate") and _torchrun_rank() > 0:  # a tensor-parallel rank past 0: no engine
+        from specserve.distributed.worker import run_worker
+        from specserve.engine.args import engine_config_from_args
+
+        run_worker(engine_config_from_args(args))
+        return
     # the command as typed, for the benchmark results (sys.argv is the caller's when main() is called)
     args.argv = ["specserve", *argv]
     args.func(args)

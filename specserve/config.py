@@ -288,6 +288,8 @@ class EngineConfig:
     # launch their next verify early in the drafter). "auto": on for CUDA; "on" also on the CPU, where
     # a forward returns when done and nothing overlaps (tests)
     overlap_schedule: Literal["auto", "on", "off"] = "auto"
+    # ranks the target is split over (one process each; distributed/): heads, MLP columns and vocabulary
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -306,6 +308,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

@@ -144,7 +144,8 @@ def make_tiny_gemma3(path: str | None = None, seed: int = 0, **kw):
     return model
 
 
-def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0):
+def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0, kv_heads: int = 2,
+                       attention_bias: bool = False):
     """A tiny random Qwen2 / Qwen3 / Gemma 3 saved by transformers (save_pretrained) with a word-level
     tokenizer (t0 ... t{vocab-1}; Qwen: a chat template joining the messages' contents). Returns the model."""
     import transformers
@@ -157,8 +158,8 @@ def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0):
         cls = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
         cfg = getattr(transformers, cls + "Config")(
             vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=0,
-            bos_token_id=1)
+            num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=0,
+            bos_token_id=1, **({"attention_bias": True} if attention_bias else {}))
         model = getattr(transformers, cls + "ForCausalLM")(cfg).eval()
         with torch.no_grad():  # peaky logits, random biases and norms
             for name, p in model.named_parameters():

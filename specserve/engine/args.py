@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "read back (auto: on for CUDA)")
     g.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const", const="off",
                    help="the same as --overlap-schedule off (SGLang's flag)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over this many ranks (processes; gloo on CPU, NCCL on GPU); under "
+                        "torchrun, its WORLD_SIZE")
     g.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                    help="CPU: plain F.linear instead of oneDNN-packed weights (default: packed)")
     s = parser.add_argument_group(
@@ -97,6 +100,7 @@ ENGINE_FIELDS = (
     "block_size", "num_kv_blocks", "kv_cache_dtype", "kv_cache_memory_gb", "gpu_memory_utilization", "enable_prefix_caching",
     "enable_chunked_prefill", "max_waiting_requests", "attention_backend", "enforce_eager",
     "max_cudagraph_capture_size", "exact_tree_attention", "overlap_schedule", "cpu_weight_packing",
+    "tensor_parallel_size",
 )
 SPEC_FIELDS = (
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",

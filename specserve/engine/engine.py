@@ -10,10 +10,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.config import EngineConfig
+from specserve.distributed.parallel import check_tp_shapes
 from specserve.engine import gc_pauses
 from specserve.engine.kv_cache import BlockManager
 from specserve.engine.request import Request, Status
@@ -24,6 +26,11 @@ from specserve.loader.tokenizer import IncrementalDetokenizer
 from specserve.models.cpu_packing import pack_for_cpu
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.distributed.driver import TPDriver
+    from specserve.distributed.parallel import TPGroup
+    from specserve.loader import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +85,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def load_target(src: "ModelSource", config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                tp: "TPGroup | None" = None) -> tuple[torch.nn.Module, int]:
+    """The target model with its weights (``tp``: this rank's shard, read as such), its linear layers
+    packed on the CPU; and how many were packed."""
+    from specserve.loader import dummy_weights
+    from specserve.models.registry import build_model
+
+    model = build_model(src.config, device, dtype, tp)
+    if config.load_format == "dummy":
+        model.load_weights(dummy_weights(src.config, device))
+    else:
+        model.load_weights(src.weights(sliced=tp is not None))
+    model.eval()
+    return model, pack_for_cpu(model, config.cpu_weight_packing, device, dtype)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from specserve.loader import dummy_weights, load_model_source
-        from specserve.models.registry import build_model
+        from specserve.loader import load_model_source
 
         t0 = time.perf_counter()
         self.config = config
@@ -94,16 +116,23 @@ class LLMEngine:
                  os.path.basename(src.path), src.format, self.device, str(self.dtype).replace("torch.", ""))
         self.tokenizer = src.tokenizer
         self.model_name = served_model_name(config.model)
-        model = build_model(src.config, self.device, self.dtype)
-        if config.load_format == "dummy":
-            model.load_weights(dummy_weights(src.config, self.device))
-        else:
-            model.load_weights(src.weights())
-        model.eval()
-        self.packed_linears = pack_for_cpu(model, config.cpu_weight_packing, self.device, self.dtype)
-        num_blocks = num_kv_blocks_for(config, src.config, self.dtype, self.device)
-        self.runner = ModelRunner(model, src.config, config, num_blocks, self.device, self.dtype,
-                                  eos_token_ids=frozenset(self.tokenizer.eos_token_ids))
+        # rank 0 of a tensor-parallel group: the other ranks run each target call on their shards
+        self.tp: TPDriver | None = None
+        runner_mc, runner_config = src.config, config
+        if config.tensor_parallel_size > 1:
+            from specserve.distributed.driver import start_tensor_parallel
+
+            check_tp_shapes(src.config, config.tensor_parallel_size)
+            self.tp = start_tensor_parallel(config, self.device)
+            self.device = self.tp.tp.device
+            runner_mc = self.tp.tp.local_config(src.config)  # this rank's heads
+            runner_config = dataclasses.replace(config, enforce_eager=True)  # (no CUDA graphs across ranks yet)
+        model, self.packed_linears = load_target(src, config, self.device, self.dtype, self.tp and self.tp.tp)
+        num_blocks = num_kv_blocks_for(config, runner_mc, self.dtype, self.device)
+        if self.tp is not None:
+            self.tp.init_workers(num_blocks)
+        self.runner = ModelRunner(model, runner_mc, runner_config, num_blocks, self.device, self.dtype,
+                                  eos_token_ids=frozenset(self.tokenizer.eos_token_ids), driver=self.tp)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_capacity = num_blocks * config.block_size
         ctx = src.config.max_position_embeddings
@@ -129,10 +158,11 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.after_capture()  # its cost profile measures the graphs
         self.load_time_s = time.perf_counter() - t0
-        log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d (%s), max_model_len %d%s",
+        log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d (%s), max_model_len %d%s%s",
                  self.load_time_s, self.model_name, self.device, self.dtype, num_blocks, config.block_size,
                  str(self.runner.kv_dtype).replace("torch.", ""), self.max_model_len,
-                 ", overlap scheduling" if self.overlap else "")
+                 ", overlap scheduling" if self.overlap else "",
+                 f", tensor parallel over {config.tensor_parallel_size} ranks" if self.tp else "")
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -189,6 +219,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank)."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

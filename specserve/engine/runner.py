@@ -29,6 +29,7 @@ from specserve.engine.kv_cache import kv_slot
 from specserve.engine.scheduler import CommitResult, StepPlan
 
 if TYPE_CHECKING:
+    from specserve.distributed.driver import TPDriver
     from specserve.engine.cuda_graph import CUDAGraphRunner
     from specserve.engine.request import Request
 
@@ -198,7 +199,9 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
                  num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), driver: "TPDriver | None" = None) -> None:
+        """``model_config``: this rank's heads under tensor parallelism; ``driver`` there (rank 0): the
+        group's other ranks, sent each target call (then no CUDA graphs)."""
         self.model = model
         self.eos_token_ids = eos_token_ids  # masked before a request's min_tokens (logits_process)
         self.mc = model_config
@@ -232,6 +235,10 @@ class ModelRunner:
             self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, bs, mc.num_key_value_heads,
                                                mc.head_dim, self.kv_dtype, device)
             self.attn = TorchNativeBackend(self.kv_caches, bs, scale)
+        self.driver = driver
+        if driver is not None:
+            assert self.graphs is None, "tensor-parallel steps run eagerly"
+            self.model, self.attn = driver.wrap(model, self.attn)
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         # forwards per path ("target:graph" / "target:eager"): benchmarks check no step fell back
         self.path_counts: Counter[str] = Counter()

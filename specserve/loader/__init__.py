@@ -36,9 +36,10 @@ class ModelSource:
     config: ModelConfig
     tokenizer: Tokenizer
 
-    def weights(self, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) for every checkpoint tensor, read lazily."""
-        return safetensors_weights(self.model_dir, device)
+    def weights(self, device: str = "cpu", sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) for every checkpoint tensor, read lazily (``sliced``: safetensors slices,
+        read as far as they are indexed)."""
+        return safetensors_weights(self.model_dir, device, sliced)
 
 
 def default_model_path() -> str:

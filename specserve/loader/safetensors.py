@@ -38,11 +38,12 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def safetensors_weights(model_dir: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every weight file, read lazily one at a time."""
+def safetensors_weights(model_dir: str, device: str = "cpu", sliced: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor of every weight file, read lazily one at a time; ``sliced``: a
+    safetensors slice instead, of which only what is indexed is read (a tensor-parallel rank's part)."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device=device) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if sliced else f.get_tensor(name)

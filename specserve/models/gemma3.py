@@ -18,17 +18,25 @@ from torch import nn
 
 from specserve.attention.base import get_forward_context
 from specserve.config import ModelConfig
-from specserve.models.layers import Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding, apply_rotary
+from specserve.distributed.parallel import TPGroup
+from specserve.models.layers import (Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding,
+                                     VocabParallelEmbedding, apply_rotary)
 from specserve.models.llama import LlamaForCausalLM
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """With ``tp``: this rank's heads, as llama.Attention."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.window = config.layer_window(layer_idx)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        if tp is None:
+            self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = (
+                0, config.num_attention_heads, 0, config.num_key_value_heads)
+        else:
+            self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = tp.heads(config)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -51,19 +59,20 @@ class Gemma3Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         o = get_forward_context().attn.forward(self.layer_idx, q, k, v, window=self.window)
-        return self.o_proj(o.reshape(T, self.q_size))
+        out = self.o_proj(o.reshape(T, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.is_sliding = config.layer_window(layer_idx) is not None
         self.input_layernorm = OffsetRMSNorm(h, eps)
-        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.self_attn = Gemma3Attention(config, layer_idx, tp)
         self.post_attention_layernorm = OffsetRMSNorm(h, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(h, eps)
-        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act)
+        self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act, tp)
         self.post_feedforward_layernorm = OffsetRMSNorm(h, eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,21 +83,24 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """The ``model.`` prefix of HF checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size) if tp is None
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         nn.Module.__init__(self)
         if config.layer_types is None:
             raise ValueError("Gemma3ForCausalLM needs layer_types in its ModelConfig")
         self.config = config
-        self.model = Gemma3Model(config)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.tp = tp
+        self.model = Gemma3Model(config, tp)
+        self.vocab_start, vocab = (0, config.vocab_size) if tp is None else tp.vocab(config.vocab_size)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                           config.rope_scaling)
         self.local_rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,

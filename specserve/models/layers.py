@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.distributed.parallel import split
 
 # CUDA tensors go through the fused Triton kernels of ``triton_ops`` (False: the torch ops there too)
 FUSED_OPS = True
@@ -65,6 +66,22 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+class VocabParallelEmbedding(Embedding):
+    """A tensor-parallel rank's rows [start, start + count) of the embedding table: ids outside them
+    look up zeros, and the all-reduce sums the one rank that holds each id."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: Any) -> None:
+        self.start, count = tp.vocab(num_embeddings)
+        super().__init__(count, embedding_dim)
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(h)
 
 
 class RMSNorm(nn.Module):
@@ -139,19 +156,26 @@ _GATED_ACTS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one [2*I, H] matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one [2*I, H] matmul. With ``tp`` (a
+    distributed.TPGroup) this rank's slice of I: gate_up column-parallel, down row-parallel, then the
+    all-reduce of the ranks' partial sums."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", tp: Any = None) -> None:
         super().__init__()
         if hidden_act not in _GATED_ACTS:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}: implemented are {', '.join(_GATED_ACTS)}")
         self.act_mul = _GATED_ACTS[hidden_act]
+        self.tp = tp
+        self.intermediate_start = 0
+        if tp is not None:
+            self.intermediate_start, intermediate_size = split(intermediate_size, tp.size, tp.rank)
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.act_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,22 +18,31 @@ from torch import nn
 
 from specserve.attention.base import get_forward_context
 from specserve.config import ModelConfig
+from specserve.distributed.parallel import TPGroup
 from specserve.models import layers
-from specserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, rotary_qkv
+from specserve.models.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabParallelEmbedding,
+                                     apply_rotary, rotary_qkv)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """With ``tp`` (a distributed.TPGroup): this rank's query heads and their KV heads (qkv
+    column-parallel, o_proj row-parallel, then the all-reduce of the ranks' partial sums)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        if tp is None:
+            self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = (
+                0, config.num_attention_heads, 0, config.num_key_value_heads)
+        else:
+            self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = tp.heads(config)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = config.attention_bias
         # Qwen2 has bias on q/k/v only; Llama and Qwen3 put `attention_bias` on o_proj too.
-        o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")
+        o_bias = config.attention_bias and not config.architecture.startswith("Qwen2")  # (rank 0's alone, see hf_shard)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         if config.qk_norm:
@@ -49,7 +58,7 @@ class Attention(nn.Module):
         if self.q_norm is None and attn.supports_fused_rope and layers.FUSED_OPS and qkv.is_cuda:
             # one kernel: rotary on q and k, k and v into the paged cache
             o = attn.forward_rope(self.layer_idx, qkv, cos, sin, self.num_heads)
-            return self.o_proj(o.reshape(T, self.q_size))
+            return self._out(o.reshape(T, self.q_size))
         if self.q_norm is None:
             q, k, v = rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
@@ -59,16 +68,20 @@ class Attention(nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         o = attn.forward(self.layer_idx, q, k, v)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self._out(o.reshape(T, self.q_size))
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(o)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +98,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The ``model.`` prefix of HF checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size) if tp is None
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -103,11 +117,16 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """``tp`` (a distributed.TPGroup): this rank's shard of a tensor-parallel model, its embeddings and
+    LM head vocab-parallel (``compute_logits`` gathers every rank's columns)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.tp = tp
+        self.model = DecoderModel(config, tp)
+        self.vocab_start, vocab = (0, config.vocab_size) if tp is None else tp.vocab(config.vocab_size)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -172,14 +191,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> fp32 logits [N, vocab]."""
         if self.lm_head is not None:  # own weight, or a packed copy of the tied one (cpu_packing)
-            return self.lm_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_columns(logits, self.config.vocab_size)
 
     # -- weights -------------------------------------------------------------------------------
 
     def _slice_bounds(self, kind: str) -> tuple[int, int]:
         attn = self.model.layers[0].self_attn
-        inter = self.config.intermediate_size
+        inter = self.model.layers[0].mlp.intermediate_size
         return {
             "q": (0, attn.q_size),
             "k": (attn.q_size, attn.kv_size),
@@ -239,6 +262,7 @@ class LlamaForCausalLM(nn.Module):
             dst = params[ours].data
             if count >= 0:
                 dst = dst.narrow(0, start, count)
+            tensor = self._shard(name, tensor, dst)
             if tuple(tensor.shape) != tuple(dst.shape):
                 raise ValueError(
                     f"shape mismatch for {name}: checkpoint has {tuple(tensor.shape)}, "
@@ -255,6 +279,41 @@ class LlamaForCausalLM(nn.Module):
             if missing:
                 msg.append(f"{len(missing)} missing tensor(s): {_preview(missing)}")
             raise ValueError(f"checkpoint does not match {type(self).__name__}: " + "; ".join(msg))
+
+    def hf_shard(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, count): the part of checkpoint tensor ``name`` this tensor-parallel rank holds
+        (None: all of it). Ranks past 0 take no row-parallel bias (the all-reduce adds rank 0's once)."""
+        tp, D = self.tp, self.config.head_dim
+        if tp is None:
+            return None
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        base, _, leaf = name.rpartition(".")
+        if base.endswith("self_attn.q_proj"):
+            return 0, attn.q_start * D, attn.num_heads * D
+        if base.endswith(("self_attn.k_proj", "self_attn.v_proj")):
+            return 0, attn.kv_start * D, attn.num_kv_heads * D
+        if base.endswith("self_attn.o_proj"):
+            return (1, attn.q_start * D, attn.num_heads * D) if leaf == "weight" else (0, 0, -1)
+        if base.endswith(("mlp.gate_proj", "mlp.up_proj")):
+            return 0, mlp.intermediate_start, mlp.intermediate_size
+        if base.endswith("mlp.down_proj"):
+            return (1, mlp.intermediate_start, mlp.intermediate_size) if leaf == "weight" else (0, 0, -1)
+        if base in ("model.embed_tokens", "lm_head"):
+            return 0, *tp.vocab(self.config.vocab_size)
+        return None
+
+    def _shard(self, name: str, tensor, dst: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: a torch tensor, or a lazy safetensors slice read here
+        (only that part leaves the file)."""
+        shard = self.hf_shard(name)
+        if shard is not None and shard[2] < 0 and self.tp.rank > 0:  # a row-parallel bias: rank 0's alone
+            return torch.zeros(dst.shape, dtype=dst.dtype)
+        if shard is None or shard[2] < 0:
+            return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        dim, start, count = shard
+        if isinstance(tensor, torch.Tensor):
+            return tensor.narrow(dim, start, count)
+        return tensor[start : start + count] if dim == 0 else tensor[:, start : start + count]
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This model's parameters as (HF name, tensor), un-fusing qkv and gate_up (views)."""

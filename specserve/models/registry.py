@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel import TPGroup, check_tp_shapes
 from specserve.models.gemma3 import Gemma3ForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -46,9 +47,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32
+    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
+    tp: TPGroup | None = None,
 ) -> nn.Module:
-    """An uninitialised model for `config` on `device` in `dtype` (weights: ``load_weights``)."""
+    """An uninitialised model for `config` on `device` in `dtype` (weights: ``load_weights``); with ``tp``
+    the shard of one tensor-parallel rank."""
     cls = _MODELS.get(config.architecture)
     if cls is None:
         raise ValueError(
@@ -57,6 +60,8 @@ def build_model(
     if cls is not Gemma3ForCausalLM and any(config.layer_window(i) for i in range(config.num_hidden_layers)):
         raise ValueError(f"{config.architecture} with sliding-window layers is not supported (only Gemma 3's are)")
     dtype = resolve_dtype(dtype)
+    if tp is not None:
+        check_tp_shapes(config, tp.size)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(config)
+        model = cls(config) if tp is None else cls(config, tp)
     return model.eval()

@@ -21,6 +21,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="model id(s) clients may send (default: the engine's model name; 'default' always works)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP front-end processes sharing the port (tokenize, detokenize, stream); one engine core")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core replicas (each of --tensor-parallel-size GPUs) behind the front-ends; a "
+                        "request goes to the least loaded")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="a request body larger than this gets 413 before it is read or tokenized")
     g.add_argument("--stream-interval", type=int, default=1,
@@ -39,7 +42,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_serve_args(args: argparse.Namespace) -> None:
     for name, low in (("timeout_keep_alive", 1), ("api_server_count", 1), ("stream_interval", 1),
-                      ("shutdown_timeout", 0), ("max_request_bytes", 1)):
+                      ("shutdown_timeout", 0), ("max_request_bytes", 1), ("data_parallel_size", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= {low}, got {value}")

@@ -347,3 +347,140 @@ class EngineClient:
         if batch.error is not None:
             self._die(EngineDeadError(f"the engine core failed: {batch.error}"))
         return batch.stats
+
+
+class DataParallelClient:
+    """A front-end's connection to ``--data-parallel-size`` engine-core replicas, with EngineClient's
+    interface. A request goes to the replica with the fewest of this front-end's requests outstanding
+    (ties: the fewest running + waiting in its last stats); stats are the replicas' summed (KV usage:
+    their mean). One replica gone fails them all: the front-end answers 503 and exits, as with one."""
+
+    def __init__(self, addresses: list[CoreAddresses], client_index: int, core_pids: list[int],
+                 stream_interval: int = 1) -> None:
+        self.replicas = [EngineClient(a, client_index, pid, stream_interval=stream_interval)
+                         for a, pid in zip(addresses, core_pids)]
+        self.client_index = client_index
+        self.on_dead: Callable[[], None] | None = None
+        self._metrics: Any = None
+        self._dead = False
+
+    @property
+    def metrics(self) -> Any:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Any) -> None:
+        self._metrics = metrics
+        for r in self.replicas:
+            r.metrics = None if metrics is None else _ReplicaMetrics(self, metrics)
+
+    @property
+    def info(self) -> EngineInfo | None:
+        return self.replicas[0].info
+
+    @property
+    def stats(self) -> SimpleNamespace | None:
+        return merge_stats([r.stats for r in self.replicas if r.stats is not None])
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((r.error for r in self.replicas if r.error is not None), None)
+
+    @property
+    def is_alive(self) -> bool:
+        return all(r.is_alive for r in self.replicas)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    async def start(self, timeout: float = 600.0) -> EngineInfo:
+        infos = await asyncio.gather(*(r.start(timeout) for r in self.replicas))
+        for r in self.replicas:
+            r.on_dead = self._replica_dead
+        return infos[0]
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
+
+    def _replica_dead(self) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        error = self.error
+        for r in self.replicas:
+            r._die(EngineDeadError(f"a data-parallel replica failed: {error}"))
+        if self.on_dead is not None:
+            self.on_dead()
+
+    def pick(self) -> EngineClient:
+        """The least loaded replica."""
+        def load(i: int) -> tuple[int, int, int]:
+            r = self.replicas[i]
+            queued = (r.stats.num_running + r.stats.num_waiting) if r.stats is not None else 0
+            return r.num_in_flight, queued, i
+
+        return self.replicas[min(range(len(self.replicas)), key=load)]
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          arrival: float) -> RequestState:
+        return await self.pick().add_request(request_id, prompt_token_ids, params, arrival)
+
+    def abort(self, request_id: str) -> None:
+        for r in self.replicas:
+            if request_id in r.requests:
+                r.abort(request_id)
+
+    def abort_all(self) -> int:
+        return sum(r.abort_all() for r in self.replicas)
+
+    async def call(self, fn: str | Callable[..., Any], *args: Any) -> Any:
+        """``fn`` run in replica 0 (``replicas[i].call``: in replica i)."""
+        return await self.replicas[0].call(fn, *args)
+
+    def call_threadsafe(self, fn: str | Callable[..., Any], *args: Any, timeout: float = 30.0) -> Any:
+        return self.replicas[0].call_threadsafe(fn, *args, timeout=timeout)
+
+
+class _ReplicaMetrics:
+    """A replica's metrics hooks: the front-end's, but for stats, which go in summed over the replicas."""
+
+    def __init__(self, dp: DataParallelClient, metrics: Any) -> None:
+        self.dp, self.inner = dp, metrics
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def on_stats(self, stats: Any, now: float) -> None:
+        self.inner.on_stats(self.dp.stats, now)
+
+
+def merge_stats(stats: list[SimpleNamespace]) -> SimpleNamespace | None:
+    """Several engines' stats as one: counts summed (lists by position, dicts by key), KV usage averaged."""
+    if not stats:
+        return None
+    out: dict[str, Any] = {}
+    for s in stats:
+        for k, v in vars(s).items():
+            if k not in out:
+                out[k] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+            elif isinstance(v, list):
+                cur = out[k] + [0] * (len(v) - len(out[k]))
+                out[k] = [a + b for a, b in zip(cur, v + [0] * (len(cur) - len(v)))]
+            elif isinstance(v, dict):
+                for kk, vv in v.items():
+                    out[k][kk] = out[k].get(kk, 0) + vv
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and out[k] is not None:
+                out[k] += v
+    if "kv_usage" in out:
+        out["kv_usage"] /= len(stats)
+    return SimpleNamespace(**out)
+
+
+def connect(addresses: list[CoreAddresses], client_index: int, core_pids: list[int],
+            stream_interval: int = 1) -> EngineClient | DataParallelClient:
+    """Front-end ``client_index``'s client of one engine core, or of several data-parallel replicas."""
+    if len(addresses) == 1:
+        return EngineClient(addresses[0], client_index, core_pids[0], stream_interval=stream_interval)
+    return DataParallelClient(addresses, client_index, core_pids, stream_interval)

@@ -220,20 +220,24 @@ def build_engine(config: Any) -> Any:
 
 
 def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses, parent_pid: int,
-                    log_level: int = logging.INFO) -> None:
-    """Entry point of the engine-core process (multiprocessing, spawn)."""
+                    log_level: int = logging.INFO, env: dict[str, str] | None = None) -> None:
+    """Entry point of the engine-core process (multiprocessing, spawn); ``env``: set before the engine
+    is built (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
     from specserve.engine.heap import freeze_startup_heap
     from specserve.engine.threads import set_cpu_threads
 
+    os.environ.update(env or {})
     # a Ctrl-C or a SIGTERM to the whole process group (systemd, `timeout`): the front-ends drain first,
     # then the supervisor sends Shutdown
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_cpu_threads(reserved=len(addresses.outputs))  # a core for each front-end (tokenize, stream)
-    core = None
+    core = engine = None
     try:
         engine = engine_factory()
+        if getattr(engine, "tp", None) is not None:  # a tensor-parallel rank died: go now, front-ends answer 503
+            engine.tp.on_failure = _exit_on_rank_failure
         core = EngineCore(engine, addresses, parent_pid)
         frozen = freeze_startup_heap()  # the engine lives as long as this process
         log.info("moved %d start-up objects out of the garbage collector's reach", frozen)
@@ -248,3 +252,11 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
     finally:
         if core is not None:
             core.close()
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
+
+
+def _exit_on_rank_failure(error: str) -> None:
+    log.error("engine core exits: %s", error)
+    logging.shutdown()
+    os._exit(1)

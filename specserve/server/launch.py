@@ -31,7 +31,7 @@ import uvicorn
 
 from specserve.server.api import ServerState, build_app
 from specserve.server.args import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_REQUEST_BYTES, check_serve_args
-from specserve.server.client import EngineClient
+from specserve.server.client import DataParallelClient, EngineClient, connect
 from specserve.server.engine_core import CoreAddresses, build_engine, run_engine_core, shutdown_engine_core
 
 log = logging.getLogger(__name__)
@@ -45,14 +45,40 @@ def _spawn() -> multiprocessing.context.SpawnContext:
     return multiprocessing.get_context("spawn")
 
 
-def start_engine_core(engine_factory: Callable[[], Any], num_frontends: int = 1,
-                      log_level: int = logging.INFO) -> tuple[multiprocessing.process.BaseProcess, CoreAddresses]:
+def start_engine_core(engine_factory: Callable[[], Any], num_frontends: int = 1, log_level: int = logging.INFO,
+                      env: dict[str, str] | None = None, name: str = "specserve-engine-core",
+                      ) -> tuple[multiprocessing.process.BaseProcess, CoreAddresses]:
     """Start the engine-core process; ``engine_factory`` (picklable) builds the engine in it."""
     addresses = CoreAddresses.new(num_frontends)
-    proc = _spawn().Process(target=run_engine_core, args=(engine_factory, addresses, os.getpid(), log_level),
-                            name="specserve-engine-core", daemon=True)
+    proc = _spawn().Process(target=run_engine_core, args=(engine_factory, addresses, os.getpid(), log_level, env),
+                            name=name, daemon=True)
     proc.start()
     return proc, addresses
+
+
+def start_engine_cores(engine_factory: Callable[[], Any], num_frontends: int, data_parallel_size: int,
+                       gpus_per_replica: int, log_level: int = logging.INFO,
+                       ) -> list[tuple[multiprocessing.process.BaseProcess, CoreAddresses]]:
+    """``data_parallel_size`` engine cores; with CUDA devices each replica sees its own
+    ``gpus_per_replica`` of them (CUDA_VISIBLE_DEVICES), in order (0: CPU engines)."""
+    if data_parallel_size == 1:
+        return [start_engine_core(engine_factory, num_frontends, log_level)]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise SystemExit("--data-parallel-size > 1 under torchrun: its ranks form one replica; start replicas apart")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    import torch
+
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = gpus if gpus_per_replica else []
+    if gpus and len(gpus) < data_parallel_size * gpus_per_replica:
+        raise SystemExit(f"{data_parallel_size} replicas of {gpus_per_replica} GPU(s) need "
+                         f"{data_parallel_size * gpus_per_replica} GPUs; {len(gpus)} visible")
+    cores = []
+    for i in range(data_parallel_size):
+        mine = gpus[i * gpus_per_replica : (i + 1) * gpus_per_replica]
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if mine else None
+        cores.append(start_engine_core(engine_factory, num_frontends, log_level, env, f"specserve-engine-core-{i}"))
+    return cores
 
 
 @dataclasses.dataclass
@@ -61,10 +87,11 @@ class LocalServer:
 
     url: str
     app: FastAPI
-    core: multiprocessing.process.BaseProcess
+    core: multiprocessing.process.BaseProcess  # (data parallel: the first replica's; all in ``cores``)
+    cores: list[multiprocessing.process.BaseProcess] = dataclasses.field(default_factory=list)
 
     @property
-    def client(self) -> EngineClient:
+    def client(self) -> EngineClient | DataParallelClient:
         return self.app.state.server.client
 
     def on_engine(self, fn: str | Callable[..., Any], *args: Any) -> Any:
@@ -77,10 +104,13 @@ def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | 
                     api_key: str | None = None, stream_interval: int = 1, host: str = "127.0.0.1",
                     port: int = 0, startup_timeout: float = 120.0,
                     timeout_keep_alive: int = DEFAULT_KEEP_ALIVE_S,
-                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Iterator[LocalServer]:
-    """An engine-core process and one front-end in a uvicorn thread (tests, tools); stops both on exit."""
-    core, addresses = start_engine_core(engine_factory, log_level=logging.WARNING)
-    client = EngineClient(addresses, 0, core.pid, stream_interval=stream_interval)
+                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, data_parallel_size: int = 1,
+                    gpus_per_replica: int = 1) -> Iterator[LocalServer]:
+    """An engine-core process (``data_parallel_size`` of them, see start_engine_cores) and one front-end in
+    a uvicorn thread (tests, tools); stops them on exit."""
+    cores = start_engine_cores(engine_factory, 1, data_parallel_size, gpus_per_replica, logging.WARNING)
+    core = cores[0][0]
+    client = connect([a for _, a in cores], 0, [p.pid for p, _ in cores], stream_interval)
     app = build_app(client, served_model_name, api_key, startup_timeout, max_request_bytes)
     sock = _bind(host, port)
     port = sock.getsockname()[1]
@@ -95,12 +125,13 @@ def serve_in_thread(engine_factory: Callable[[], Any], served_model_name: str | 
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start (engine core exit code {core.exitcode})")
             time.sleep(0.01)
-        yield LocalServer(f"http://{host}:{port}", app, core)
+        yield LocalServer(f"http://{host}:{port}", app, core, [p for p, _ in cores])
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
-        shutdown_engine_core(core, addresses)
+        for proc, addresses in cores:
+            shutdown_engine_core(proc, addresses)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -133,7 +164,8 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = _bind(args.host, args.port)
     n = args.api_server_count
-    core, addresses = start_engine_core(engine_factory, n)
+    gpus = 0 if getattr(args, "device", "auto") == "cpu" else getattr(args, "tensor_parallel_size", 1)
+    cores = start_engine_cores(engine_factory, n, args.data_parallel_size, gpus)
     metrics_dir = None
     if n > 1:  # the front-ends' metrics go to files that each one's /metrics sums
         metrics_dir = tempfile.mkdtemp(prefix="specserve-metrics-")
@@ -142,8 +174,9 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
     opts = FrontendOptions(args.served_model_name, api_key, args.stream_interval, args.shutdown_timeout,
                            args.enable_access_log, args.timeout_keep_alive, args.uvicorn_log_level,
                            args.max_request_bytes)
-    fronts = [_spawn().Process(target=run_frontend, args=(opts, addresses, i, core.pid, sock),
-                               name=f"specserve-api-{i}") for i in range(n)]
+    addresses, pids = [a for _, a in cores], [p.pid for p, _ in cores]
+    fronts = [_spawn().Process(target=run_frontend, args=(opts, addresses, i, pids, sock), name=f"specserve-api-{i}")
+              for i in range(n)]
     for f in fronts:
         f.start()
     sock.close()  # the front-ends have their own copies
@@ -159,7 +192,8 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    log.info("serving on http://%s:%d: engine core pid %d, %d front-end(s)", args.host, args.port, core.pid, n)
+    log.info("serving on http://%s:%d: engine core pid(s) %s, %d front-end(s)", args.host, args.port,
+             ", ".join(str(p.pid) for p, _ in cores), n)
     failed = False
     while any(f.is_alive() for f in fronts):
         multiprocessing.connection.wait([f.sentinel for f in fronts], timeout=1.0)
@@ -168,8 +202,9 @@ def run_server(args: argparse.Namespace, engine_factory: Callable[[], Any]) -> i
             for f in fronts:
                 if f.is_alive():
                     os.kill(f.pid, signal.SIGTERM)
-    core_died = core.exitcode is not None
-    shutdown_engine_core(core, addresses)
+    core_died = any(p.exitcode is not None for p, _ in cores)
+    for proc, addresses in cores:
+        shutdown_engine_core(proc, addresses)
     if metrics_dir is not None:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     code = 1 if failed or core_died else 0
@@ -189,12 +224,12 @@ class FrontendOptions:
     max_request_bytes: int
 
 
-def run_frontend(opts: FrontendOptions, addresses: CoreAddresses, index: int, core_pid: int,
+def run_frontend(opts: FrontendOptions, addresses: list[CoreAddresses], index: int, core_pids: list[int],
                  sock: socket.socket) -> None:
-    """Entry point of a front-end process: serve until drained (exit 0) or the core dies (exit 1)."""
+    """Entry point of a front-end process: serve until drained (exit 0) or a core dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # no *_created series next to every counter
-    client = EngineClient(addresses, index, core_pid, stream_interval=opts.stream_interval)
+    client = connect(addresses, index, core_pids, opts.stream_interval)
     app = build_app(client, opts.served_model_name, opts.api_key, max_request_bytes=opts.max_request_bytes)
     srv: ServerState = app.state.server
     config = uvicorn.Config(app, log_level=opts.log_level, access_log=opts.enable_access_log,

@@ -95,7 +95,7 @@ class EagleSpeculator:
         log.info("speculation: %s head from %s (draft vocab %d), policy %s, up to %d tokens",
                  hc.algorithm, path, hc.draft_vocab_size, cfg.policy, self.max_k)
         self.runner.ensure_graph_tokens(max_seqs * (self.max_k + 1), trees=self.topk > 1)
-        if self.device.type == "cuda" and self.runner.backend_name == "triton":
+        if self.device.type == "cuda" and self.runner.backend_name == "triton" and self.runner.driver is None:
             self.enable_static_draft(graphs=not engine.config.enforce_eager)
 
     def enable_static_draft(self, graphs: bool = False, attention: str = "auto", fused_launch: bool | None = None) -> None:
@@ -305,8 +305,11 @@ class EagleSpeculator:
         t = host_to_device(flat, self.device)
         path = t[2 * B : 2 * B + B * (D + 1)].view(B, D + 1)
         tables = t[2 * B + B * (D + 1) :].view(B, W)
-        compact_tree_kv(kv_slab(self.runner.kv_caches), tables, t[B : 2 * B], t[:B], path, torch.ones_like(t[:B]),
-                        self.engine.config.block_size, self.scratch_slot)
+        args = (tables, t[B : 2 * B], t[:B], path, torch.ones_like(t[:B]), self.engine.config.block_size,
+                self.scratch_slot)
+        if self.runner.driver is not None:  # (the other tensor-parallel ranks' KV heads)
+            self.runner.driver.compact_tree_kv(*args)
+        compact_tree_kv(kv_slab(self.runner.kv_caches), *args)
 
     def _logprobs(self, sampling, results: list[Accepted], kept_rows: list[list[int]], logits) -> list | None:
         if not any(s.req.params.logprobs is not None for s in sampling):

@@ -37,7 +37,8 @@ def cost_profile_key(e: Any, head_config: Any, num_draft_tokens: int, graphs: bo
             f"{dev_name}|{e.dtype}|{torch.get_num_threads()}|{e.config.max_num_batched_tokens}|"
             f"{e.config.max_num_seqs}|{num_draft_tokens}|graphs={graphs}|{packing}"
             + ("" if draft_dtype == "auto" else f"|draft={draft_dtype}")
-            + ("" if kv_dtype == "auto" else f"|kv={kv_dtype}"))
+            + ("" if kv_dtype == "auto" else f"|kv={kv_dtype}")
+            + ("" if getattr(e.config, "tensor_parallel_size", 1) == 1 else f"|tp={e.config.tensor_parallel_size}"))
 
 
 def load_or_profile_costs(d: Any) -> tuple[CostModel, str]:
