@@ -1,7 +1,10 @@
+import copy
 import gc
+import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,12 @@ triton_interpreter.prepare()  # before any test module imports the kernels
 
 # OMP_NUM_THREADS where set (make test: 2): more threads than free cores spin and run several times slower
 torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS") or os.environ.get("OMP_NUM_THREADS") or 2))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-cost-profiles", action="store_true",
+                     help="measure the real SmolLM2's start-up cost profiles anew and write them to "
+                          "tests/golden/cost_profiles.json (see _cost_profiles)")
 
 
 def pytest_unconfigure(config):
@@ -61,6 +70,88 @@ def _restore_environment():
     if dict(os.environ) != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _small_kv_budgets():
+    """An engine built in this process on the CPU with the default KV budget (2 GB: 2-5 s of zeroing
+    per engine, ~90 of them made the suite minutes slower) fails its test: pass ``num_kv_blocks`` or
+    ``kv_cache_memory_gb`` sized to what the test needs (0.05 GB: ~100k tokens of the tiny model,
+    ~1k of SmolLM2)."""
+    import dataclasses
+
+    from specserve.config import EngineConfig
+    from specserve.engine import engine
+
+    default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "kv_cache_memory_gb")
+    sized = engine.num_kv_blocks_for
+
+    def checked(config, mc, dtype, device, *a, **kw):
+        if device.type == "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_gb == default:
+            pytest.fail(f"a test engine with the default {default} GB CPU KV budget: pass num_kv_blocks or "
+                        "kv_cache_memory_gb (tests/conftest.py: _small_kv_budgets)", pytrace=False)
+        return sized(config, mc, dtype, device, *a, **kw)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(engine, "num_kv_blocks_for", checked)
+    yield
+    mp.undo()
+
+
+COST_PROFILES = Path(__file__).parent / "golden" / "cost_profiles.json"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cost_profiles(request):
+    """Adaptive engines' start-up cost profiles (speculative/profile.py), each measured at most once a session.
+
+    The real SmolLM2's profiles (~50 s each to measure on two cores) come from
+    tests/golden/cost_profiles.json, keyed by the profile key without the thread count: recorded on a CPU,
+    the test engines' costs relative to one another, which is what the adaptive tests act on (online
+    measurements refine them as on any machine). Any other profile is measured, then kept in the session's
+    cache dir even where the machine was busy (the engine does not cache those), so the next engine with its
+    key loads it. ``pytest --record-cost-profiles tests/test_spec_engine.py ...`` measures SmolLM2's anew and
+    rewrites the file (its keys change with the model, shapes, step limits and profile format)."""
+    from specserve.engine.engine import served_model_name
+    from specserve.speculative import profile
+    from specserve.speculative.policy.cost_model import CostModel
+
+    record = request.config.getoption("--record-cost-profiles")
+    shipped = {} if record or not COST_PROFILES.exists() else json.loads(COST_PROFILES.read_text())
+    recorded: dict = {}
+    load = profile.load_or_profile_costs
+
+    def shipped_key(d) -> str:  # [..., device, dtype, threads, ...] -> [..., device, dtype, *, ...]
+        key = profile.cost_profile_key(d.engine, d.head.config, d.cfg.resolved_num_draft_tokens,
+                                       d.runner.graphs is not None)
+        return key.replace(f"|{d.engine.dtype}|{torch.get_num_threads()}|", f"|{d.engine.dtype}|*|", 1)
+
+    def from_file(key: str):
+        cost = CostModel.from_json(copy.deepcopy(shipped[key]))
+        cost.meta.update(noisy=False, recorded=cost.meta.get("date"))  # (so the engine caches it)
+        return cost
+
+    def load_once(d):
+        key = shipped_key(d)
+        if key in shipped:  # the engine's own cache path, the measurement replaced by the file's
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(profile, "profile_costs", lambda d: from_file(key))
+                return load(d)
+        cost, path = load(d)
+        if cost.meta.get("source", "").startswith("profiled"):
+            if not os.path.exists(path):  # (noisy: the engine did not cache it)
+                cost.save(path)
+            if record and d.engine.model_name == served_model_name(None) and d.device.type == "cpu":
+                recorded[key] = cost.to_json()
+        return cost, path
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(profile, "load_or_profile_costs", load_once)
+    yield
+    mp.undo()
+    if recorded:
+        old = json.loads(COST_PROFILES.read_text()) if COST_PROFILES.exists() else {}
+        COST_PROFILES.write_text(json.dumps({**old, **recorded}, indent=0, sort_keys=True) + "\n")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,5 @@
 """EAGLE speculation on the real SmolLM2: greedy output is token-for-token the no-spec output."""
 
-import os
-
 import pytest
 import torch
 
@@ -13,34 +11,8 @@ CHAIN = dict(speculative_num_steps=3)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # KV for ~5k tokens (the default 2 GB, ~45k, costs 1-3 s of zeroing per engine) where a test's
-# prompts need far less (no test here evicts from it); the adaptive engines keep the default
+# prompts need far less (no test here evicts from it)
 SMALL_KV = dict(kv_cache_memory_gb=0.25)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cost_profile_once_per_key():
-    """An adaptive engine loads its start-up cost profile from the disk cache or measures it (~50 s
-    for SmolLM2 on two cores), and one measured on a busy machine is not cached: on a fresh or loaded
-    CI machine every adaptive engine here measured it again. Here each key's profile is taken (or
-    loaded) once, and every engine gets its own copy of it, as from the disk cache."""
-    import copy
-
-    from specserve.speculative import profile
-
-    load, taken = profile.load_or_profile_costs, {}
-
-    def once(d):
-        key = profile.cost_profile_key(d.engine, d.head.config, d.cfg.resolved_num_draft_tokens,
-                                       d.runner.graphs is not None)
-        if key not in taken:
-            taken[key] = load(d)
-        cost, path = taken[key]
-        return copy.deepcopy(cost), path
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(profile, "load_or_profile_costs", once)
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +75,7 @@ def test_shipped_head_is_the_default_and_accepts(chat_prompts):
 
 
 def test_adaptive_turns_a_useless_head_off(random_head, reference, chat_prompts):
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
     assert out == reference
     # a random head is never accepted: once the controller has measured its depths (the first
@@ -126,7 +98,7 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
 
     from specserve.engine import gc_pauses
 
-    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     ctl, runner = llm.engine.drafter.controller, llm.engine.runner
     forward, finish_cycle = runner.forward, ctl.finish_cycle
     calls, paused, timed = [0], [], []
@@ -166,7 +138,7 @@ def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_h
     import statistics
     import time
 
-    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     ctl = llm.engine.drafter.controller
     decide, finish_cycle = ctl.decide, ctl.finish_cycle
     full, quick = [], []
@@ -252,7 +224,7 @@ def test_adaptive_off_gives_finishing_requests_draft_kv_for_the_prefix_cache(ran
     cached but refuse them (a drafting request needs draft KV). Once it has measured those refusals, it
     catches finishing requests up, so prompts after that reuse their whole prefix. Outputs stay the no-spec
     ones throughout."""
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     d = llm.engine.drafter
     d.controller.catch_up_cached_prefix = False
     for _ in range(4):
@@ -269,7 +241,7 @@ def test_adaptive_off_gives_finishing_requests_draft_kv_for_the_prefix_cache(ran
 def test_adaptive_off_spends_nothing_on_finishing_requests_without_reuse(random_head, chat_prompts):
     """Prompts that share nothing (the system prompt aside) give no reason to catch finishing
     requests up: once the head is off, no finishing request is."""
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     llm.chat(chat_prompts[:10], SP)
     d = llm.engine.drafter
     n0 = d.finish.requests
