@@ -1,3 +1,18 @@
+"""What every test shares (fixtures other test modules reuse are listed here).
+
+- The session's own cache dir (SPECSERVE_CACHE_DIR: GGUF conversions, cost profiles), removed at the end.
+- ``smollm2``: the real SmolLM2, plain decoding, built once a session, for tests that only read outputs.
+- ``chat_prompts``: 20 short ShareGPT prompts as chat messages.
+- ``_small_kv_budgets`` (autouse): a CPU engine built with the default 2 GB KV budget fails its test;
+  pass ``num_kv_blocks`` or ``kv_cache_memory_gb`` (0.05 GB: ~100k tokens of tests/tiny_model.py's
+  models, ~1k of SmolLM2).
+- ``_cost_profiles`` (autouse): adaptive engines' start-up cost profiles measured at most once a
+  session; SmolLM2's from tests/golden/cost_profiles.json.
+- TRITON_INTERPRET=1 only in modules with ``triton_tests_device``; os.environ restored after each test.
+
+``make test`` runs everything; ``-m "not slow"`` leaves out the benchmark smoke tests.
+"""
+
 import copy
 import gc
 import json
@@ -118,7 +133,6 @@ def _cost_profiles(request):
 
     record = request.config.getoption("--record-cost-profiles")
     shipped = {} if record or not COST_PROFILES.exists() else json.loads(COST_PROFILES.read_text())
-    recorded: dict = {}
     load = profile.load_or_profile_costs
 
     def shipped_key(d) -> str:  # [..., device, dtype, threads, ...] -> [..., device, dtype, *, ...]
@@ -142,16 +156,24 @@ def _cost_profiles(request):
             if not os.path.exists(path):  # (noisy: the engine did not cache it)
                 cost.save(path)
             if record and d.engine.model_name == served_model_name(None) and d.device.type == "cpu":
-                recorded[key] = cost.to_json()
+                old = json.loads(COST_PROFILES.read_text()) if COST_PROFILES.exists() else {}
+                COST_PROFILES.write_text(json.dumps({**old, key: cost.to_json()}, indent=0, sort_keys=True) + "\n")
         return cost, path
 
     mp = pytest.MonkeyPatch()
     mp.setattr(profile, "load_or_profile_costs", load_once)
     yield
     mp.undo()
-    if recorded:
-        old = json.loads(COST_PROFILES.read_text()) if COST_PROFILES.exists() else {}
-        COST_PROFILES.write_text(json.dumps({**old, **recorded}, indent=0, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2 with plain decoding (float32), built once a session for the tests that only read
+    its outputs (each engine costs seconds to build): a test leaves it as it found it, with no request
+    left in it and nothing of it replaced. 4,096 tokens of KV, prefill steps of up to 512 tokens."""
+    from specserve import LLM
+
+    return LLM(max_num_batched_tokens=512, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return LLM(**KV)
+def plain(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module", params=["chain", "tree"])

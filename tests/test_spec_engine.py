@@ -34,9 +34,8 @@ def random_head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(chat_prompts):
-    llm = LLM(max_num_seqs=8, **SMALL_KV)
-    return [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
+def reference(smollm2, chat_prompts):
+    return [o.outputs[0].token_ids for o in smollm2.chat(chat_prompts, SP)]
 
 
 def heads(random_head):
@@ -98,7 +97,8 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
 
     from specserve.engine import gc_pauses
 
-    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
+    # (max_num_seqs as the module's other adaptive engines: one start-up cost profile for all)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     ctl, runner = llm.engine.drafter.controller, llm.engine.runner
     forward, finish_cycle = runner.forward, ctl.finish_cycle
     calls, paused, timed = [0], [], []
@@ -138,7 +138,8 @@ def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_h
     import statistics
     import time
 
-    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
+    # (max_num_seqs as the module's other adaptive engines: one start-up cost profile for all)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     ctl = llm.engine.drafter.controller
     decide, finish_cycle = ctl.decide, ctl.finish_cycle
     full, quick = [], []
