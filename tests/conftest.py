@@ -1,7 +1,26 @@
+"""What every test shares (fixtures other test modules reuse are listed here).
+
+- The session's own cache dir (SPECSERVE_CACHE_DIR: GGUF conversions, cost profiles), removed at the end.
+- ``smollm2``: the real SmolLM2, plain decoding, built once a session, for tests that only read outputs.
+- ``chat_prompts``: 20 short ShareGPT prompts as chat messages.
+- ``_small_kv_budgets`` (autouse): a CPU engine built with the default 2 GB KV budget fails its test;
+  pass ``num_kv_blocks`` or ``kv_cache_memory_gb`` (0.05 GB: ~100k tokens of tests/tiny_model.py's
+  models, ~1k of SmolLM2).
+- ``_cost_profiles`` (autouse): adaptive engines' start-up cost profiles measured at most once a
+  session (SmolLM2's read from tests/golden/cost_profiles.json where it holds them).
+- TRITON_INTERPRET=1 only in modules with ``triton_tests_device``; os.environ restored after each test.
+
+``make test`` runs everything; ``-m "not slow"`` leaves out the benchmark smoke tests.
+"""
+
+import copy
 import gc
+import json
 import os
 import shutil
 import tempfile
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +39,12 @@ triton_interpreter.prepare()  # before any test module imports the kernels
 
 # OMP_NUM_THREADS where set (make test: 2): more threads than free cores spin and run several times slower
 torch.set_num_threads(int(os.environ.get("SPECSERVE_TEST_THREADS") or os.environ.get("OMP_NUM_THREADS") or 2))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-cost-profiles", action="store_true",
+                     help="measure the real SmolLM2's start-up cost profiles anew and write them to "
+                          "tests/golden/cost_profiles.json (see _cost_profiles)")
 
 
 def pytest_unconfigure(config):
@@ -61,6 +86,98 @@ def _restore_environment():
     if dict(os.environ) != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _small_kv_budgets():
+    """An engine built in this process on the CPU with the default KV budget (2 GB: 2-5 s of zeroing
+    per engine, ~90 of them made the suite minutes slower) fails its test: pass ``num_kv_blocks`` or
+    ``kv_cache_memory_gb`` sized to what the test needs (0.05 GB: ~100k tokens of the tiny model,
+    ~1k of SmolLM2)."""
+    import dataclasses
+
+    from specserve.config import EngineConfig
+    from specserve.engine import engine
+
+    default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "kv_cache_memory_gb")
+    sized = engine.num_kv_blocks_for
+
+    def checked(config, mc, dtype, device, *a, **kw):
+        if device.type == "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_gb == default:
+            pytest.fail(f"a test engine with the default {default} GB CPU KV budget: pass num_kv_blocks or "
+                        "kv_cache_memory_gb (tests/conftest.py: _small_kv_budgets)", pytrace=False)
+        return sized(config, mc, dtype, device, *a, **kw)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(engine, "num_kv_blocks_for", checked)
+    yield
+    mp.undo()
+
+
+COST_PROFILES = Path(__file__).parent / "golden" / "cost_profiles.json"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cost_profiles(request):
+    """Adaptive engines' start-up cost profiles (speculative/profile.py), each measured at most once a session.
+
+    A profile is measured, then kept in the session's cache dir even where the machine was busy (the engine
+    does not cache those), so the next engine with its key loads it. The real SmolLM2's (tens of seconds each
+    on two cores) come instead from tests/golden/cost_profiles.json where it holds the key (the profile key
+    without the thread count): the engines' costs relative to one another, which the adaptive tests act on
+    (online measurements refine them, as on any machine). ``pytest --record-cost-profiles`` with the tests
+    that build adaptive SmolLM2 engines (test_spec_engine, test_overlap_schedule, test_engine_spec_edges)
+    writes theirs there, on a quiet machine: a noisy measurement is not recorded."""
+    from specserve.engine.engine import served_model_name
+    from specserve.speculative import profile
+    from specserve.speculative.policy.cost_model import CostModel
+
+    record = request.config.getoption("--record-cost-profiles")
+    shipped = {} if record or not COST_PROFILES.exists() else json.loads(COST_PROFILES.read_text())
+    load = profile.load_or_profile_costs
+
+    def shipped_key(d) -> str:  # [..., device, dtype, threads, ...] -> [..., device, dtype, *, ...]
+        key = profile.cost_profile_key(d.engine, d.head.config, d.cfg.resolved_num_draft_tokens,
+                                       d.runner.graphs is not None)
+        return key.replace(f"|{d.engine.dtype}|{torch.get_num_threads()}|", f"|{d.engine.dtype}|*|", 1)
+
+    def from_file(key: str):
+        cost = CostModel.from_json(copy.deepcopy(shipped[key]))
+        cost.meta.update(noisy=False, recorded=cost.meta.get("date"))  # (so the engine caches it)
+        return cost
+
+    def load_once(d):
+        key = shipped_key(d)
+        if key in shipped:  # the engine's own cache path, the measurement replaced by the file's
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(profile, "profile_costs", lambda d: from_file(key))
+                return load(d)
+        cost, path = load(d)
+        if cost.meta.get("source", "").startswith("profiled"):
+            if not os.path.exists(path):  # (noisy: the engine did not cache it)
+                cost.save(path)
+            if record and d.engine.model_name == served_model_name(None) and d.device.type == "cpu":
+                if cost.meta.get("noisy"):
+                    warnings.warn(f"cost profile not recorded (measured on a busy machine): {key}")
+                    return cost, path
+                old = json.loads(COST_PROFILES.read_text()) if COST_PROFILES.exists() else {}
+                COST_PROFILES.write_text(json.dumps({**old, key: cost.to_json()}, indent=0, sort_keys=True) + "\n")
+        return cost, path
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(profile, "load_or_profile_costs", load_once)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2 with plain decoding (float32), built once a session for the tests that only read
+    its outputs (each engine costs seconds to build): a test leaves it as it found it, with no request
+    left in it and nothing of it replaced. 4,096 tokens of KV, prefill steps of up to 512 tokens."""
+    from specserve import LLM
+
+    return LLM(max_num_batched_tokens=512, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="session")

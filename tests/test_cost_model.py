@@ -260,7 +260,7 @@ def test_one_seat_profiles_catch_up_sized_head_forwards(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(str(tmp_path / "m"), vocab=64, layers=4)
     head = make_random_head(model, str(tmp_path / "h"))
-    llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=1, speculative_algorithm="EAGLE3",
+    llm = LLM(model, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=1, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_num_steps=3, speculative_policy="adaptive",
               speculative_calibrate=False)
     ctl = llm.engine.drafter.controller

@@ -19,6 +19,8 @@ from tiny_model import make_random_head, make_tiny_model
 SHIPPED = (DEFAULT_HEAD / "config.json").exists()
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [5, 9, 33, 2, 41, 17]]
 TREE = dict(speculative_num_steps=4, speculative_eagle_topk=3, speculative_num_draft_tokens=9)
+KV_GB = 0.05  # KV for ~100k tokens of the tiny model (the default 2 GB: seconds of zeroing per engine)
+CPU = dict(device="cpu", kv_cache_memory_gb=KV_GB)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,7 @@ def record_trees(llm: LLM) -> list[list[tuple[str, list[int], list[int]]]]:
 
 def run(model: str | None, head: str, static: str | None, prompts, params, catch_up_tokens: int | None = None,
         **engine) -> tuple[list, list, dict]:
-    llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", **engine)
     if static is not None:
         llm.engine.drafter.enable_static_draft(attention=static)
@@ -131,9 +133,9 @@ def test_a_request_near_its_end_rides_a_fused_launch_with_no_drafts(tiny):
     it is not launched early, and outputs stay plain decoding's."""
     model, head = tiny
     sp = [SamplingParams(temperature=0, max_tokens=20 + 7 * i, ignore_eos=True) for i in range(4)]  # ends apart
-    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    plain = LLM(model=model, **CPU, max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:4], sp)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(model=model, **CPU, max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", speculative_num_steps=3)
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch")
@@ -162,9 +164,9 @@ def test_trees_near_their_end_stay_whole_and_fused(tiny, early):
     no draft left after it. Outputs stay plain decoding's."""
     model, head = tiny
     sp = [SamplingParams(temperature=0, max_tokens=20 + 5 * i, ignore_eos=True) for i in range(4)]  # ends apart
-    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    plain = LLM(model=model, **CPU, max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:4], sp)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(model=model, **CPU, max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", **TREE)
     dr = llm.engine.drafter
     dr.enable_static_draft(fused_launch=True)
@@ -208,7 +210,7 @@ def test_static_chain_mixed_k_in_one_batch(tiny):
     assert {len(d) for step in log for _, d in step} == {1, 2, 3}
     # rows past their k only write the scratch slot: the drafts of every k are the eager loop's
     assert assert_same_drafts(log, ref_log) > 10
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    plain = LLM(model=model, **CPU, max_num_seqs=8)
     assert out == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
 
 
@@ -244,11 +246,11 @@ def test_static_chain_drafts_verified_from_the_device(tiny, budget):
     before the verify's sync ("fused": the accepted rows chosen on the device)."""
     model, head = tiny
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    plain = LLM(model=model, **CPU, max_num_seqs=8)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, sp)]
     runs = []
     for static in (None, "torch"):
-        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+        llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", max_num_seqs=8, speculative_num_steps=3,
                   **({} if budget is None else {"max_num_batched_tokens": budget}))
         dr = llm.engine.drafter
@@ -305,9 +307,9 @@ def test_static_chain_drafts_verified_from_the_device(tiny, budget):
 def adaptive_static_loop(model: str, head: str) -> tuple[LLM, list[int], list]:
     """An adaptive engine with the static loop and early decisions on, with its draft steps that decide
     anything counted (the list), and plain decoding's outputs of PROMPTS for its sampling params (SP24)."""
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    plain = LLM(model=model, **CPU, max_num_seqs=8)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, SP24)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(model=model, **CPU, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="adaptive", speculative_num_steps=3)
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch")
@@ -471,14 +473,14 @@ def test_early_full_decisions_apply_to_the_requests_left_in_the_engine(tiny):
     outputs stay plain decoding's."""
     model, head = tiny
     prompts = PROMPTS + [[3, 3, 4]]
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    plain = LLM(model=model, **CPU, max_num_seqs=8)
     free = [o.outputs[0].token_ids for o in
             plain.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
     stop_tok = next(t for t in free[2][8:] if t not in free[2][:8] and all(t not in f for j, f in enumerate(free) if j != 2))
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok])
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
     assert 8 < len(ref[2]) < 40
-    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(model=model, **CPU, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="adaptive", speculative_num_steps=3)
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch")
@@ -498,7 +500,7 @@ def test_early_full_decisions_apply_to_the_requests_left_in_the_engine(tiny):
 def stop_mid_cycle(model: str) -> tuple[SamplingParams, list[list[int]]]:
     """Greedy params whose stop token only request 2 comes to (past its first few tokens: it stops
     there, mid-cycle; the others run to max_tokens 40), and plain decoding's outputs of PROMPTS."""
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    plain = LLM(model=model, **CPU, max_num_seqs=8)
     free = [o.outputs[0].token_ids for o in
             plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
     stop_tok = next(t for t in free[2][8:] if all(t not in f for j, f in enumerate(free) if j != 2))
@@ -519,7 +521,7 @@ def test_early_verify_runs_the_next_verify_launched_before_the_commit(tiny, budg
     sp, ref = stop_mid_cycle(model)
     runs = []
     for early in (False, True):
-        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+        llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", max_num_seqs=8, speculative_num_steps=3,
                   **({} if budget is None else {"max_num_batched_tokens": budget}))
         dr = llm.engine.drafter
@@ -574,13 +576,13 @@ def test_static_chain_smollm2_chat(chat_prompts):
     # device), and every draft the eager loop's (short of a request's end: assert_same_drafts)
     assert sum(len(d) for step in log for _, d in step) > len(log) and paths.get("fused", 0) > len(log) / 2
     assert assert_same_drafts(log, ref_log) > 5
-    plain = LLM(device="cpu", max_num_seqs=2)
+    plain = LLM(**CPU, max_num_seqs=2)
     assert out == [o.outputs[0].token_ids for o in plain.chat(prompts, sp)]
 
 
 def test_sampled_requests_keep_the_eager_loop(tiny):
     model, head = tiny
-    llm = LLM(model=model, device="cpu", max_num_seqs=4, speculative_algorithm="EAGLE3",
+    llm = LLM(model=model, **CPU, max_num_seqs=4, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=3)
     llm.engine.drafter.enable_static_draft()
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=1))
@@ -593,7 +595,7 @@ def test_sampled_requests_keep_the_eager_loop(tiny):
 
 
 def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", graphs: bool = True, **engine):
-    kw = dict(dtype="float32", num_kv_blocks=256) if device == "cuda" else {}
+    kw = dict(dtype="float32", num_kv_blocks=256) if device == "cuda" else dict(kv_cache_memory_gb=KV_GB)
     llm = LLM(model=model, device=device, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", **TREE, **kw, **engine)
     dr = llm.engine.drafter
@@ -629,7 +631,7 @@ def test_static_tree_same_trees_as_eager_tiny(tiny):
     assert {len(toks) - 1 for step in log for _, toks, _ in step} >= {3, 5, 8}
     assert out == ref_out
     assert paths["tree:eager"] == len(log) and "tree:graph" not in paths
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    plain = LLM(model=model, **CPU, max_num_seqs=8)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     ref = [o.outputs[0].token_ids for o in plain.generate([PROMPTS[i] for i in greedy], [params[i] for i in greedy])]
     assert [out[i] for i in greedy] == ref
@@ -752,7 +754,7 @@ def test_fused_tree_launch_and_early_verify_same_as_plain_trees(tiny, budget):
     sp, ref = stop_mid_cycle(model)
     runs = []
     for fused, early, presync in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
-        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+        llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", max_num_seqs=8, **TREE,
                   **({} if budget is None else {"max_num_batched_tokens": budget}))
         dr = llm.engine.drafter
@@ -796,8 +798,8 @@ def test_draft_head_in_its_own_dtype(tiny, static):
     know is refused."""
     model, head = tiny
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(model=model, device="cpu", dtype="bfloat16").generate(PROMPTS[:3], sp)]
-    llm = LLM(model=model, device="cpu", dtype="bfloat16", speculative_algorithm="EAGLE3",
+    ref = [o.outputs[0].token_ids for o in LLM(model=model, **CPU, dtype="bfloat16").generate(PROMPTS[:3], sp)]
+    llm = LLM(model=model, **CPU, dtype="bfloat16", speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=3,
               speculative_draft_dtype="float32")
     dr = llm.engine.drafter
@@ -809,7 +811,7 @@ def test_draft_head_in_its_own_dtype(tiny, static):
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)]
     assert out == ref and llm.engine.stats.spec_draft_tokens > 50
     with pytest.raises(ValueError, match="speculative_draft_dtype"):
-        LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+        LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
             speculative_draft_dtype="int8")
 
 
@@ -819,9 +821,9 @@ def test_adaptive_trees_take_the_fused_launch(tiny):
     whole trees take the fused tree launch (before, the depth was taken for a draft count and no
     step fused); outputs stay plain decoding's."""
     model, head = tiny
-    plain = LLM(model=model, device="cpu", max_num_seqs=8)
+    plain = LLM(model=model, **CPU, max_num_seqs=8)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], SP24)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    llm = LLM(model=model, **CPU, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="adaptive", **TREE)
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch", fused_launch=True)
@@ -838,12 +840,12 @@ def test_fused_trees_near_the_model_length_stay_within_its_blocks(tiny):
     'block table (1, 17) does not fit 1 requests x 16 blocks'), and the output is plain decoding's."""
     model, head = tiny
     bs = 4
-    plain = LLM(model=model, device="cpu", max_num_seqs=1, block_size=bs)
+    plain = LLM(model=model, **CPU, max_num_seqs=1, block_size=bs)
     max_len = plain.engine.max_model_len
     prompt = [(7 * i) % 60 + 2 for i in range(max_len - 40)]
     sp = SamplingParams(temperature=0, max_tokens=max_len - len(prompt) - 1, ignore_eos=True)
     ref = plain.generate([prompt], sp)[0].outputs[0].token_ids
-    llm = LLM(model=model, device="cpu", max_num_seqs=1, block_size=bs, speculative_algorithm="EAGLE3",
+    llm = LLM(model=model, **CPU, max_num_seqs=1, block_size=bs, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static",
               speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=12)
     llm.engine.drafter.enable_static_draft(fused_launch=True)

@@ -16,6 +16,8 @@ CUDA = DEVICE.type == "cuda"
 from specserve.attention.triton_decode import TritonDecodeAttention  # noqa: E402
 from specserve.attention.torch_decode import TorchDecodeAttention  # noqa: E402
 
+CPU = dict(device="cpu", kv_cache_memory_gb=0.05)  # a small KV (the default 2 GB: seconds of zeroing per engine)
+
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
 
@@ -86,7 +88,7 @@ def test_cost_profile_times_the_static_draft_path(tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = []
     for profile in (False, True):
-        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+        llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", speculative_num_steps=3, max_num_seqs=4)
         d = llm.engine.drafter
         d.enable_static_draft(attention="triton")
@@ -124,11 +126,11 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
     head = make_random_head(model, str(tmp_path / "head"), std=0.3)
     params = mixed_k_params(3, max_tokens=24)[::-1]  # drafts up to 3, 2, 1
-    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    plain = LLM(model=model, **CPU, max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], params)]
 
     def run_n(n: int, fused: bool, max_batch: int = 4) -> tuple[list, list, dict]:
-        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+        llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", max_num_seqs=4, speculative_num_steps=3)
         dr = llm.engine.drafter
         if fused:
@@ -183,11 +185,11 @@ def test_tree_lanes_and_fused_tree_launch_triton_same_trees(tmp_path):
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
     head = make_random_head(model, str(tmp_path / "head"), std=0.3)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(model=model, device="cpu", max_num_seqs=4)
+    plain = LLM(model=model, **CPU, max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], sp)]
     runs = []
     for attention in ("torch", "triton"):
-        llm = LLM(model=model, device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+        llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                   speculative_policy="static", max_num_seqs=4, **TREE)
         dr = llm.engine.drafter
         dr.enable_static_draft(attention=attention, fused_launch=True)

@@ -12,8 +12,8 @@ from hf_reference import hf_smollm2
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25)  # ~5k tokens: far more than any test here
+def llm(smollm2):
+    return smollm2  # (conftest: 4k tokens of KV, far more than any test here)
 
 
 def test_greedy_matches_transformers_generate(llm, chat_prompts):
@@ -148,7 +148,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
 
 
 def test_queue_full_error():
-    eng = LLM(max_waiting_requests=1, kv_cache_memory_gb=0.25).engine
+    eng = LLM(max_waiting_requests=1, num_kv_blocks=16).engine
     eng.add_request("x", "hi", SamplingParams(max_tokens=1))
     with pytest.raises(QueueFullError):
         eng.add_request("y", "hi", SamplingParams(max_tokens=1))

@@ -11,8 +11,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_num_batched_tokens=256, num_kv_blocks=96)  # 1,536 tokens: every test here reads only
+def llm(smollm2):
+    return smollm2  # (conftest's: every test here reads only)
 
 
 def test_logprobs_are_transformers_log_softmax(llm, chat_prompts):

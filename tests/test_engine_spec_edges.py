@@ -17,8 +17,8 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return LLM(**KV)
+def plain(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module", params=["chain", "tree"])
@@ -127,7 +127,6 @@ def _check_top_k(outs, k):
     assert n > 0
 
 
-@pytest.mark.slow
 def test_preemption_under_sampled_speculation(chat_prompts):
     """6 sampled requests (top-k 5) in a KV cache too small for all: requests are preempted and
     recomputed mid-speculation; every request finishes whole, each token within its top 5, and
@@ -143,7 +142,6 @@ def test_preemption_under_sampled_speculation(chat_prompts):
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
-@pytest.mark.slow
 def test_adaptive_policy_with_trees_under_preemption(plain, chat_prompts):
     """The adaptive policy over a tree shape, in a KV cache that preempts: greedy output is the plain
     engine's token for token, sampled top-k requests stay in their top k, the policy chose depths."""
@@ -183,7 +181,6 @@ def _eagle1_head(target_dir: str | None, path: str, constant: bool = False) -> s
     return path
 
 
-@pytest.mark.slow
 def test_eagle1_end_to_end(plain, chat_prompts, tmp_path):
     """An EAGLE-1 head drafts from the target's last hidden state: on SmolLM2 (a random head, chain and
     tree) greedy output is the plain engine's with drafts verified; on a tiny model whose every token

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke test
 
 
 def test_gpu_decode_dry_run_with_an_fp8_cache_alongside(tmp_path):

@@ -6,10 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from specserve.bench.harness import median_abs_error, shape_error
 from tiny_model import make_random_head, make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # a benchmark's smoke test
 
 
 def test_profile_predictions_are_set_against_direct_timings(tmp_path):

@@ -1,7 +1,5 @@
 """EAGLE speculation on the real SmolLM2: greedy output is token-for-token the no-spec output."""
 
-import os
-
 import pytest
 import torch
 
@@ -13,34 +11,8 @@ CHAIN = dict(speculative_num_steps=3)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # KV for ~5k tokens (the default 2 GB, ~45k, costs 1-3 s of zeroing per engine) where a test's
-# prompts need far less (no test here evicts from it); the adaptive engines keep the default
+# prompts need far less (no test here evicts from it)
 SMALL_KV = dict(kv_cache_memory_gb=0.25)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cost_profile_once_per_key():
-    """An adaptive engine loads its start-up cost profile from the disk cache or measures it (~50 s
-    for SmolLM2 on two cores), and one measured on a busy machine is not cached: on a fresh or loaded
-    CI machine every adaptive engine here measured it again. Here each key's profile is taken (or
-    loaded) once, and every engine gets its own copy of it, as from the disk cache."""
-    import copy
-
-    from specserve.speculative import profile
-
-    load, taken = profile.load_or_profile_costs, {}
-
-    def once(d):
-        key = profile.cost_profile_key(d.engine, d.head.config, d.cfg.resolved_num_draft_tokens,
-                                       d.runner.graphs is not None)
-        if key not in taken:
-            taken[key] = load(d)
-        cost, path = taken[key]
-        return copy.deepcopy(cost), path
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(profile, "load_or_profile_costs", once)
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +34,8 @@ def random_head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(chat_prompts):
-    llm = LLM(max_num_seqs=8, **SMALL_KV)
-    return [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
+def reference(smollm2, chat_prompts):
+    return [o.outputs[0].token_ids for o in smollm2.chat(chat_prompts, SP)]
 
 
 def heads(random_head):
@@ -103,7 +74,7 @@ def test_shipped_head_is_the_default_and_accepts(chat_prompts):
 
 
 def test_adaptive_turns_a_useless_head_off(random_head, reference, chat_prompts):
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
     assert out == reference
     # a random head is never accepted: once the controller has measured its depths (the first
@@ -126,7 +97,8 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
 
     from specserve.engine import gc_pauses
 
-    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    # (max_num_seqs as the module's other adaptive engines: one start-up cost profile for all)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     ctl, runner = llm.engine.drafter.controller, llm.engine.runner
     forward, finish_cycle = runner.forward, ctl.finish_cycle
     calls, paused, timed = [0], [], []
@@ -166,7 +138,8 @@ def test_a_full_decisions_host_time_is_left_out_of_the_cycle_it_decides(random_h
     import statistics
     import time
 
-    llm = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head)
+    # (max_num_seqs as the module's other adaptive engines: one start-up cost profile for all)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
     ctl = llm.engine.drafter.controller
     decide, finish_cycle = ctl._decide_full, ctl.finish_cycle  # (the full decision, inside decide(Batch))
     full, quick = [], []
