@@ -4,12 +4,13 @@
 # all, and the GGUF is 98 MB: it travels in parts, one a call, joined in /tmp on the machine.
 #
 # Here, once (the checkout the device calls send):
-#   bash benchmarks/gpu_stage.sh prepare [parts, default 3]
+#   bash benchmarks/gpu_stage.sh prepare [parts, default 4]
 #     -> .stage1/ .. .stageN/ (the GGUF split, with its md5) and .whl/ (wheels of this venv's versions)
 # There, one call per part, back to back (a machine idle for 30 s goes back, /tmp with it):
 #   bash benchmarks/gpu_stage.sh .stage1        (carry .stage1 and .whl: installs the wheels into /tmp/site)
 #   bash benchmarks/gpu_stage.sh .stage2        (carry .stage2)
-#   bash benchmarks/gpu_stage.sh .stage3        (carry .stage3: the last part joins /tmp/m.gguf, md5 checked)
+#   bash benchmarks/gpu_stage.sh .stage3        (carry .stage3)
+#   bash benchmarks/gpu_stage.sh .stage4        (carry .stage4: the last part joins /tmp/m.gguf, md5 checked)
 # and every benchmark call starts with `export PYTHONPATH=/tmp/site:$PWD`.
 set -euo pipefail
 WHEELS="gguf fastapi uvicorn starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
@@ -17,7 +18,7 @@ WHEELS="gguf fastapi uvicorn starlette pydantic pydantic-core annotated-types ty
         referencing rpds-py"
 
 prepare() {
-    local n=${1:-3} py=${PYTHON:-python3}
+    local n=${1:-4} py=${PYTHON:-python3}
     [ -x .venv/bin/python ] && py=${PYTHON:-.venv/bin/python}
     local gguf=${GGUF:-$($py -c 'from specserve.loader import default_model_path; print(default_model_path())')}
     rm -rf .stage[0-9]* && mkdir -p .whl
