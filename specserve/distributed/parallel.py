@@ -82,6 +82,11 @@ class TPGroup:
         return dataclasses.replace(mc, num_attention_heads=qn, num_key_value_heads=kvn)
 
 
+def rank_heads(mc: ModelConfig, tp: TPGroup | None) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first KV head, KV heads) of this rank; all of them without ``tp``."""
+    return tp.heads(mc) if tp is not None else (0, mc.num_attention_heads, 0, mc.num_key_value_heads)
+
+
 def check_tp_shapes(mc: ModelConfig, size: int) -> None:
     """A clear error before any process starts if ``mc`` cannot be split over ``size`` ranks."""
     if mc.architecture not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):

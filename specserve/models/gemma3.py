@@ -18,7 +18,7 @@ from torch import nn
 
 from specserve.attention.base import get_forward_context
 from specserve.config import ModelConfig
-from specserve.distributed.parallel import TPGroup
+from specserve.distributed.parallel import TPGroup, rank_heads
 from specserve.models.layers import (Embedding, GatedMLP, Linear, OffsetRMSNorm, RotaryEmbedding,
                                      VocabParallelEmbedding, apply_rotary)
 from specserve.models.llama import LlamaForCausalLM
@@ -32,11 +32,7 @@ class Gemma3Attention(nn.Module):
         self.layer_idx = layer_idx
         self.window = config.layer_window(layer_idx)
         self.tp = tp
-        if tp is None:
-            self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = (
-                0, config.num_attention_heads, 0, config.num_key_value_heads)
-        else:
-            self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = tp.heads(config)
+        self.q_start, self.num_heads, self.kv_start, self.num_kv_heads = rank_heads(config, tp)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
