@@ -121,9 +121,8 @@ COST_PROFILES = Path(__file__).parent / "golden" / "cost_profiles.json"
 def _cost_profiles(request):
     """Adaptive engines' start-up cost profiles (speculative/profile.py), each measured at most once a session.
 
-    A profile is measured, then kept in the session's cache dir even where the machine was busy (the engine
-    does not cache those), so the next engine with its key loads it. The real SmolLM2's (tens of seconds each
-    on two cores) come instead from tests/golden/cost_profiles.json where it holds the key (the profile key
+    A profile is measured, then kept in the session's cache dir, so the next engine with its key loads it.
+    The real SmolLM2's (tens of seconds each on two cores) come instead from tests/golden/cost_profiles.json where it holds the key (the profile key
     without the thread count): the engines' costs relative to one another, which the adaptive tests act on
     (online measurements refine them, as on any machine). ``pytest --record-cost-profiles`` with the tests
     that build adaptive SmolLM2 engines (test_spec_engine, test_overlap_schedule, test_engine_spec_edges)
@@ -164,6 +163,7 @@ def _cost_profiles(request):
                 COST_PROFILES.write_text(json.dumps({**old, key: cost.to_json()}, indent=0, sort_keys=True) + "\n")
         return cost, path
 
+    load_once.__wrapped__ = load  # (tests of the loader itself call the engine's own)
     mp = pytest.MonkeyPatch()
     mp.setattr(profile, "load_or_profile_costs", load_once)
     yield
