@@ -229,7 +229,9 @@ class BodySizeLimit:
 
     async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
         message = f"Request body too large: the limit is {self.max_bytes} bytes (--max-request-bytes)."
-        response = _error(413, message, "BadRequestError", "request_too_large", headers={"Connection": "close"})
+        # no "Connection: close": uvicorn then reads the unread body past the response and drops it; a
+        # socket closed on unread bytes resets, and a client still sending its body would lose the 413
+        response = _error(413, message, "BadRequestError", "request_too_large")
         await response(scope, receive, send)
 
 
