@@ -188,8 +188,16 @@ class _ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
+# characters JSON leaves raw that line splitters such as str.splitlines (httpx's aiter_lines) break at
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+    data = _json.encode(obj)
+    if b"\xc2\x85" in data or b"\xe2\x80" in data:  # (inside JSON strings only: escaping keeps it valid)
+        for raw, escaped in _LINE_BREAKS:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
