@@ -61,10 +61,10 @@ def start_tensor_parallel(config: EngineConfig, device: torch.device) -> "TPDriv
     procs = {}
     for r in range(1, size):
         wenv = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(size),
-                    LOCAL_RANK=str(r), SPECSERVE_TP_PARENT=str(os.getpid()))
+                    LOCAL_RANK=str(r))
         p = subprocess.Popen([sys.executable, "-m", "specserve.distributed.worker"], stdin=subprocess.PIPE, env=wenv)
         assert p.stdin is not None
-        p.stdin.write(pickle.dumps(config))
+        p.stdin.write(pickle.dumps((config, os.getpid())))  # (the worker exits when this process is gone)
         p.stdin.close()
         procs[r] = p
     try:

@@ -90,10 +90,8 @@ def _exit_with_parent(parent: int) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = int(os.environ.pop("SPECSERVE_TP_PARENT", "0"))
-    if parent:
-        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    config = pickle.load(sys.stdin.buffer)
+    config, parent = pickle.load(sys.stdin.buffer)  # from driver.start_tensor_parallel
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     from specserve.engine.threads import set_cpu_threads
 
     set_cpu_threads()
