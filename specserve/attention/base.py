@@ -106,6 +106,13 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def kernel_query(q: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """q as the Triton kernels read it: the cache's dtype (8-bit caches: q's own), unit last stride."""
+    if q.dtype != cache_dtype and not is_fp8(cache_dtype):
+        q = q.to(cache_dtype)
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as the cache stores it: 8-bit floats saturate at the format's largest value, explicitly (a
     cast's overflow is inf for e5m2 and, where not saturating, NaN for e4m3)."""

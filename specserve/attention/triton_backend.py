@@ -46,7 +46,7 @@ import math
 import numpy as np
 import torch
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, write_kv
+from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, kernel_query, write_kv
 from specserve.attention.triton_kernels import merge_kernel, paged_attention_kernel, path_table_kernel
 from specserve.engine.host_copy import host_buffer, host_to_device
 
@@ -513,10 +513,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError("the triton backend has no sliding-window attention for tree tokens; use the torch backend")
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):  # (8-bit caches: q's dtype)
-            q = q.to(k_cache.dtype)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q = kernel_query(q, k_cache.dtype)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         # captured launches cover every work item a step of n tokens can have; eager ones the planned
         if _capturing(q):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, write_kv
+from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, kernel_query, write_kv
 from specserve.attention.triton_backend import GRAPH_BLOCK_M, LOG2E, NO_WINDOW, next_pow2
 from specserve.attention.triton_kernels import paged_attention_kernel
 
@@ -73,10 +73,7 @@ class TritonDecodeAttention(AttentionBackend):
         """Attention of q [B, H, D] over the cache, this step's K/V already written."""
         k_cache, v_cache = self.kv_caches[layer]
         n = q.shape[0]
-        if q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype):  # (8-bit caches: q's dtype)
-            q = q.to(k_cache.dtype)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q = kernel_query(q, k_cache.dtype)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         seq, bt = self._seq32, self.block_tables
         block_d = max(16, next_pow2(self.head_dim))

@@ -33,8 +33,9 @@ from typing import Any
 
 import httpx
 
-from specserve.bench.serving import RampSpec, command_line, expand_doubling, parse_int_list, run_benchmark, write_json
-from specserve.bench.serving_args import add_dataset_args, add_request_args, config_from_args, headline, requests_from_args
+from specserve.bench.serving import command_line, parse_int_list, run_benchmark, write_json
+from specserve.bench.serving_args import (add_dataset_args, add_request_args, config_from_args, headline, ramp_from_args,
+                                          requests_from_args)
 from specserve.bench.tokenizer import BenchTokenizer, default_model_path, load_tokenizer
 
 SCHEMA_VERSION = 1
@@ -202,18 +203,6 @@ def _tokenizer(args: argparse.Namespace) -> BenchTokenizer | None:
     return load_tokenizer(src)
 
 
-def _ramp(args: argparse.Namespace) -> RampSpec | None:
-    if not args.ramp:
-        return None
-    levels = parse_int_list(args.ramp)
-    if args.ramp_doubling:
-        levels = expand_doubling(levels)
-    if (args.ramp_step_duration is None) == (args.ramp_duration is None):
-        raise ValueError("--ramp needs exactly one of --ramp-step-duration or --ramp-duration")
-    step = args.ramp_step_duration if args.ramp_step_duration is not None else args.ramp_duration / len(levels)
-    return RampSpec(tuple(levels), step)
-
-
 def _slim(result: dict[str, Any]) -> dict[str, Any]:
     """A run's result without what repeats across runs (server_info is kept once per configuration)."""
     return {k: v for k, v in result.items() if k not in ("server_info", "command", "config", "dataset")}
@@ -227,7 +216,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     concurrency = parse_int_list(args.concurrency)
     if any(c < 1 for c in concurrency):
         raise ValueError(f"concurrency values must be >= 1, got {concurrency}")
-    ramp = _ramp(args)
+    ramp = ramp_from_args(args)
     env = dict(kv.split("=", 1) for kv in args.server_env)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.output_dir or f"benchmarks/results/sweep-{stamp}")
