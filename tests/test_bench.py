@@ -25,7 +25,8 @@ from specserve.bench.metrics import (
     spec_from_metrics,
     summarize,
 )
-from specserve.bench.serving import BenchConfig, RampSpec, expand_doubling, parse_int_list, run_benchmark
+from specserve.bench.serving import (BenchConfig, ClientProcesses, RampSpec, expand_doubling, parse_int_list,
+                                     run_benchmark)
 from specserve.bench.sweep import ServerConfig, ServerProcess, ServerStartError, free_port, prompts_for, server_command
 
 # The result's top-level keys: tools (sweep tables, plots, BENCHMARKS.md) read these.
@@ -47,10 +48,11 @@ def _requests(n: int, out_len: int) -> list[BenchRequest]:
     return [BenchRequest(prompt=f"prompt number {i} with some words", output_len=out_len) for i in range(n)]
 
 
-def _run(spec: FakeSpec, reqs: list[BenchRequest], ramp: RampSpec | None = None, **cfg_kw) -> dict:
+def _run(spec: FakeSpec, reqs: list[BenchRequest], ramp: RampSpec | None = None,
+         clients: ClientProcesses | None = None, **cfg_kw) -> dict:
     with ThreadedServer(make_app(spec)) as srv:
         cfg = BenchConfig(base_url=srv.base_url, disable_tqdm=True, **cfg_kw)
-        return asyncio.run(run_benchmark(cfg, reqs, ramp=ramp))
+        return asyncio.run(run_benchmark(cfg, reqs, ramp=ramp, clients=clients))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +140,25 @@ def test_ramp_windows_follow_the_schedule() -> None:
     assert max(w["mean_inflight"] for w in r["windows"]) <= 3 + 1e-6
     assert r["windows"][2]["mean_inflight"] > r["windows"][0]["mean_inflight"]
     assert all(w["mean_k"] in (None, 3.0) for w in r["windows"])
+    assert any(w["mean_k"] == 3.0 for w in r["windows"])
+
+
+def test_ramp_split_over_client_processes() -> None:
+    """Two client processes share each level (4 -> 2 + 2) on one clock: the windows see the whole level, never
+    more (each process running the whole ramp would keep 8 in flight), and the parent's /metrics series."""
+    clients = ClientProcesses(2)
+    try:
+        res = _run(FakeSpec(ttft_s=0.02, itl_s=0.02), _requests(6, 4), ramp=RampSpec((1, 4, 1), 0.8), clients=clients,
+                   window_s=0.4, ignore_eos=True, save_requests=True)
+    finally:
+        clients.close()
+    r = res["ramp"]
+    assert res["failed"] == 0 and res["completed"] > 0 and res["token_check"]["consistent"]
+    assert [w["target_concurrency"] for w in r["windows"]] == [1, 1, 4, 4, 1, 1]
+    assert max(w["mean_inflight"] for w in r["windows"]) <= 4 + 1e-6
+    assert min(w["mean_inflight"] for w in r["windows"][2:4]) > 2.5  # both processes' streams
+    assert max(w["mean_inflight"] for w in (r["windows"][0], r["windows"][5])) <= 1 + 1e-6
+    assert len({q["index"] for q in res["requests"]}) == res["num_requests"]
     assert any(w["mean_k"] == 3.0 for w in r["windows"])
 
 
@@ -243,12 +264,19 @@ def test_ramp_comparison_min_window_ratio() -> None:
     sweep = {"baseline": "none", "runs": [
         {"config": "none", "concurrency": None, "result": {"ramp": ramp([10, 10, 10], [None] * 3)}},
         {"config": "adaptive", "concurrency": None, "result": {"ramp": ramp([12, 9.5, 10], [3, 0, 2])}},
+        {"config": "chain", "concurrency": None, "result": {"ramp": ramp([20, 5, 5], [5, 5, 5])}},
     ]}
     cmp = ramp_comparison(sweep)
     assert cmp["adaptive"]["min_window_ratio"] == pytest.approx(0.95)
     assert cmp["adaptive"]["windows_below_0.97"] == 1
     assert cmp["adaptive"]["on_off_switches"] == 2
     assert cmp["none"]["min_window_ratio"] is None and cmp["none"]["mean_k"] is None
+    # against the better of the others: overall none and chain both 10 tok/s, adaptive 10.5; window by window
+    # the best of none and chain: 20, 10, 10
+    assert cmp["adaptive"]["ratio_to_best_other"] == pytest.approx(31.5 / 30)
+    assert cmp["adaptive"]["min_window_ratio_to_best_other"] == pytest.approx(0.6)
+    assert cmp["adaptive"]["windows_below_0.9_of_best_other"] == 1
+    assert cmp["chain"]["ratio_to_best_other"] == pytest.approx(30 / 31.5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,8 +291,10 @@ def test_ramp_spec_and_lists() -> None:
         parse_int_list("1,x")
     r = RampSpec((1, 8, 2), 5.0)
     assert [r.level_at(t) for t in (0, 4.9, 5, 14.9, 15)] == [1, 1, 8, 2, 0]
-    with pytest.raises(ValueError):
-        RampSpec((1, 0), 1.0)
+    assert RampSpec((0, 2), 1.0).level_at(0.5) == 0  # a level of 0: no load for that step
+    for bad in ((0, 0), (1, -1), ()):
+        with pytest.raises(ValueError, match="ramp levels"):
+            RampSpec(bad, 1.0)
     with pytest.raises(ValueError, match="request_rate"):
         BenchConfig(request_rate=0)
     assert prompts_for(1, 4, 8, 256) == 8 and prompts_for(32, 4, 8, 64) == 64 and prompts_for(64, 4, 8, 32) == 64
@@ -376,18 +406,48 @@ def test_datasets(tmp_path: Path) -> None:
     assert math.isinf(BenchConfig().request_rate)
 
 
-def test_served_clients_split_the_streams_over_processes() -> None:
+def test_client_processes_split_the_streams() -> None:
     """Two client processes share 4 streams: every request completes once, and the closed loop keeps 4 in
     flight (8 requests of TTFT 0.2 s + 5 x 0.05 s take two waves, not four or eight)."""
-    from specserve.bench.served_vs_offline import ServedClients
-
     reqs = [BenchRequest(prompt=f"prompt {i}", output_len=6) for i in range(8)]
     with ThreadedServer(make_app(FakeSpec(ttft_s=0.2, itl_s=0.05))) as srv:
-        clients = ServedClients(2)
+        clients = ClientProcesses(2)
         try:
-            results, duration = clients.run(srv.base_url, reqs, 4)
+            cfg = BenchConfig(base_url=srv.base_url, max_concurrency=4, disable_tqdm=True)
+            assert clients.parts(cfg, reqs) == 2
+            results, _, duration = clients.run(cfg, "fake-model", reqs)
         finally:
             clients.close()
-    assert len(results) == 8 and all(r.success for r in results)
+    assert [r.index for r in results] == list(range(8)) and all(r.success for r in results)
     assert sum(r.output_len for r in results) == 48
     assert 2 * 0.45 <= duration < 3 * 0.45 + 1.0, duration
+
+
+@pytest.mark.slow
+def test_offline_side_runs_its_engine_in_a_process_of_its_own() -> None:
+    """The served-vs-offline benchmark's offline side: the real SmolLM2 in a spawned process (not this one),
+    the chat template applied there, every request's tokens counted once and in its own slot."""
+    import os
+
+    from specserve.bench.offline import OfflineProcess
+    from specserve.config import EngineConfig
+
+    side = OfflineProcess(EngineConfig(max_model_len=256, num_kv_blocks=48, max_num_seqs=2), reserved_cores=1)
+    try:
+        info = side.wait_ready()
+        assert info["pid"] == side.proc.pid != os.getpid()
+        assert info["cpu_threads"] >= 1 and info["model"]
+        prompts = ["Hello there!", "What is two plus two?", "Name a colour."]
+        results, duration, steps = side.run(prompts, [3, 5, 7], concurrency=2, ignore_eos=True)
+        assert [sum(r.chunk_tokens) for r in results] == [3, 5, 7]
+        assert [r.usage["completion_tokens"] for r in results] == [3, 5, 7]
+        assert all(r.success and 0 < r.ttft <= r.latency <= duration for r in results)
+        tok = info["tokenizer"]
+        assert all(r.usage["prompt_tokens"] > len(tok.encode(p)) for r, p in zip(results, prompts))  # chat template
+        # 2 in flight until the second request ends (the third took the first's place), then one alone
+        assert 0 < steps.steady_steps < steps.steps and steps.mean_step_ms > 0
+        s = summarize(results, duration, ignore_eos=True)
+        assert s["total_output_tokens"] == 15 and s["token_check"]["consistent"]
+    finally:
+        side.stop()
+    assert side.proc.exitcode == 0

@@ -240,8 +240,15 @@ def _runs_table(sweep: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
+def _overall(ramp: dict[str, Any]) -> float | None:
+    """Output tok/s over the schedule's windows."""
+    span = sum(w["t_end_s"] - w["t_start_s"] for w in ramp["windows"])
+    return sum(w["output_tokens"] for w in ramp["windows"]) / span if span else None
+
+
 def ramp_comparison(sweep: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per configuration against the baseline, window by window (the windows share one clock)."""
+    """Per configuration against the baseline and against the best of the others (overall: the better
+    configuration's tok/s; per window: the best in that window), window by window (one clock)."""
     ramps = _ramp_runs(sweep)
     base = sweep.get("baseline")
     out: dict[str, dict[str, Any]] = {}
@@ -250,14 +257,22 @@ def ramp_comparison(sweep: dict[str, Any]) -> dict[str, dict[str, Any]]:
         ws = ramp["windows"]
         ratios = [w["output_throughput"] / b["output_throughput"] for w, b in zip(ws, bw)
                   if w["output_throughput"] is not None and b["output_throughput"]]
+        others = [r for n, r in ramps.items() if n != name]
+        best_windows = [max((o["windows"][i]["output_throughput"] or 0.0 for o in others if i < len(o["windows"])),
+                            default=0.0) for i in range(len(ws))]
+        to_best = [w["output_throughput"] / b for w, b in zip(ws, best_windows)
+                   if w["output_throughput"] is not None and b]
+        best_overall = max((_overall(o) or 0.0 for o in others), default=0.0)
         ks = [w["mean_k"] for w in ws if w["mean_k"] is not None]
         switches = sum(1 for a, b in zip(ks, ks[1:]) if (a == 0) != (b == 0))
-        total = sum(w["output_tokens"] for w in ws)
-        span = sum(w["t_end_s"] - w["t_start_s"] for w in ws)
+        overall = _overall(ramp)
         out[name] = {
-            "output_throughput": total / span if span else None,
+            "output_throughput": overall,
             "min_window_ratio": min(ratios) if ratios and name != base else None,
             "windows_below_0.97": sum(1 for x in ratios if x < 0.97) if name != base else None,
+            "ratio_to_best_other": overall / best_overall if overall is not None and best_overall else None,
+            "min_window_ratio_to_best_other": min(to_best) if to_best else None,
+            "windows_below_0.9_of_best_other": sum(1 for x in to_best if x < 0.9) if to_best else None,
             "mean_k": sum(ks) / len(ks) if ks else None,
             "on_off_switches": switches if ks else None,
         }
@@ -281,9 +296,11 @@ def _ramp_markdown(sweep: dict[str, Any]) -> str:
     steps_table = _table(["step", "C", *[f"{n} tok/s / k" for n in names]], rows)
     cmp = ramp_comparison(sweep)
     crow = [[n, _fmt(cmp[n]["output_throughput"]), _fmt(cmp[n]["min_window_ratio"], ".3f"),
-             _fmt(cmp[n]["windows_below_0.97"], "d"), _fmt(cmp[n]["mean_k"], ".2f"),
-             _fmt(cmp[n]["on_off_switches"], "d")] for n in names]
-    cmp_table = _table(["config", "out tok/s", f"min window / {base}", "windows < 0.97×", "mean k",
+             _fmt(cmp[n]["windows_below_0.97"], "d"), _fmt(cmp[n]["ratio_to_best_other"], ".3f"),
+             _fmt(cmp[n]["min_window_ratio_to_best_other"], ".3f"), _fmt(cmp[n]["windows_below_0.9_of_best_other"], "d"),
+             _fmt(cmp[n]["mean_k"], ".2f"), _fmt(cmp[n]["on_off_switches"], "d")] for n in names]
+    cmp_table = _table(["config", "out tok/s", f"min window / {base}", "windows < 0.97×", "/ best other",
+                        "min window / best other", "windows < 0.9× best other", "mean k",
                         "k on/off switches (windows)"], crow)
     levels = ",".join(map(str, first["levels"]))
     return (f"**Ramp** C = {levels}, {first['step_duration_s']:g} s per level, {first['window_s']:g} s windows\n\n"

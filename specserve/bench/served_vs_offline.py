@@ -1,28 +1,30 @@
-"""Served vs offline: the same engine through `specserve serve` and in-process, at each concurrency.
+"""Served vs offline: the same engine through `specserve serve` and stepped directly, at each concurrency.
 
     specserve bench served-vs-offline --model /tmp/m.gguf --speculative-draft-model-path HEAD \
         --concurrency 1,16,64,256 --configs no-spec,chain5,adaptive --output-dir out/
 
-Per configuration, one server (engine core + front-ends, in a child process) and one in-process
-engine with the same EngineConfig (and the same explicit KV size: both live on the device at
-once). At each concurrency C both run the same chat prompts greedily as a closed loop of C
-requests in flight (offline: a request is added when one finishes, as `LLM.chat` with
-max_num_seqs=C); which side goes first alternates with C and round (--rounds). Metric definitions are the serving
-client's (metrics.py): offline, a "chunk" is what a request gained in one engine step.
-Writes served_vs_offline.json and served_vs_offline.png.
+Per configuration, two processes with the same EngineConfig (and the same explicit KV size: both live
+on the device at once), each set up as an engine core sets itself up: a server (engine core +
+front-ends, in a child process) and the offline side (bench/offline.py: the engine stepped in a
+process of its own). This process holds no engine: it sends the prompts, runs the serving client
+(split over client processes at high C) and keeps the results. At each concurrency C both sides
+run the same chat prompts greedily as a closed loop of C requests in flight (offline: a request is
+added when one finishes, as `LLM.chat` with max_num_seqs=C); which side goes first alternates with
+C and round (--rounds). Metric definitions are the serving client's (metrics.py): offline, a
+"chunk" is what a request gained in one engine step. The offline side also reports its mean step
+time at the steady batch, next to the served TPOT. Writes served_vs_offline.json and .png.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import dataclasses
 import json
 import logging
 import math
 import multiprocessing
 import os
-import platform
 import signal
 import socket
 import sys
@@ -34,14 +36,16 @@ from typing import Any
 import httpx
 
 from specserve.bench.datasets import BenchRequest, sample_sharegpt_requests
-from specserve.bench.metrics import RequestResult, summarize
+from specserve.bench.metrics import summarize
+from specserve.bench.offline import OfflineProcess, StepStats
 from specserve.bench.serving import (
     BenchConfig,
+    ClientProcesses,
     command_line,
+    default_client_processes,
     make_client,
     parse_int_list,
     resolve_model_name,
-    run_fixed,
     warmup as warmup_requests,
     write_json,
 )
@@ -51,7 +55,6 @@ CONFIGS = {
     "chain5": dict(num_steps=5, eagle_topk=1, policy="static"),  # a static chain of 5 drafts
     "adaptive": dict(policy="adaptive"),  # the default policy
 }
-HEADLINE = ("output_throughput", "median_ttft_ms", "mean_tpot_ms", "median_itl_ms")
 
 
 def load_requests(args: Any, tokenizer: Any) -> list[BenchRequest]:
@@ -84,50 +87,6 @@ def engine_config(base: Any, name: str, draft_path: str | None) -> Any:
     if draft_path is None:
         raise SystemExit(f"config {name!r} needs an EAGLE-3 head: pass --speculative-draft-model-path")
     return replace(base, speculative=SpeculativeConfig(draft_model_path=draft_path, **spec))
-
-
-# ---------------------------------------------------------------- offline
-
-
-def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
-                temperature: float = 0.0) -> tuple[list[RequestResult], float, float]:
-    """Closed loop of ``concurrency`` requests in flight; (results, duration s, mean step s)."""
-    from specserve.sampling_params import RequestOutputKind, SamplingParams
-
-    results = [RequestResult(index=i, expected_output_len=n, client_prompt_len=len(p))
-               for i, (p, n) in enumerate(zip(prompts, max_tokens))]
-    index: dict[str, int] = {}
-    next_i, steps, step_time = 0, 0, 0.0
-    t0 = time.perf_counter()
-    while next_i < len(prompts) or index:
-        while next_i < len(prompts) and len(index) < concurrency:
-            rid = f"offline-{concurrency}-{next_i}"
-            params = SamplingParams(temperature=temperature, max_tokens=max_tokens[next_i],
-                                    output_kind=RequestOutputKind.DELTA)
-            results[next_i].start = time.perf_counter()
-            engine.add_request(rid, prompts[next_i], params)
-            index[rid] = next_i
-            next_i += 1
-        s0 = time.perf_counter()
-        outs = engine.step()
-        now = time.perf_counter()
-        steps, step_time = steps + 1, step_time + (now - s0)
-        for out in outs:
-            r = results[index[out.request_id]]
-            n = len(out.new_token_ids)
-            if n:
-                if r.ttft is None:
-                    r.ttft = now - r.start
-                r.chunk_times.append(now)
-                r.chunk_tokens.append(n)
-            if out.finished:
-                del index[out.request_id]
-                m = out.metrics
-                r.latency, r.success, r.finish_reason = now - r.start, True, out.outputs[0].finish_reason
-                r.usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": sum(r.chunk_tokens),
-                           "spec_verify_steps": m.spec_verify_steps, "spec_draft_tokens": m.spec_draft_tokens,
-                           "spec_accepted_tokens": m.spec_accepted_tokens}
-    return results, time.perf_counter() - t0, step_time / max(steps, 1)
 
 
 # ---------------------------------------------------------------- served
@@ -177,60 +136,23 @@ class ServerProcess:
             self.proc.join(10)
 
 
-def _served(url: str, requests: list[BenchRequest], concurrency: int, warm_up: bool) -> Any:
-    cfg = BenchConfig(base_url=url, endpoint="chat", max_concurrency=concurrency, warmup_requests=len(requests),
-                      warmup_output_len=8, scrape_metrics=False, disable_tqdm=True, temperature=0.0)
+def served_config(url: str, concurrency: int, ignore_eos: bool) -> BenchConfig:
+    return BenchConfig(base_url=url, endpoint="chat", max_concurrency=concurrency, scrape_metrics=False,
+                       disable_tqdm=True, temperature=0.0, ignore_eos=ignore_eos)
 
-    async def go() -> Any:
-        async with make_client(cfg, concurrency) as client:
+
+def warm_up_server(url: str, requests: list[BenchRequest]) -> str:
+    """Short requests, all at once; the served model's name."""
+    cfg = dataclasses.replace(served_config(url, max(1, len(requests)), False), warmup_requests=len(requests),
+                              warmup_output_len=8)
+
+    async def go() -> str:
+        async with make_client(cfg, len(requests)) as client:
             model = await resolve_model_name(client, cfg)
-            if warm_up:
-                return await warmup_requests(client, cfg, model, requests)
-            results, _, duration = await run_fixed(client, cfg, model, requests)
-            return results, duration
+            await warmup_requests(client, cfg, model, requests)
+            return model
 
     return asyncio.run(go())
-
-
-def _served_part(url: str, requests: list[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float, float]:
-    """One client process's share of a served run: (results, wall start, wall end)."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    start = time.time()
-    results, _ = _served(url, requests, concurrency, warm_up=False)
-    return results, start, time.time()
-
-
-class ServedClients:
-    """The serving client's closed loop of C streams, split over ``processes`` processes (one Python
-    process parses ~25k SSE events/s: at high C it, not the server, would set the pace)."""
-
-    def __init__(self, processes: int) -> None:
-        self.processes = processes
-        self.pool = multiprocessing.get_context("spawn").Pool(processes) if processes > 1 else None
-
-    def run(self, url: str, requests: list[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
-        """(results, duration s): process i runs requests[i::P] with its share of the C streams."""
-        p = max(1, min(self.processes, concurrency, len(requests)))
-        if p == 1 or self.pool is None:
-            return _served(url, requests, concurrency, warm_up=False)
-        conc = [concurrency // p + (i < concurrency % p) for i in range(p)]
-        parts = self.pool.starmap(_served_part, [(url, requests[i::p], conc[i]) for i in range(p)])
-        results = [r for part, _, _ in parts for r in part]
-        return results, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-
-
-def default_client_processes(concurrency: int) -> int:
-    """Enough client processes for ~16 streams each, leaving the server two cores and one each."""
-    return max(1, min(8, concurrency // 16, ((os.cpu_count() or 2) - 2) // 2))
-
-
-def warm_up_server(url: str, requests: list[BenchRequest]) -> None:
-    """Short requests, all at once."""
-    _served(url, requests, len(requests), warm_up=True)
 
 
 # ---------------------------------------------------------------- the run
@@ -250,20 +172,17 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _device_name(device: Any) -> str:
-    import torch
-
-    if getattr(device, "type", None) == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
+    """The offline engine's steps over a run's rounds; mean step time at the steady batch (all C in flight)."""
+    steady = sum(s.steady_steps for s in stats)
+    total_ms = sum(s.mean_step_ms * s.steady_steps for s in stats if s.mean_step_ms is not None)
+    return {"steps": sum(s.steps for s in stats), "steady_steps": steady,
+            "mean_step_ms": total_ms / steady if steady else None}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
     from specserve.config import replace
     from specserve.engine.args import engine_config_from_args
-    from specserve.engine.engine import LLMEngine
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     concurrencies = parse_int_list(args.concurrency)
@@ -288,67 +207,68 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "command": command_line(getattr(args, "argv", None)),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "concurrency": concurrencies, "configs": names, "num_prompts": args.num_prompts,
-        "output_len": args.output_len, "api_server_count": args.api_server_count,
-        "stream_interval": args.stream_interval, "num_kv_blocks": num_blocks, "runs": [],
+        "output_len": args.output_len, "ignore_eos": args.ignore_eos, "api_server_count": args.api_server_count,
+        "stream_interval": args.stream_interval, "num_kv_blocks": num_blocks, "start_up": {}, "runs": [],
     }
     procs = args.client_processes or default_client_processes(max(concurrencies))
     result["client_processes"] = procs
-    clients = ServedClients(procs)
-    tokenizer = None
+    clients = ClientProcesses(procs)
+    requests: list[BenchRequest] | None = None
     for name in names:
         config = engine_config(base, name, draft_path)
-        server = ServerProcess(config, args.api_server_count, args.stream_interval)  # loads meanwhile
-        engine = None
+        # the offline engine first, then the server's: two starting at once would time their start-up cost
+        # profiles against each other (now the second reuses the profile the first cached)
+        t_start = time.monotonic()
+        offline = OfflineProcess(config, reserved_cores=args.api_server_count)
+        server = None
         try:
-            engine = LLMEngine(config)
-            if tokenizer is None:
-                tokenizer = engine.tokenizer
-                requests = load_requests(args, tokenizer)
-                result["device"] = _device_name(engine.device)
-                result["dtype"] = str(engine.dtype).replace("torch.", "")
-                result["model"] = engine.model_name
-                result["torch"] = torch.__version__
-            prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}],
-                                                            add_generation_prompt=True) for r in requests]
-            max_tokens = [r.output_len for r in requests]
+            info = offline.wait_ready()
+            t_offline = time.monotonic()
+            server = ServerProcess(config, args.api_server_count, args.stream_interval)
+            if requests is None:
+                requests = load_requests(args, info["tokenizer"])
+                result.update(device=info["device"], dtype=info["dtype"], model=info["model"], torch=info["torch"])
             server.wait_ready()
-            if args.warmup:
-                run_offline(engine, prompts[: args.warmup], [8] * min(args.warmup, len(prompts)), args.warmup)
-                warm_up_server(server.url, requests[: args.warmup])
+            result["start_up"][name] = {"offline_s": t_offline - t_start, "served_s": time.monotonic() - t_offline,
+                                        "offline_pid": info["pid"], "offline_cpu_threads": info["cpu_threads"]}
+            warm = requests[: args.warmup]
+            if warm:
+                offline.run([r.prompt for r in warm], [8] * len(warm), len(warm))
+            model = warm_up_server(server.url, warm)
             for ci, c in enumerate(concurrencies):
                 n = prompts_for(c, args)
-                parts = [[i % len(prompts) for i in range(n)[r :: args.rounds]] for r in range(args.rounds)]
-                sides: dict[str, list] = {"offline": [[], 0.0, 0.0], "served": [[], 0.0, 0.0]}
+                parts = [[i % len(requests) for i in range(n)[r :: args.rounds]] for r in range(args.rounds)]
+                sides: dict[str, list] = {"offline": [[], 0.0], "served": [[], 0.0]}
+                steps: list[StepStats] = []
                 for ri, part in enumerate(parts):  # rounds alternate which side goes first
+                    reqs = [requests[i] for i in part]
                     order = ("offline", "served") if (ci + ri) % 2 == 0 else ("served", "offline")
                     for side in order:
                         if side == "offline":
-                            res, duration, step_s = run_offline(engine, [prompts[i] for i in part],
-                                                                [max_tokens[i] for i in part], c)
+                            res, duration, st = offline.run([r.prompt for r in reqs], [r.output_len for r in reqs],
+                                                            c, args.ignore_eos)
+                            steps.append(st)
                         else:
-                            res, duration = clients.run(server.url, [requests[i] for i in part], c)
-                            step_s = 0.0
-                        acc = sides[side]
-                        acc[0] += res
-                        acc[1] += duration
-                        acc[2] += step_s * duration
+                            res, _, duration = clients.run(served_config(server.url, c, args.ignore_eos), model, reqs)
+                        sides[side][0] += res
+                        sides[side][1] += duration
                 run: dict[str, Any] = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds}
-                for side, (res, duration, _) in sides.items():
-                    run[side] = _headline(summarize(res, duration, False))
-                _, off_duration, off_step_weighted = sides["offline"]
-                run["offline"]["mean_step_ms"] = off_step_weighted / off_duration * 1e3
+                for side, (res, duration) in sides.items():
+                    run[side] = _headline(summarize(res, duration, args.ignore_eos))
+                run["offline"].update(_offline_steps(steps))
                 off, srv = run["offline"]["output_throughput"], run["served"]["output_throughput"]
                 run["served_over_offline"] = srv / off if off and srv else None
+                step_ms, tpot = run["offline"]["mean_step_ms"], run["served"]["mean_tpot_ms"]
+                run["served_tpot_over_offline_step"] = tpot / step_ms if tpot and step_ms else None
                 result["runs"].append(run)
                 print(f"{name:>9} C={c:<4} offline {off or 0:9.1f} tok/s  served {srv or 0:9.1f} tok/s  "
-                      f"ratio {run['served_over_offline'] or 0:.3f}", flush=True)
+                      f"ratio {run['served_over_offline'] or 0:.3f}  offline step {step_ms or 0:.2f} ms  "
+                      f"served TPOT {tpot or 0:.2f} ms", flush=True)
                 write_json(out_dir / "served_vs_offline.json", result)
         finally:
-            server.stop()
-            engine = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            if server is not None:
+                server.stop()
+            offline.stop()
     clients.close()
     write_json(out_dir / "served_vs_offline.json", result)
     plot(result, out_dir / "served_vs_offline.png")
@@ -405,6 +325,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-requests", type=int, default=2048,
                    help="most requests a run takes (the prompts repeat past --num-prompts)")
     g.add_argument("--output-len", type=int, default=256, help="max_tokens per request (natural stops end earlier)")
+    g.add_argument("--ignore-eos", action="store_true", help="every request generates --output-len tokens (both sides)")
     g.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
     g.add_argument("--warmup", type=int, default=8, help="short requests through each side before measuring")
     g.add_argument("--rounds", type=int, default=1,

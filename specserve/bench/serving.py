@@ -7,8 +7,9 @@
 Two load shapes: a fixed prompt list under a concurrency cap and an arrival rate (Poisson,
 default infinite), or a ramp (``--ramp 1,8,32,8,1 --ramp-step-duration 20``): a closed loop
 whose concurrency follows the list over time, reported as a per-window series of output
-throughput and, when the server's /metrics exports them, k and accept length.
-Metric definitions are in metrics.py.
+throughput and, when the server's /metrics exports them, k and accept length. Past ~16 streams
+the load splits over client processes (ClientProcesses, --client-processes) on one clock; this
+process keeps the warm-up, the /metrics scrapes and the summary. Metric definitions are in metrics.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import datetime as _dt
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import shlex
 import sys
@@ -94,8 +96,9 @@ class RampSpec:
     step_duration_s: float
 
     def __post_init__(self) -> None:
-        if not self.levels or any(c < 1 for c in self.levels):
-            raise ValueError(f"ramp levels must be positive integers, got {list(self.levels)}")
+        if not self.levels or any(c < 0 for c in self.levels) or max(self.levels) < 1:
+            raise ValueError(f"ramp levels must be integers >= 0 (0: no load), one at least 1; "
+                             f"got {list(self.levels)}")
         if self.step_duration_s <= 0:
             raise ValueError(f"ramp step duration must be > 0, got {self.step_duration_s}")
 
@@ -390,10 +393,11 @@ class _Scraper:
 
 async def run_ramp(
     client: httpx.AsyncClient, cfg: BenchConfig, model: str, requests: list[BenchRequest], ramp: RampSpec,
-    scraper: _Scraper | None,
+    start_at: float | None = None,
 ) -> tuple[list[RequestResult], float, float]:
     """Closed loop: worker w sends back-to-back requests while w < the current level. When the
-    level drops, surplus workers finish their request in flight and then idle."""
+    level drops, surplus workers finish their request in flight and then idle. The schedule starts
+    at perf_counter() ``start_at`` (default: now)."""
     cond = asyncio.Condition()
     state = {"level": 0, "stop": False}
     counter = itertools.count()
@@ -410,9 +414,9 @@ async def run_ramp(
             results.append(await send_request(client, cfg, model, i, requests[i % len(requests)]))
             pbar.update(1)
 
-    t0 = time.perf_counter()
-    if scraper is not None:
-        scraper.start(t0)
+    t0 = time.perf_counter() if start_at is None else start_at
+    if t0 > time.perf_counter():
+        await asyncio.sleep(t0 - time.perf_counter())
     workers = [asyncio.create_task(worker(w)) for w in range(max(ramp.levels))]
     for j, level in enumerate(ramp.levels):
         async with cond:
@@ -426,11 +430,101 @@ async def run_ramp(
         cond.notify_all()
     await asyncio.gather(*workers)
     duration = time.perf_counter() - t0
-    if scraper is not None:
-        await scraper.stop(ramp.duration_s)
     pbar.close()
     results.sort(key=lambda r: r.index)
     return results, t0, duration
+
+
+# ---------------------------------------------------------------------------------------------
+# The load split over client processes
+
+
+CLIENT_START_S = 0.3  # from handing the parts out to their common start (the processes are running)
+
+
+def default_client_processes(concurrency: int) -> int:
+    """Enough client processes for ~16 streams each, leaving the server two cores and one each."""
+    return max(1, min(8, concurrency // 16, ((os.cpu_count() or 2) - 2) // 2))
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    """10 over 3 -> [4, 3, 3]"""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _client_process_ready(ready: Any) -> None:
+    """A client process's start: this module imported (the parts' code), then say so."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    ready.put(os.getpid())
+
+
+def _client_part(cfg: BenchConfig, model: str, requests: list[BenchRequest], ramp: RampSpec | None,
+                 start_at: float) -> tuple[list[RequestResult], float, float]:
+    """One client process's share of a load, started at perf_counter() ``start_at`` (one clock for the
+    processes of a host); (results, t0, duration)."""
+
+    async def go() -> tuple[list[RequestResult], float, float]:
+        async with make_client(cfg, max(ramp.levels) if ramp else cfg.max_concurrency or len(requests)) as client:
+            if ramp is not None:
+                return await run_ramp(client, cfg, model, requests, ramp, start_at)
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+            return await run_fixed(client, cfg, model, requests)
+
+    return asyncio.run(go())
+
+
+class ClientProcesses:
+    """A load's streams split over ``processes`` client processes: one Python process parses ~25k SSE
+    events/s, so at high concurrency it, not the server, would set the pace. Process i of P takes
+    requests[i::P] and its share of the concurrency (of each ramp level), all starting together."""
+
+    def __init__(self, processes: int) -> None:
+        if processes < 1:
+            raise ValueError(f"client processes must be >= 1, got {processes}")
+        self.processes = processes
+        self.pool = None
+        if processes > 1:  # started and ready before any load: a part that starts late has lost its start
+            ctx = multiprocessing.get_context("spawn")
+            ready = ctx.Queue()
+            self.pool = ctx.Pool(processes, initializer=_client_process_ready, initargs=(ready,))
+            for _ in range(processes):
+                ready.get(timeout=120)
+
+    def parts(self, cfg: BenchConfig, requests: list[BenchRequest], ramp: RampSpec | None = None) -> int:
+        """How many processes this load is split over."""
+        streams = max(ramp.levels) if ramp is not None else min(cfg.max_concurrency or len(requests), len(requests))
+        return max(1, min(self.processes, streams))
+
+    def run(self, cfg: BenchConfig, model: str, requests: list[BenchRequest], ramp: RampSpec | None = None,
+            start_at: float | None = None) -> tuple[list[RequestResult], float, float]:
+        """(results, t0, duration): every request's result, its times on this process's perf_counter."""
+        p = self.parts(cfg, requests, ramp)
+        start_at = time.perf_counter() + CLIENT_START_S if start_at is None else start_at
+        if p == 1 or self.pool is None:
+            return _client_part(cfg, model, requests, ramp, start_at)
+        conc = _shares(cfg.max_concurrency, p) if cfg.max_concurrency else [None] * p
+        levels = list(zip(*(_shares(level, p) for level in ramp.levels))) if ramp is not None else [()] * p
+        jobs = [(dataclasses.replace(cfg, max_concurrency=conc[i], request_rate=cfg.request_rate / p,
+                                     seed=cfg.seed + i, disable_tqdm=True),
+                 model, requests[i::p], None if ramp is None else RampSpec(levels[i], ramp.step_duration_s), start_at)
+                for i in range(p)]
+        parts = self.pool.starmap(_client_part, jobs)
+        results = []
+        for i, (part, _, _) in enumerate(parts):
+            for r in part:
+                r.index = r.index * p + i  # part i's j-th request was requests[i + j * p]
+                results.append(r)
+        results.sort(key=lambda r: r.index)
+        t0 = min(t for _, t, _ in parts)
+        return results, t0, max(t + d for _, t, d in parts) - t0
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
 
 
 def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -503,8 +597,10 @@ async def run_benchmark(
     tokenizer: BenchTokenizer | None = None,
     ramp: RampSpec | None = None,
     meta: dict[str, Any] | None = None,
+    clients: ClientProcesses | None = None,
 ) -> dict[str, Any]:
-    """Warm up, run, and return the result dict (the JSON the CLI writes)."""
+    """Warm up, run (in ``clients``' processes where it splits over more than one), and return the
+    result dict (the JSON the CLI writes)."""
     if not requests:
         raise ValueError("no requests to send")
     connections = max(ramp.levels) if ramp else (cfg.max_concurrency or len(requests))
@@ -514,11 +610,20 @@ async def run_benchmark(
         await warmup(client, cfg, model, requests)
         before = await scrape_metrics(client, cfg.base_url) if cfg.scrape_metrics else None
         scraper = None
-        if ramp is not None:
-            scraper = _Scraper(client, cfg.base_url, cfg.window_s) if cfg.scrape_metrics else None
-            results, t0, duration = await run_ramp(client, cfg, model, requests, ramp, scraper)
+        if ramp is not None and cfg.scrape_metrics:
+            scraper = _Scraper(client, cfg.base_url, cfg.window_s)
+        split = clients if clients is not None and clients.parts(cfg, requests, ramp) > 1 else None
+        start_at = time.perf_counter() + (CLIENT_START_S if split is not None else 0.0)
+        if scraper is not None:
+            scraper.start(start_at)
+        if split is not None:
+            results, t0, duration = await asyncio.to_thread(split.run, cfg, model, requests, ramp, start_at)
+        elif ramp is not None:
+            results, t0, duration = await run_ramp(client, cfg, model, requests, ramp, start_at)
         else:
             results, t0, duration = await run_fixed(client, cfg, model, requests)
+        if scraper is not None and ramp is not None:
+            await scraper.stop(ramp.duration_s)
         after = await scrape_metrics(client, cfg.base_url) if before is not None else None
         info = await get_json(client, cfg.base_url + "/get_server_info")
 

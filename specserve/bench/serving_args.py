@@ -19,8 +19,8 @@ from specserve.bench.datasets import (
     sample_random_requests,
     sample_sharegpt_requests,
 )
-from specserve.bench.serving import (BenchConfig, RampSpec, command_line, expand_doubling, parse_int_list,
-                                     run_benchmark, write_json)
+from specserve.bench.serving import (BenchConfig, ClientProcesses, RampSpec, command_line, default_client_processes,
+                                     expand_doubling, parse_int_list, run_benchmark, write_json)
 from specserve.bench.tokenizer import BenchTokenizer, resolve_tokenizer
 
 
@@ -129,6 +129,9 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-requests", action="store_true", help="per-request details in the JSON")
     g.add_argument("--save-text", action="store_true", help="with --save-requests: the generated text too")
     g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--client-processes", type=int, default=0,
+                   help="client processes sharing the streams (0: about one per 16 streams, up to 8, as the "
+                        "machine's cores allow; one Python process parses ~25k stream events/s)")
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
@@ -232,12 +235,23 @@ def _server_info_sync(base_url: str) -> dict[str, Any] | None:
         return None
 
 
+def client_processes(args: argparse.Namespace, ramp: RampSpec | None, concurrency: int | None,
+                     num_requests: int) -> ClientProcesses:
+    """--client-processes, or enough for the most streams the load keeps open."""
+    streams = max(ramp.levels) if ramp is not None else concurrency or num_requests
+    return ClientProcesses(args.client_processes or default_client_processes(streams))
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     ramp = ramp_from_args(args)
     cfg = config_from_args(args)
     tokenizer = tokenizer_from_args(args, _server_info_sync(cfg.base_url))
     requests, meta = requests_from_args(args, tokenizer)
-    result = asyncio.run(run_benchmark(cfg, requests, tokenizer, ramp, meta))
+    clients = client_processes(args, ramp, cfg.max_concurrency, len(requests))
+    try:
+        result = asyncio.run(run_benchmark(cfg, requests, tokenizer, ramp, meta, clients))
+    finally:
+        clients.close()
     result["command"] = command_line(getattr(args, "argv", None))
     if args.output_file:
         write_json(args.output_file, result)

@@ -10,8 +10,10 @@
 For each configuration the server is started here (a subprocess on a free port, its log in the
 output directory), waited for on /health, loaded at each concurrency in turn (the same prompts
 for every configuration) and always stopped afterwards. With ``--ramp`` each configuration runs
-one ramp instead. Writes sweep.json (rewritten after every run, so a long sweep keeps what it
-has), sweep.md (the tables and the command) and PNG plots.
+one ramp instead, compared window by window with the first configuration and with the best of the
+others (sweep.json's ramp_comparison). The client's streams split over processes as in `bench serve`.
+Writes sweep.json (rewritten after every run, so a long sweep keeps what it has), sweep.md (the
+tables and the command) and PNG plots.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from typing import Any
 import httpx
 
 from specserve.bench.serving import command_line, parse_int_list, run_benchmark, write_json
-from specserve.bench.serving_args import (add_dataset_args, add_request_args, config_from_args, headline, ramp_from_args,
-                                          requests_from_args)
+from specserve.bench.serving_args import (add_dataset_args, add_request_args, client_processes, config_from_args,
+                                          headline, ramp_from_args, requests_from_args)
 from specserve.bench.tokenizer import BenchTokenizer, default_model_path, load_tokenizer
 
 SCHEMA_VERSION = 1
@@ -250,38 +252,46 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     def save() -> None:
         write_json(out_dir / "sweep.json", sweep)
 
-    for sc in configs:
-        port = free_port(args.host)
-        base_url = f"http://{args.host}:{port}"
-        cmd = server_command(args.server_cmd, sc.flags, args.host, port, args.model)
-        print(f"[{sc.name}] starting: {shlex.join(cmd)}", file=sys.stderr)
-        try:
-            with ServerProcess(cmd, base_url, out_dir / f"server-{sc.name}.log", args.server_start_timeout,
-                               env) as srv:
-                loads: list[int | None] = [None] if ramp is not None else list(concurrency)
-                for i, c in enumerate(loads):
-                    n = len(all_requests) if c is None else prompts_for(
-                        c, args.prompts_per_concurrency, args.min_prompts, args.max_prompts)
-                    cfg = config_from_args(args, base_url=base_url, model=None, max_concurrency=c,
-                                           request_rate=math.inf,
-                                           warmup_requests=args.warmup_requests if i == 0 else 0)
-                    sweep["bench_config"] = {k: v for k, v in cfg.__dict__.items() if k not in ("base_url", "api_key")}
-                    result = asyncio.run(run_benchmark(cfg, all_requests[:n], tokenizer, ramp, meta))
-                    sweep["server_info"][sc.name] = result["server_info"]
-                    sweep["runs"].append({"config": sc.name, "concurrency": c, "num_prompts": n,
-                                          "result": _slim(result)})
-                    print(f"[{sc.name}] C={c if c is not None else 'ramp'}: {headline(result)}", file=sys.stderr)
-                    save()
-                    if not srv.alive:
-                        raise ServerStartError(f"server exited during the run; log {srv.log_path}:\n"
-                                               f"{_tail(srv.log_path)}")
-        except (ServerStartError, RuntimeError, OSError, httpx.HTTPError) as e:
-            sweep["errors"][sc.name] = f"{type(e).__name__}: {e}"
-            print(f"[{sc.name}] failed: {e}", file=sys.stderr)
-            save()
+    clients = client_processes(args, ramp, max(concurrency), len(all_requests))
+    sweep["client_processes"] = clients.processes
+    try:
+        for sc in configs:
+            port = free_port(args.host)
+            base_url = f"http://{args.host}:{port}"
+            cmd = server_command(args.server_cmd, sc.flags, args.host, port, args.model)
+            print(f"[{sc.name}] starting: {shlex.join(cmd)}", file=sys.stderr)
+            try:
+                with ServerProcess(cmd, base_url, out_dir / f"server-{sc.name}.log", args.server_start_timeout,
+                                   env) as srv:
+                    loads: list[int | None] = [None] if ramp is not None else list(concurrency)
+                    for i, c in enumerate(loads):
+                        n = len(all_requests) if c is None else prompts_for(
+                            c, args.prompts_per_concurrency, args.min_prompts, args.max_prompts)
+                        cfg = config_from_args(args, base_url=base_url, model=None, max_concurrency=c,
+                                               request_rate=math.inf,
+                                               warmup_requests=args.warmup_requests if i == 0 else 0)
+                        sweep["bench_config"] = {k: v for k, v in cfg.__dict__.items()
+                                                 if k not in ("base_url", "api_key")}
+                        result = asyncio.run(run_benchmark(cfg, all_requests[:n], tokenizer, ramp, meta, clients))
+                        sweep["server_info"][sc.name] = result["server_info"]
+                        sweep["runs"].append({"config": sc.name, "concurrency": c, "num_prompts": n,
+                                              "result": _slim(result)})
+                        print(f"[{sc.name}] C={c if c is not None else 'ramp'}: {headline(result)}", file=sys.stderr)
+                        save()
+                        if not srv.alive:
+                            raise ServerStartError(f"server exited during the run; log {srv.log_path}:\n"
+                                                   f"{_tail(srv.log_path)}")
+            except (ServerStartError, RuntimeError, OSError, httpx.HTTPError) as e:
+                sweep["errors"][sc.name] = f"{type(e).__name__}: {e}"
+                print(f"[{sc.name}] failed: {e}", file=sys.stderr)
+                save()
+    finally:
+        clients.close()
 
-    from specserve.bench.plots import plot_all, sweep_markdown
+    from specserve.bench.plots import plot_all, ramp_comparison, sweep_markdown
 
+    if ramp is not None:
+        sweep["ramp_comparison"] = ramp_comparison(sweep)
     md = sweep_markdown(sweep)
     (out_dir / "sweep.md").write_text(md)
     if not args.no_plots:

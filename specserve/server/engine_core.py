@@ -223,24 +223,19 @@ def run_engine_core(engine_factory: Callable[[], Any], addresses: CoreAddresses,
                     log_level: int = logging.INFO, env: dict[str, str] | None = None) -> None:
     """Entry point of the engine-core process (multiprocessing, spawn); ``env``: set before the engine
     is built (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
-    from specserve.engine.heap import freeze_startup_heap
-    from specserve.engine.threads import set_cpu_threads
+    from specserve.engine.process import own_engine
 
-    os.environ.update(env or {})
     # a Ctrl-C or a SIGTERM to the whole process group (systemd, `timeout`): the front-ends drain first,
     # then the supervisor sends Shutdown
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    set_cpu_threads(reserved=len(addresses.outputs))  # a core for each front-end (tokenize, stream)
     core = engine = None
     try:
-        engine = engine_factory()
+        engine = own_engine(engine_factory, len(addresses.outputs), env)  # a core for each front-end
         if getattr(engine, "tp", None) is not None:  # a tensor-parallel rank died: go now, front-ends answer 503
             engine.tp.on_failure = _exit_on_rank_failure
         core = EngineCore(engine, addresses, parent_pid)
-        frozen = freeze_startup_heap()  # the engine lives as long as this process
-        log.info("moved %d start-up objects out of the garbage collector's reach", frozen)
         core.send_ready()
         log.info("engine core ready (pid %d)", os.getpid())
         core.run()
