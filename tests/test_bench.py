@@ -2,7 +2,8 @@
 
 The fake server (specserve/bench/fake_server.py) sends its first chunk after TTFT and one chunk per
 ITL after that; the benchmark must measure those values, account for every request and keep its
-JSON keys stable. The real-model test is in test_bench_live.py.
+JSON keys stable. The served-vs-offline benchmark's offline process runs the real SmolLM2 here (slow);
+the serving client against a real server is in test_bench_live.py.
 """
 
 from __future__ import annotations
