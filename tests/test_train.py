@@ -166,6 +166,28 @@ def test_simulated_accept_length() -> None:
     assert simulate_accept_length([[0, 0, 0]], k=3) == (3, 3)
 
 
+def test_remap_vocab_keeps_known_rows_and_takes_new_ones_from_the_target() -> None:
+    from specserve.train.eagle3 import remap_vocab
+
+    target = tiny_target(tiny_tokenizer())
+    V = target.config.vocab_size
+    head = Eagle3DraftModel(Eagle3Config.from_target(target.config, 4))
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[[1, 2, 3, 4]] = True
+    head.set_vocab_map(torch.tensor([1, 1, 1, 1]), t2d)
+    with torch.no_grad():
+        head.lm_head.weight.normal_()
+    before = head.lm_head.weight.detach().clone()  # rows of target ids 1, 2, 3, 4
+    counts = torch.zeros(V, dtype=torch.int64)
+    counts[[3, 4, 5, 6]] = torch.tensor([9, 8, 7, 6])
+    assert remap_vocab(head, target, counts) == 2
+    assert head.draft_to_target(torch.arange(4)).tolist() == [3, 4, 5, 6]
+    assert torch.nonzero(head.t2d).flatten().tolist() == [3, 4, 5, 6]
+    w = head.lm_head.weight.detach()
+    torch.testing.assert_close(w[:2], before[2:])  # 3 and 4 keep what they learned
+    torch.testing.assert_close(w[2:], target.model.lm_head_weight[[5, 6]].float())
+
+
 # ---- tiny end-to-end run ----------------------------------------------------------------------
 
 

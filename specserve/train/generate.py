@@ -1,12 +1,14 @@
-"""Greedy replies from the target, for self-distillation and for held-out acceptance.
+"""Replies from the target, for self-distillation and for held-out acceptance.
 
-``engine`` (default) runs our engine batched through ``specserve.LLM.chat``. ``simple`` is a
-small static-batch greedy loop over a dense KV cache, kept for when the engine is not usable on
-a device; both use the target's own chat template and stop at its end-of-turn ids.
+``engine`` (default) runs our engine batched (continuous batching), greedy or sampled at a
+temperature with a seed per reply. ``simple`` is a small static-batch greedy loop over a dense KV
+cache, kept for when the engine is not usable on a device; both use the target's own chat
+template and stop at its end-of-turn ids.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -31,20 +33,33 @@ class Reply:
 
 def generate_replies(target: Target, convs: Sequence[Conversation], max_tokens: int, backend: str = "engine",
                      batch_size: int = 256, max_num_batched_tokens: int = 16384,
-                     time_budget_s: float | None = None) -> list[Reply | None]:
-    """Greedy reply to each conversation (its last message must be a user message).
+                     time_budget_s: float | None = None, temperatures: Sequence[float] | None = None,
+                     seeds: Sequence[int] | None = None) -> list[Reply | None]:
+    """A reply to each conversation (its last message must be a user message): greedy, or for
+    conversation i sampled at ``temperatures[i]`` > 0 (engine only) with seed ``seeds[i]``.
 
     With ``time_budget_s`` generation stops at the deadline (the engine aborts what is in flight;
-    the simple loop finishes its batch); conversations not reached get None.
+    the simple loop finishes its batch); conversations not reached get None. The engine takes the
+    conversations in the given order then, so what a budget leaves out is the tail of that order.
     """
     for c in convs:
         if not c or c[-1]["role"] != "user":
             raise ValueError("each conversation to reply to must end with a user message")
+    temps = [0.0] * len(convs) if temperatures is None else [float(t) for t in temperatures]
+    if len(temps) != len(convs) or (seeds is not None and len(seeds) != len(convs)):
+        raise ValueError(f"{len(temps)} temperatures and {len(seeds or temps)} seeds for {len(convs)} conversations")
+    if any(t < 0 for t in temps):
+        raise ValueError(f"temperatures must be >= 0, got {min(temps)}")
+    sampled = any(t > 0 for t in temps)
+    if sampled and backend != "engine":
+        raise ValueError("sampled replies (temperature > 0) need the engine backend")
     prompts = [render_ids(target.tokenizer, c, add_generation_prompt=True) for c in convs]
     out: list[Reply | None] = [None] * len(convs)
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
-    # longest first keeps padding (simple loop) and late stragglers (engine) down
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    # longest first keeps padding (simple loop) and late stragglers (engine) down; under a budget the
+    # engine keeps the caller's order, so what is cut is not always the shortest prompts
+    longest_first = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    order = list(range(len(prompts))) if deadline is not None and backend == "engine" else longest_first
     gens: dict[int, list[int]] = {}
     if backend == "engine" and prompts:
         try:
@@ -52,10 +67,12 @@ def generate_replies(target: Target, convs: Sequence[Conversation], max_tokens: 
             # the trainer holds GPU memory of its own
             blocks = batch_size * (-(-(max(map(len, prompts)) + max_tokens) // 16) + 1)
             llm = _make_llm(target, batch_size, max_num_batched_tokens, blocks)
-            order = _engine_generate(llm, prompts, order, max_tokens, batch_size, deadline, gens)
+            order = _engine_generate(llm, prompts, order, max_tokens, batch_size, deadline, gens, temps, seeds)
         except Exception as e:  # keep a long run alive: the simple loop gives the same greedy tokens
+            if sampled:
+                raise
             log.warning("engine generation failed (%s: %s); using the simple loop", type(e).__name__, e)
-            order = [i for i in order if i not in gens]
+            order = [i for i in longest_first if i not in gens]
     elif backend == "engine":
         order = []
     for g0 in range(0, len(order), batch_size):
@@ -85,7 +102,8 @@ def _make_llm(target: Target, max_num_seqs: int, max_num_batched_tokens: int, nu
 
 
 def _engine_generate(llm, prompts: list[list[int]], order: list[int], max_tokens: int, concurrency: int,
-                     deadline: float | None, gens: dict[int, list[int]]) -> list[int]:
+                     deadline: float | None, gens: dict[int, list[int]], temperatures: Sequence[float],
+                     seeds: Sequence[int] | None) -> list[int]:
     """Feed prompts to the engine (continuous batching) until done or the deadline; fills ``gens``.
 
     Returns the prompts not attempted (empty unless the engine rejected some).
@@ -95,18 +113,25 @@ def _engine_generate(llm, prompts: list[list[int]], order: list[int], max_tokens
     from specserve import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def params(i: int) -> SamplingParams:
+        if temperatures[i] == 0:
+            return greedy
+        return SamplingParams(temperature=temperatures[i], max_tokens=max_tokens,
+                              seed=None if seeds is None else int(seeds[i]))
+
     stops = set(llm.tokenizer.eos_token_ids)
-    queue = list(order)
+    queue = collections.deque(order)
     inflight: dict[str, int] = {}
     rejected: list[int] = []
     bar = tqdm(total=len(order), desc="generate", mininterval=10)
     while queue or inflight:
         while queue and len(inflight) < 2 * concurrency:
-            i = queue.pop(0)
+            i = queue.popleft()
             rid = f"distill-{i}"
             try:
-                engine.add_request(rid, prompts[i], params)
+                engine.add_request(rid, prompts[i], params(i))
             except ValueError:  # e.g. longer than the engine's context
                 rejected.append(i)
                 continue
@@ -115,7 +140,7 @@ def _engine_generate(llm, prompts: list[list[int]], order: list[int], max_tokens
             for rid in inflight:
                 engine.abort_request(rid)
             log.info("generation budget spent with %d of %d replies done", len(gens), len(order))
-            queue = []
+            queue.clear()
             break
         for o in engine.step():
             if o.finished and o.request_id in inflight:
