@@ -120,7 +120,7 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     prompts = chat_prompts(convs, chat_pool, args.turns, args.max_turn_chars, limit=args.chat)
     train_math = [k for k in range(len(MATH_TEMPLATES)) if k not in MATH_HELDOUT]
     prompts += build_task_prompts(convs, pool, {t: args.per_task for t in TASKS if t != "chat"}, args.seed + 1,
-                                  train_math)
+                                  train_math, unique=False)
     r.shuffle(prompts)
     with _open(args.path, "w") as f:
         for p in prompts:

@@ -52,13 +52,16 @@ class TaskPrompt:
 _CODE = re.compile(r"```|[{};]\s*$|^\s*(def|class|import|#include|public|function)\b", re.M)
 
 
-def is_english_prose(text: str) -> bool:
-    """Mostly ASCII letters, no code, no table: a passage to translate, summarize or ask about."""
-    if not text or _CODE.search(text) or text.count("|") > 3:
-        return False
+def is_english(text: str) -> bool:
+    """Letters are most of it, and nearly all of them ASCII (English, as far as ShareGPT goes)."""
     ascii_letters = sum(c.isascii() and c.isalpha() for c in text)
     letters = sum(c.isalpha() for c in text)
     return letters > 0.6 * len(text) and ascii_letters > 0.98 * letters
+
+
+def is_english_prose(text: str) -> bool:
+    """English, no code, no table: a passage to translate, summarize or ask about."""
+    return bool(text) and not _CODE.search(text) and text.count("|") <= 3 and is_english(text)
 
 
 def passage(text: str, lo: int, hi: int) -> str | None:
@@ -132,7 +135,7 @@ def _math_templates() -> list:
 
     def t5(r, n):
         p = r.choice((20, 25, 40, 50, 60, 75))
-        a = r.randint(2, 10) * (100 // {20: 5, 25: 4, 40: 5, 50: 2, 60: 5, 75: 4}[p])
+        a = r.randint(3, 30) * {20: 5, 25: 4, 40: 5, 50: 2, 60: 5, 75: 4}[p]  # p % of a is whole
         return f"A school club has {a} members. {p}% of them are in their first year. How many are not?"
 
     def t6(r, n):
@@ -253,9 +256,11 @@ class _Pool:
 
 
 def build_task_prompts(convs: Sequence[Conversation], indices: Sequence[int], per_task: dict[str, int],
-                       seed: int, math_templates: Sequence[int], max_chat_chars: int = 800) -> list[TaskPrompt]:
-    """``per_task[task]`` single-turn prompts per task from the conversations ``indices`` (each
-    conversation used by at most one prompt), in task order; fewer where the pool runs out."""
+                       seed: int, math_templates: Sequence[int], unique: bool = True,
+                       max_chat_chars: int = 800) -> list[TaskPrompt]:
+    """``per_task[task]`` single-turn prompts per task from the conversations ``indices``, in task
+    order; fewer where the conversations run out. ``unique``: each conversation used by at most
+    one prompt of the set (else at most once per task). Chat prompts are English first turns."""
     bad = set(per_task) - set(TASKS)
     if bad:
         raise ValueError(f"unknown tasks {sorted(bad)}; tasks are {TASKS}")
@@ -280,6 +285,8 @@ def build_task_prompts(convs: Sequence[Conversation], indices: Sequence[int], pe
         if n <= 0:
             continue
         made: list[TaskPrompt] = []
+        if not unique:
+            pool = _Pool(indices, r)
 
         def add(sources: list[int], msg: str) -> None:
             made.append(TaskPrompt(id=f"{task}-{len(made)}", task=task, sources=sources, messages=user(msg)))
@@ -287,7 +294,7 @@ def build_task_prompts(convs: Sequence[Conversation], indices: Sequence[int], pe
         if task == "chat":
             def ok_chat(i: int) -> str | None:
                 u = _first_user(convs[i])
-                return u if u and 20 <= len(u) <= max_chat_chars else None
+                return u if u and 20 <= len(u) <= max_chat_chars and is_english(u) else None
             for i, u in pool.take(ok_chat):
                 add([i], u)
                 if len(made) == n:
