@@ -180,12 +180,17 @@ def test_remap_vocab_keeps_known_rows_and_takes_new_ones_from_the_target() -> No
     before = head.lm_head.weight.detach().clone()  # rows of target ids 1, 2, 3, 4
     counts = torch.zeros(V, dtype=torch.int64)
     counts[[3, 4, 5, 6]] = torch.tensor([9, 8, 7, 6])
-    assert remap_vocab(head, target, counts) == 2
+    assert remap_vocab(head, target, counts) == 2  # 5 and 6 replace 1 and 2 (never seen here)
     assert head.draft_to_target(torch.arange(4)).tolist() == [3, 4, 5, 6]
     assert torch.nonzero(head.t2d).flatten().tolist() == [3, 4, 5, 6]
     w = head.lm_head.weight.detach()
     torch.testing.assert_close(w[:2], before[2:])  # 3 and 4 keep what they learned
     torch.testing.assert_close(w[2:], target.model.lm_head_weight[[5, 6]].float())
+    # tokens unseen in the new data: those the head has win the ties (0 and 7 stay out)
+    counts[[5, 6]] = 0
+    head.set_vocab_map(torch.tensor([1, 1, 1, 1]), t2d)
+    assert remap_vocab(head, target, counts) == 0
+    assert torch.nonzero(head.t2d).flatten().tolist() == [1, 2, 3, 4]
 
 
 # ---- tiny end-to-end run ----------------------------------------------------------------------

@@ -343,10 +343,10 @@ def init_head(head: Eagle3DraftModel, target: Target, from_target: bool, seed: i
 
 def remap_vocab(head: Eagle3DraftModel, target: Target, counts: torch.Tensor) -> int:
     """Re-choose a continued head's draft vocab (its size kept) as the most frequent tokens of
-    ``counts``: a kept token keeps its lm_head row, a new one starts from the target's row (as a
-    fresh head does). Returns how many tokens came in."""
+    ``counts``, ties going to tokens it has: a kept token keeps its lm_head row, a new one starts
+    from the target's row (as a fresh head does). Returns how many tokens came in."""
     dvs = head.config.draft_vocab_size
-    d2t, t2d = build_vocab_map(counts, dvs)
+    d2t, t2d = build_vocab_map(2 * counts.to(torch.int64) + head.t2d.cpu().long(), dvs)
     old_pos = torch.full((t2d.numel(),), -1, dtype=torch.int64)
     old_pos[_draft_ids(head).cpu()] = torch.arange(dvs)
     new_ids = torch.nonzero(t2d, as_tuple=False).flatten()  # target ids in the new draft order
