@@ -356,3 +356,11 @@ def test_resumed_prepare_extends_distilled_conversations_to_more_turns(tmp_path)
     # a second resume has nothing left to extend
     _, _, facts2 = build_examples(cfg, target)
     assert "distill_extended_turns" not in facts2
+
+
+def test_device_name_reads_the_cuda_device_name(monkeypatch) -> None:
+    from specserve.train.checkpoint import device_name
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"GPU {d}")
+    assert device_name(torch.device("cuda", 0)) == "GPU cuda:0"  # the trainer's summary on a GPU
+    assert device_name(torch.device("cpu")).startswith("CPU")

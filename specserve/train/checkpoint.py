@@ -41,7 +41,7 @@ def save_checkpoint(path: str, head: Eagle3DraftModel, opt: torch.optim.Optimize
 
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
-        return torch.cuda.getdevice_name(dev)
+        return torch.cuda.get_device_name(dev)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
