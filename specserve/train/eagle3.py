@@ -478,8 +478,10 @@ def _distill_turns(cfg: TrainConfig, target: Target,
     its first reply came (prompt over ``cfg.max_prompt_len``, empty reply, budget spent). Turn
     depth d's replies are asked for once depth d - 1's are in: all items of a depth at once. A
     ``budget`` is shared out by how many items reach each depth (what a depth leaves goes on)."""
-    from specserve.train.generate import generate_replies
+    from specserve.train.generate import ReplyGenerator
 
+    gen = ReplyGenerator(target, cfg.distill_backend, cfg.distill_batch,
+                         max_len=cfg.max_prompt_len + cfg.distill_max_tokens)  # one engine for every depth
     work: list[tuple[D.Conversation, D.Conversation]] = []  # (source, rebuilt so far)
     for _, c, started, _, _ in items:
         c = D.first_exchange(c, cfg.distill_turns)
@@ -506,10 +508,8 @@ def _distill_turns(cfg: TrainConfig, target: Target,
                 continue
             todo.append((w, prompt))
         left = None if end is None else max(0.0, end - time.monotonic())
-        replies = generate_replies(target, [p for _, p in todo], cfg.distill_max_tokens,
-                                   backend=cfg.distill_backend, batch_size=cfg.distill_batch, time_budget_s=left,
-                                   temperatures=[items[w][3] for w, _ in todo],
-                                   seeds=[items[w][4] + turn for w, _ in todo])
+        replies = gen.replies([p for _, p in todo], cfg.distill_max_tokens, time_budget_s=left,
+                              temperatures=[items[w][3] for w, _ in todo], seeds=[items[w][4] + turn for w, _ in todo])
         for (w, prompt), r in zip(todo, replies):
             if r is None or not r.text.strip():
                 continue
