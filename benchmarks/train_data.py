@@ -162,7 +162,9 @@ def cmd_distill(args: argparse.Namespace) -> dict[str, Any]:
                                 "messages": conv}, ensure_ascii=False) + "\n")
             counts[p.task] += 1
             chars += sum(len(m["content"]) for m in conv if m["role"] == "assistant")
-    facts = {"prompts": len(prompts), "temperatures": temps, "conversations": len(got), "per_task": dict(counts),
+    reached = max((k for k, _, _ in got), default=-1) + 1  # prompts up to the last one answered
+    facts = {"prompts": len(prompts), "next_start": args.start + reached, "temperatures": temps,
+             "conversations": len(got), "per_task": dict(counts),
              "reply_chars": chars, "seconds": round(gen_s, 1), "path": args.path,
              "bytes": os.path.getsize(args.path)}
     print(json.dumps(facts), flush=True)

@@ -7,8 +7,9 @@
 #   export PYTHONPATH=/tmp/site:$PWD; GGUF=/tmp/m.gguf RES=$OUT bash benchmarks/train_tasks.sh
 #
 # 1. distill (DISTILL_S s): `train_data.py distill` answers PROMPTS from START on with the target through
-#    our engine, once per temperature in TEMPS, turn by turn; DISTILLED=file(s) (an earlier run's
-#    distilled.jsonl.gz, space-separated) skips this step, DISTILLED plus DISTILL_S > 0 adds new replies.
+#    our engine, once per temperature in TEMPS, turn by turn (it prints next_start: START for new prompts
+#    next time); DISTILLED=file(s) (earlier runs' replies, space-separated) with DISTILL_S=0 skips this
+#    step, with DISTILL_S > 0 trains on both.
 # 2. train (TRAIN_S s): continue INIT (--init-from: its draft vocab and weights) on those conversations with
 #    a TTT depth of TTT steps (5: the deepest chain and tree we serve), lr LR, the schedule over the budget.
 #    The prompts came from conversations outside the held-out split, so the trainer holds none out.
