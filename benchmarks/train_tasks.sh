@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (~550 s on one GPU): the target's own replies to varied training prompts (greedy and
+# One device call (~510 s on one GPU): the target's own replies to varied training prompts (greedy and
 # sampled), the shipped head continued on them, then both heads measured per task in the engine.
 #
 #   python benchmarks/train_data.py prompts .trainprompts/train_prompts.jsonl.gz      # here, once
@@ -27,8 +27,8 @@ RES=${RES:-$WORK/res}
 PROMPTS=${PROMPTS:-.trainprompts/train_prompts.jsonl.gz}
 BASE=models/smollm2-135m-eagle3
 INIT=${INIT:-$BASE}
-DISTILL_S=${DISTILL_S:-170}
-TRAIN_S=${TRAIN_S:-210}
+DISTILL_S=${DISTILL_S:-160}
+TRAIN_S=${TRAIN_S:-190}
 mkdir -p "$WORK" "$RES"
 LOG="$RES/run.log"
 : > "$LOG"
