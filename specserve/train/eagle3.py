@@ -343,22 +343,28 @@ def init_head(head: Eagle3DraftModel, target: Target, from_target: bool, seed: i
 
 def remap_vocab(head: Eagle3DraftModel, target: Target, counts: torch.Tensor) -> int:
     """Re-choose a continued head's draft vocab (its size kept) as the most frequent tokens of
-    ``counts``, ties going to tokens it has: a kept token keeps its lm_head row, a new one starts
-    from the target's row (as a fresh head does). Returns how many tokens came in."""
+    ``counts``, ties going to tokens it has. A kept token keeps its lm_head row; a new one gets its
+    target row mapped into the head's space by the least-squares linear map from the kept tokens'
+    target rows to their head rows (the target's rows as they are score new tokens far too high:
+    one-step accuracy 0.26 -> 0.09 on a sample, 0.30 mapped). Returns how many tokens came in."""
     dvs = head.config.draft_vocab_size
     d2t, t2d = build_vocab_map(2 * counts.to(torch.int64) + head.t2d.cpu().long(), dvs)
+    old_ids = _draft_ids(head).cpu()
     old_pos = torch.full((t2d.numel(),), -1, dtype=torch.int64)
-    old_pos[_draft_ids(head).cpu()] = torch.arange(dvs)
+    old_pos[old_ids] = torch.arange(dvs)
     new_ids = torch.nonzero(t2d, as_tuple=False).flatten()  # target ids in the new draft order
     pos = old_pos[new_ids]
     kept = pos >= 0
     w = head.lm_head.weight
     with torch.no_grad():
-        rows = torch.empty_like(w)
-        rows[kept] = w[pos[kept].to(w.device)]
-        tw = target.model.lm_head_weight
-        rows[~kept] = tw[new_ids[~kept].to(tw.device)].to(device=w.device, dtype=w.dtype)
-        w.copy_(rows)
+        tw = target.model.lm_head_weight.detach().float().cpu()
+        hw = w.detach().float().cpu()
+        rows = torch.empty_like(hw)
+        rows[kept] = hw[pos[kept]]
+        if bool((~kept).any()):
+            m = torch.linalg.lstsq(tw[old_ids], hw).solution  # [H, H]: target row -> head row
+            rows[~kept] = tw[new_ids[~kept]] @ m
+        w.copy_(rows.to(device=w.device, dtype=w.dtype))
     head.set_vocab_map(d2t, t2d)
     return int((~kept).sum())
 
