@@ -157,7 +157,9 @@ def engine_tasks(args: argparse.Namespace) -> dict[str, Any]:
                               "draft_vocab_coverage": round(cov / n, 4) if n else None}
                           for k, (v, a, n, cov) in per.items()}
             means = [r["accept_length"] for k, r in rows[name].items() if k not in ("all", "sharegpt")]
-            rows[name]["mean_of_tasks"] = round(sum(means) / len(means), 3) if means else None
+            rows[name]["mean_of_tasks"] = round(sum(means) / len(means), 3) if None not in means and means else None
+            # the engine's own count over all requests: "all" sums the requests' counts, so the two agree
+            rows[name]["engine_accept_length"] = round(llm.engine.get_stats().avg_accept_length or 0, 3)
             rows[name]["seconds"] = round(time.monotonic() - t0, 1)
             print(f"{path} {name} ({rows[name]['seconds']} s): " + ", ".join(
                 f"{k} {r['accept_length']}" for k, r in rows[name].items() if isinstance(r, dict)), flush=True)
@@ -179,8 +181,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     for t in tasks:
         cells = [result["heads"][h][c].get(t, {}).get("accept_length") for h, c in cols]
         lines.append(f"| {t} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells) + " |")
-    lines.append("| mean of tasks | " + " | ".join(
-        f"{result['heads'][h][c]['mean_of_tasks']:.2f}" for h, c in cols) + " |")
+    means = [result["heads"][h][c]["mean_of_tasks"] for h, c in cols]
+    lines.append("| mean of tasks | " + " | ".join("-" if v is None else f"{v:.2f}" for v in means) + " |")
     return "\n".join(lines)
 
 

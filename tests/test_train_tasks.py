@@ -152,7 +152,8 @@ def test_heldout_acceptance_reports_each_task(tiny, tmp_path) -> None:
     assert res["settings"]["prompts_per_task"] == {"qa": 2, "math": 2}
     for name, steps in (("chain2", 2), ("chain3", 3)):
         rows = res["heads"][head][name]
-        assert set(rows) == {"qa", "math", "all", "mean_of_tasks", "seconds"}
+        assert set(rows) == {"qa", "math", "all", "mean_of_tasks", "engine_accept_length", "seconds"}
+        assert rows["engine_accept_length"] == rows["all"]["accept_length"]  # per-request counts sum to the engine's
         for t in ("qa", "math"):
             r = rows[t]
             assert r["verify_steps"] > 0 and 1.0 <= r["accept_length"] <= steps + 1
