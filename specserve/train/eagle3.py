@@ -473,7 +473,7 @@ def distill_samples(cfg: TrainConfig, target: Target, convs: Sequence[tuple[int,
 
 
 def _sample_seed(seed: int, index: int, variant: int) -> int:
-    return ((seed * 1_000_003 + index) * 1_009 + variant) * 64  # + turn
+    return ((seed * 1_000_003 + index) * 1_009 + variant) * 64  # its turn t is drawn with this + t
 
 
 def _distill_turns(cfg: TrainConfig, target: Target,
