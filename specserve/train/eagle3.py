@@ -18,13 +18,11 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from specserve.attention.base import forward_context
 from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel

@@ -77,7 +77,8 @@ class ReplyGenerator:
                 raise ValueError("each conversation to reply to must end with a user message")
         temps = [0.0] * len(convs) if temperatures is None else [float(t) for t in temperatures]
         if len(temps) != len(convs) or (seeds is not None and len(seeds) != len(convs)):
-            raise ValueError(f"{len(temps)} temperatures and {len(seeds or temps)} seeds for {len(convs)} conversations")
+            raise ValueError(f"{len(temps)} temperatures and {len(seeds or temps)} seeds for "
+                             f"{len(convs)} conversations")
         if any(t < 0 for t in temps):
             raise ValueError(f"temperatures must be >= 0, got {min(temps)}")
         sampled = any(t > 0 for t in temps)
