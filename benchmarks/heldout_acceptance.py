@@ -9,21 +9,38 @@ upper bound of a top-4 tree of depth k). All heads see the same replies.
 
     python benchmarks/heldout_acceptance.py --heads models/smollm2-135m-eagle3 /path/to/other_head \\
         --output-file benchmarks/results/heldout_acceptance.json
+
+With ``--tasks FILE`` (a held-out multi-task set, benchmarks/data/heldout_tasks.json) it measures in the
+engine instead, per task: greedy, natural stops, up to --max-tokens, policy static, one engine per
+head and configuration (spec_single's CONFIGS) running all prompts; per task the accept length per
+verify step ((accepted + verify steps) / verify steps, SGLang's count, from each request's own
+counts), and the share of the replies' tokens the head's draft vocab holds. ``--chat N`` adds the
+chat benchmarks' first N ShareGPT prompts (benchmarks/accept_length.py's) as the task "sharegpt".
+
+    python benchmarks/heldout_acceptance.py --tasks benchmarks/data/heldout_tasks.json \\
+        --heads models/smollm2-135m-eagle3 --configs chain5,tree --chat 32 --output-file $OUT/tasks.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import time
+from collections import defaultdict
 from typing import Any
 
 import torch
 
-from specserve.bench.harness import run_metadata, write_json
-from specserve.models.eagle3 import Eagle3DraftModel
-from specserve.train import data as D
-from specserve.train.eagle3 import accept_runs, acceptance_report, heldout_examples
-from specserve.train.target import load_target, resolve_device
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from specserve.bench.harness import chat_prompt_ids, run_metadata, write_json  # noqa: E402
+from spec_single import CONFIGS  # noqa: E402
+
+from specserve.models.eagle3 import Eagle3DraftModel  # noqa: E402
+from specserve.train import data as D  # noqa: E402
+from specserve.train.eagle3 import accept_runs, acceptance_report, heldout_examples  # noqa: E402
+from specserve.train.target import load_target, resolve_device  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -40,7 +57,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=64, help="concurrent sequences while generating the replies")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--output-file", default=None)
+    g = ap.add_argument_group("per task, in the engine (--tasks)")
+    g.add_argument("--tasks", default=None, help="a held-out task file: measure in the engine, per task")
+    g.add_argument("--per-task", type=int, default=None, help="the first N prompts of each task")
+    g.add_argument("--chat", type=int, default=0, help="add the chat benchmarks' first N ShareGPT prompts")
+    g.add_argument("--configs", default="chain5,tree", help=f"comma-separated, of {list(CONFIGS)}")
+    g.add_argument("--dtype", default="auto", help="engine dtype (auto: bf16 on a GPU, fp32 on the CPU)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     args = ap.parse_args(argv)
+    if args.tasks:
+        return engine_tasks(args)
 
     device = resolve_device(args.device)
     target = load_target(args.model, device)
@@ -67,6 +93,97 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.output_file:
         write_json(args.output_file, result)
     return result
+
+
+def task_prompts(path: str, per_task: int | None) -> list[tuple[str, str, list[dict[str, str]]]]:
+    """(task, id, messages) of a held-out task file, the first ``per_task`` of each task."""
+    with open(path) as f:
+        d = json.load(f)
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for p in d["prompts"]:
+        if per_task is None or seen[p["task"]] < per_task:
+            seen[p["task"]] += 1
+            out.append((p["task"], p["id"], p["messages"]))
+    return out
+
+
+def engine_tasks(args: argparse.Namespace) -> dict[str, Any]:
+    """Per task and per head x configuration: the engine's accept length (see the module doc)."""
+    from specserve import LLM, SamplingParams
+
+    names = [c for c in args.configs.split(",") if c]
+    bad = [c for c in names if not CONFIGS.get(c)]
+    if bad:
+        raise SystemExit(f"unknown or non-speculative configs {bad}; choose from {[c for c in CONFIGS if CONFIGS[c]]}")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
+    items = task_prompts(args.tasks, args.per_task)
+    common = dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                  max_num_seqs=len(items) + args.chat, speculative_algorithm="EAGLE3", speculative_policy="static")
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    result: dict[str, Any] = {"benchmark": "heldout_acceptance_tasks", **run_metadata(),
+                              "settings": {"tasks_file": args.tasks, "per_task": args.per_task, "chat": args.chat,
+                                           "max_tokens": args.max_tokens, "greedy": True, "policy": "static",
+                                           "configs": {c: CONFIGS[c] for c in names}},
+                              "heads": {}}
+    ids = None
+    t_all = time.monotonic()
+    for path in args.heads:
+        t2d = Eagle3DraftModel.from_pretrained(path).t2d.bool()
+        rows: dict[str, Any] = {}
+        for name in names:
+            t0 = time.monotonic()
+            llm = LLM(**common, speculative_draft_model_path=path, **CONFIGS[name])
+            if ids is None:
+                tok = llm.tokenizer
+                ids = [tok.apply_chat_template(m, add_generation_prompt=True) for _, _, m in items]
+                tasks = [t for t, _, _ in items]
+                if args.chat:
+                    ids += chat_prompt_ids(tok, args.chat, seed=0)
+                    tasks += ["sharegpt"] * args.chat
+                result["settings"]["prompts_per_task"] = {t: tasks.count(t) for t in dict.fromkeys(tasks)}
+            outs = llm.generate(ids, sp, use_tqdm=False)
+            per: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # verify, accepted, tokens, in vocab
+            for t, o in zip(tasks, outs):
+                toks = list(o.outputs[0].token_ids)
+                for key in (t, "all"):
+                    c = per[key]
+                    c[0] += o.metrics.spec_verify_steps
+                    c[1] += o.metrics.spec_accepted_tokens
+                    c[2] += len(toks)
+                    c[3] += int(t2d[torch.tensor(toks, dtype=torch.long)].sum()) if toks else 0
+            rows[name] = {k: {"accept_length": round((a + v) / v, 3) if v else None, "verify_steps": v,
+                              "accepted_tokens": a, "output_tokens": n,
+                              "draft_vocab_coverage": round(cov / n, 4) if n else None}
+                          for k, (v, a, n, cov) in per.items()}
+            means = [r["accept_length"] for k, r in rows[name].items() if k not in ("all", "sharegpt")]
+            rows[name]["mean_of_tasks"] = round(sum(means) / len(means), 3) if None not in means and means else None
+            # the engine's own count over all requests: "all" sums the requests' counts, so the two agree
+            rows[name]["engine_accept_length"] = round(llm.engine.get_stats().avg_accept_length or 0, 3)
+            rows[name]["seconds"] = round(time.monotonic() - t0, 1)
+            print(f"{path} {name} ({rows[name]['seconds']} s): " + ", ".join(
+                f"{k} {r['accept_length']}" for k, r in rows[name].items() if isinstance(r, dict)), flush=True)
+            del llm, outs
+        result["heads"][path] = rows
+    result["elapsed_s"] = round(time.monotonic() - t_all, 1)
+    print(markdown_table(result), flush=True)
+    if args.output_file:
+        write_json(args.output_file, result)
+    return result
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """Rows: task; columns: head x configuration (accept length per verify step)."""
+    cols = [(h, c) for h, rows in result["heads"].items() for c in rows]
+    tasks = list(result["settings"]["prompts_per_task"]) + ["all"]
+    lines = ["| task | " + " | ".join(f"{os.path.basename(os.path.normpath(h))} {c}" for h, c in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for t in tasks:
+        cells = [result["heads"][h][c].get(t, {}).get("accept_length") for h, c in cols]
+        lines.append(f"| {t} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in cells) + " |")
+    means = [result["heads"][h][c]["mean_of_tasks"] for h, c in cols]
+    lines.append("| mean of tasks | " + " | ".join("-" if v is None else f"{v:.2f}" for v in means) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

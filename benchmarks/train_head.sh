@@ -4,7 +4,7 @@
 #   GGUF=SmolLM2-135M-Instruct.Q4_1.gguf DATA=sharegpt_first_exchange.jsonl.gz WORK=/tmp/th \
 #       bash benchmarks/train_head.sh
 #
-# DATA comes from benchmarks/train_data.py (ShareGPT first exchanges, indices preserved, so the
+# DATA comes from `benchmarks/train_data.py sharegpt` (ShareGPT first exchanges, indices preserved, so the
 # held-out split is ShareGPT's own). Steps:
 # 1. prepare: regenerate the first reply of each training conversation greedily with the target
 #    through our engine (self-distillation, time-boxed by DISTILL_S; conversations not reached keep
@@ -15,7 +15,7 @@
 #    (the time budget, not --epochs, ends the run: 420 s is ~9 epochs on one H200);
 #    each measures greedy acceptance on held-out ShareGPT prompts at the end.
 # TURNS=3 distills (and trains on) up to three exchanges per conversation (DATA from
-# `train_data.py --turns 3`; a DISTILLED file of fewer turns is extended); INIT=head_dir continues
+# `train_data.py sharegpt --turns 3`; a DISTILLED file of fewer turns is extended); INIT=head_dir continues
 # training that head (its draft vocab kept); SEED changes the batch order, never the held-out split.
 set -euo pipefail
 : "${GGUF:?path to the target GGUF}" "${DATA:?ShareGPT first-exchange JSONL}"

@@ -166,6 +166,36 @@ def test_simulated_accept_length() -> None:
     assert simulate_accept_length([[0, 0, 0]], k=3) == (3, 3)
 
 
+def test_remap_vocab_keeps_known_rows_and_maps_new_ones_from_the_target() -> None:
+    from specserve.train.eagle3 import remap_vocab
+
+    target = tiny_target(tiny_tokenizer())
+    V, H = target.config.vocab_size, target.config.hidden_size
+    dvs = 80  # more rows than hidden dims: the map from target rows to head rows is determined
+    head = Eagle3DraftModel(Eagle3Config.from_target(target.config, dvs))
+    tw = target.model.lm_head_weight.float()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[1 : dvs + 1] = True
+    head.set_vocab_map(torch.ones(dvs, dtype=torch.int64), t2d)
+    m0 = torch.randn(H, H, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        head.lm_head.weight.copy_(tw[1 : dvs + 1] @ m0)  # rows of target ids 1..80
+    before = head.lm_head.weight.detach().clone()
+    counts = torch.zeros(V, dtype=torch.int64)
+    counts[3 : dvs + 3] = 5  # ids 3..82 seen: 81 and 82 come in, 1 and 2 (never seen) go
+    assert remap_vocab(head, target, counts) == 2
+    assert torch.nonzero(head.t2d).flatten().tolist() == list(range(3, dvs + 3))
+    assert head.draft_to_target(torch.tensor([0, dvs - 1])).tolist() == [3, dvs + 2]
+    w = head.lm_head.weight.detach()
+    torch.testing.assert_close(w[: dvs - 2], before[2:])  # kept tokens keep what they learned
+    torch.testing.assert_close(w[dvs - 2 :], tw[[dvs + 1, dvs + 2]] @ m0, rtol=1e-3, atol=1e-3)  # mapped rows
+    # tokens unseen in the new data: those the head has win the ties
+    counts[[dvs + 1, dvs + 2]] = 0
+    head.set_vocab_map(torch.ones(dvs, dtype=torch.int64), t2d)
+    assert remap_vocab(head, target, counts) == 0
+    assert torch.nonzero(head.t2d).flatten().tolist() == list(range(1, dvs + 1))
+
+
 # ---- tiny end-to-end run ----------------------------------------------------------------------
 
 
@@ -329,3 +359,11 @@ def test_resumed_prepare_extends_distilled_conversations_to_more_turns(tmp_path)
     # a second resume has nothing left to extend
     _, _, facts2 = build_examples(cfg, target)
     assert "distill_extended_turns" not in facts2
+
+
+def test_device_name_reads_the_cuda_device_name(monkeypatch) -> None:
+    from specserve.train.checkpoint import device_name
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: f"GPU {d}")
+    assert device_name(torch.device("cuda", 0)) == "GPU cuda:0"  # the trainer's summary on a GPU
+    assert device_name(torch.device("cpu")).startswith("CPU")

@@ -60,6 +60,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
       help="start lm_head/norm from the target's rows for the draft vocab")
     a("--init-from", default=None, help="continue training this EAGLE-3 head (its draft vocab is kept; "
       "--draft-vocab-size is then ignored)")
+    a("--remap-vocab", action="store_true", help="with --init-from: re-choose the draft vocab (same size) from "
+      "this data's tokens; kept tokens keep their rows, new ones start from the target's")
     a("--log-every", type=int, default=d.log_every)
     a("--progress", action=argparse.BooleanOptionalAction, default=True)
 

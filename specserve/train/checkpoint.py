@@ -41,7 +41,7 @@ def save_checkpoint(path: str, head: Eagle3DraftModel, opt: torch.optim.Optimize
 
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
-        return torch.cuda.getdevice_name(dev)
+        return torch.cuda.get_device_name(dev)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
@@ -63,9 +63,14 @@ def write_model_card(cfg: TrainConfig, s: dict[str, Any], argv: Sequence[str] | 
            f"target (self-distillation, {cfg.distill_turns} turn(s), up to {cfg.distill_max_tokens} tokens"
            f"{', the rest keep the dataset replies' if cfg.distill_keep_original else ''})." if cfg.self_distill
            else "the dataset's own assistant turns."),
-        f"- Held-out split: the first {cfg.heldout} indices of `random.Random({cfg.split_seed}).shuffle(range(n))` "
-        f"over the {s['source_conversations']} conversations (`heldout.json`); none was trained on.",
-        (f"- Continued from the head at {cfg.init_from} (its draft vocab of {s['draft_vocab_size']} tokens kept; "
+        (f"- Held-out split: the first {cfg.heldout} indices of `random.Random({cfg.split_seed}).shuffle(range(n))` "
+         f"over the {s['source_conversations']} conversations (`heldout.json`); none was trained on." if cfg.heldout
+         else "- Held-out split: none taken here (`--heldout 0`): the data was built without the held-out "
+              "conversations."),
+        (f"- Continued from the head at {cfg.init_from}; its draft vocab of {s['draft_vocab_size']} tokens re-chosen "
+         f"from these loss tokens ({s['vocab_tokens_replaced']} replaced; coverage {s['init_vocab_coverage']:.2%} -> "
+         f"{s['draft_vocab_coverage']:.2%})." if cfg.init_from and cfg.remap_vocab else
+         f"- Continued from the head at {cfg.init_from} (its draft vocab of {s['draft_vocab_size']} tokens kept; "
          f"coverage {s['draft_vocab_coverage']:.2%} of these loss tokens)." if cfg.init_from else
          f"- Draft vocab: {s['draft_vocab_size']} most frequent assistant tokens "
          f"(coverage {s['draft_vocab_coverage']:.2%} of loss tokens)."),

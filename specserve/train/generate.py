@@ -1,12 +1,14 @@
-"""Greedy replies from the target, for self-distillation and for held-out acceptance.
+"""Replies from the target, for self-distillation and for held-out acceptance.
 
-``engine`` (default) runs our engine batched through ``specserve.LLM.chat``. ``simple`` is a
-small static-batch greedy loop over a dense KV cache, kept for when the engine is not usable on
-a device; both use the target's own chat template and stop at its end-of-turn ids.
+``engine`` (default) runs our engine batched (continuous batching), greedy or sampled at a
+temperature with a seed per reply. ``simple`` is a small static-batch greedy loop over a dense KV
+cache, kept for when the engine is not usable on a device; both use the target's own chat
+template and stop at its end-of-turn ids.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -31,44 +33,87 @@ class Reply:
 
 def generate_replies(target: Target, convs: Sequence[Conversation], max_tokens: int, backend: str = "engine",
                      batch_size: int = 256, max_num_batched_tokens: int = 16384,
-                     time_budget_s: float | None = None) -> list[Reply | None]:
-    """Greedy reply to each conversation (its last message must be a user message).
+                     time_budget_s: float | None = None, temperatures: Sequence[float] | None = None,
+                     seeds: Sequence[int] | None = None) -> list[Reply | None]:
+    """One call of a ``ReplyGenerator`` (its engine sized for these prompts)."""
+    gen = ReplyGenerator(target, backend, batch_size, max_num_batched_tokens)
+    return gen.replies(convs, max_tokens, time_budget_s, temperatures, seeds)
 
-    With ``time_budget_s`` generation stops at the deadline (the engine aborts what is in flight;
-    the simple loop finishes its batch); conversations not reached get None.
-    """
-    for c in convs:
-        if not c or c[-1]["role"] != "user":
-            raise ValueError("each conversation to reply to must end with a user message")
-    prompts = [render_ids(target.tokenizer, c, add_generation_prompt=True) for c in convs]
-    out: list[Reply | None] = [None] * len(convs)
-    deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
-    # longest first keeps padding (simple loop) and late stragglers (engine) down
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    gens: dict[int, list[int]] = {}
-    if backend == "engine" and prompts:
-        try:
-            # KV for a full batch of the longest prompts and replies, not a share of free memory:
-            # the trainer holds GPU memory of its own
-            blocks = batch_size * (-(-(max(map(len, prompts)) + max_tokens) // 16) + 1)
-            llm = _make_llm(target, batch_size, max_num_batched_tokens, blocks)
-            order = _engine_generate(llm, prompts, order, max_tokens, batch_size, deadline, gens)
-        except Exception as e:  # keep a long run alive: the simple loop gives the same greedy tokens
-            log.warning("engine generation failed (%s: %s); using the simple loop", type(e).__name__, e)
-            order = [i for i in order if i not in gens]
-    elif backend == "engine":
-        order = []
-    for g0 in range(0, len(order), batch_size):
-        if deadline is not None and time.monotonic() > deadline:
-            log.info("generation budget spent with %d of %d replies done", len(gens), len(prompts))
-            break
-        idx = order[g0 : g0 + batch_size]
-        for i, ids in zip(idx, simple_greedy(target, [prompts[i] for i in idx], max_tokens)):
-            gens[i] = ids
-    for i, ids in gens.items():
-        out[i] = Reply(prompt_ids=prompts[i], token_ids=ids,
-                       text=target.tokenizer.decode(_strip_stop(ids, target.stop_ids)))
-    return out
+
+class ReplyGenerator:
+    """The target's replies through one engine kept across calls (built on first use; KV for a full
+    batch of ``max_len``-token sequences, or of the first call's longest prompt and reply, and built
+    anew when a call needs more), or through the simple loop (``backend="simple"``)."""
+
+    def __init__(self, target: Target, backend: str = "engine", batch_size: int = 256,
+                 max_num_batched_tokens: int = 16384, max_len: int | None = None) -> None:
+        self.target, self.backend, self.batch_size = target, backend, batch_size
+        self.max_num_batched_tokens, self.max_len = max_num_batched_tokens, max_len
+        self._llm = None
+        self._llm_len = 0  # tokens per sequence the engine's KV was sized for
+
+    def _engine(self, need: int):
+        if self._llm is None or need > self._llm_len:
+            self._llm = None
+            self._llm_len = max(need, self.max_len or 0)
+            # KV for a full batch, not a share of free memory: the trainer holds GPU memory of its own
+            blocks = self.batch_size * (-(-self._llm_len // 16) + 1)
+            self._llm = _make_llm(self.target, self.batch_size, self.max_num_batched_tokens, blocks)
+        return self._llm
+
+    def replies(self, convs: Sequence[Conversation], max_tokens: int, time_budget_s: float | None = None,
+                temperatures: Sequence[float] | None = None,
+                seeds: Sequence[int] | None = None) -> list[Reply | None]:
+        """A reply to each conversation (its last message must be a user message): greedy, or for
+        conversation i sampled at ``temperatures[i]`` > 0 (engine only) with seed ``seeds[i]``.
+
+        With ``time_budget_s`` generation stops at the deadline (the engine aborts what is in flight;
+        the simple loop finishes its batch); conversations not reached get None. The engine takes the
+        conversations in the given order then, so what a budget leaves out is the tail of that order.
+        """
+        target, backend, batch_size = self.target, self.backend, self.batch_size
+        for c in convs:
+            if not c or c[-1]["role"] != "user":
+                raise ValueError("each conversation to reply to must end with a user message")
+        temps = [0.0] * len(convs) if temperatures is None else [float(t) for t in temperatures]
+        if len(temps) != len(convs) or (seeds is not None and len(seeds) != len(convs)):
+            raise ValueError(f"{len(temps)} temperatures and {len(seeds or temps)} seeds for "
+                             f"{len(convs)} conversations")
+        if any(t < 0 for t in temps):
+            raise ValueError(f"temperatures must be >= 0, got {min(temps)}")
+        sampled = any(t > 0 for t in temps)
+        if sampled and backend != "engine":
+            raise ValueError("sampled replies (temperature > 0) need the engine backend")
+        prompts = [render_ids(target.tokenizer, c, add_generation_prompt=True) for c in convs]
+        out: list[Reply | None] = [None] * len(convs)
+        deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+        # longest first keeps padding (simple loop) and late stragglers (engine) down; under a budget the
+        # engine keeps the caller's order, so what is cut is not always the shortest prompts
+        longest_first = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        order = list(range(len(prompts))) if deadline is not None and backend == "engine" else longest_first
+        gens: dict[int, list[int]] = {}
+        if backend == "engine" and prompts:
+            try:
+                llm = self._engine(max(map(len, prompts)) + max_tokens)
+                order = _engine_generate(llm, prompts, order, max_tokens, batch_size, deadline, gens, temps, seeds)
+            except Exception as e:  # keep a long run alive: the simple loop gives the same greedy tokens
+                if sampled:
+                    raise
+                log.warning("engine generation failed (%s: %s); using the simple loop", type(e).__name__, e)
+                order = [i for i in longest_first if i not in gens]
+        elif backend == "engine":
+            order = []
+        for g0 in range(0, len(order), batch_size):
+            if deadline is not None and time.monotonic() > deadline:
+                log.info("generation budget spent with %d of %d replies done", len(gens), len(prompts))
+                break
+            idx = order[g0 : g0 + batch_size]
+            for i, ids in zip(idx, simple_greedy(target, [prompts[i] for i in idx], max_tokens)):
+                gens[i] = ids
+        for i, ids in gens.items():
+            out[i] = Reply(prompt_ids=prompts[i], token_ids=ids,
+                           text=target.tokenizer.decode(_strip_stop(ids, target.stop_ids)))
+        return out
 
 
 def _strip_stop(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
@@ -85,7 +130,8 @@ def _make_llm(target: Target, max_num_seqs: int, max_num_batched_tokens: int, nu
 
 
 def _engine_generate(llm, prompts: list[list[int]], order: list[int], max_tokens: int, concurrency: int,
-                     deadline: float | None, gens: dict[int, list[int]]) -> list[int]:
+                     deadline: float | None, gens: dict[int, list[int]], temperatures: Sequence[float],
+                     seeds: Sequence[int] | None) -> list[int]:
     """Feed prompts to the engine (continuous batching) until done or the deadline; fills ``gens``.
 
     Returns the prompts not attempted (empty unless the engine rejected some).
@@ -95,18 +141,25 @@ def _engine_generate(llm, prompts: list[list[int]], order: list[int], max_tokens
     from specserve import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def params(i: int) -> SamplingParams:
+        if temperatures[i] == 0:
+            return greedy
+        return SamplingParams(temperature=temperatures[i], max_tokens=max_tokens,
+                              seed=None if seeds is None else int(seeds[i]))
+
     stops = set(llm.tokenizer.eos_token_ids)
-    queue = list(order)
+    queue = collections.deque(order)
     inflight: dict[str, int] = {}
     rejected: list[int] = []
     bar = tqdm(total=len(order), desc="generate", mininterval=10)
     while queue or inflight:
         while queue and len(inflight) < 2 * concurrency:
-            i = queue.pop(0)
+            i = queue.popleft()
             rid = f"distill-{i}"
             try:
-                engine.add_request(rid, prompts[i], params)
+                engine.add_request(rid, prompts[i], params(i))
             except ValueError:  # e.g. longer than the engine's context
                 rejected.append(i)
                 continue
@@ -115,7 +168,7 @@ def _engine_generate(llm, prompts: list[list[int]], order: list[int], max_tokens
             for rid in inflight:
                 engine.abort_request(rid)
             log.info("generation budget spent with %d of %d replies done", len(gens), len(order))
-            queue = []
+            queue.clear()
             break
         for o in engine.step():
             if o.finished and o.request_id in inflight:
