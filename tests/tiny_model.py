@@ -39,14 +39,19 @@ def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, l
     return path
 
 
-def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5, constant: bool = False) -> str:
-    """``constant``: its final norm's weight zero: it drafts token 0 every time."""
+def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5, constant: bool = False,
+                     drafts: list[int] | None = None) -> str:
+    """``constant``: its final norm's weight zero: it drafts token 0 every time. ``drafts``: its draft
+    vocabulary, these target ids (with ``constant`` it proposes them in this order)."""
     from specserve.loader import load_model_source
     from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
 
     mc = load_model_source(model_dir).config
     torch.manual_seed(seed)
-    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=mc.vocab_size))
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=len(drafts) if drafts else mc.vocab_size))
+    if drafts:
+        ids = torch.tensor(drafts)
+        head.set_vocab_map(ids - torch.arange(len(drafts)), torch.zeros(mc.vocab_size, dtype=torch.bool).index_fill_(0, ids, True))
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" in name:

@@ -148,7 +148,7 @@ class LLMEngine:
         window = None if layout.window is None else WindowBlocks(layout.num_window_blocks, config.block_size,
                                                                  layout.window, config.enable_prefix_caching)
         if window is not None:
-            log.info("KV cache: %d blocks of the full-attention layers, %d of the %d-token window layers",
+            log.info("KV cache: %d blocks of the full-attention layers, %d of the sliding-window (%d) layers",
                      layout.num_blocks, layout.num_window_blocks, layout.window)
         self.max_model_len = min(config.max_model_len or ctx, layout.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids), window)
@@ -171,7 +171,7 @@ class LLMEngine:
             self.drafter.after_capture()  # its cost profile measures the graphs
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d (%s), max_model_len %d%s%s",
-                 self.load_time_s, self.model_name, self.device, self.dtype, num_blocks, config.block_size,
+                 self.load_time_s, self.model_name, self.device, self.dtype, self.blocks.num_blocks, config.block_size,
                  str(self.runner.kv_dtype).replace("torch.", ""), self.max_model_len,
                  ", overlap scheduling" if self.overlap else "",
                  f", tensor parallel over {config.tensor_parallel_size} ranks" if self.tp else "")
