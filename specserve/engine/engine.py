@@ -135,8 +135,11 @@ class LLMEngine:
         # the budget per layer type: sliding-window layers keep only their window's blocks (a pool of their own)
         layout = kv_layout(config, runner_mc, num_kv_blocks_for(config, runner_mc, self.dtype, self.device),
                            self.dtype, config.max_model_len or ctx)
-        if layout.window is not None and config.speculative is not None and config.speculative.eagle_topk > 1 and (
-                resolve_attention_backend(config.attention_backend, self.device) == "triton" or self.tp is not None):
+        sliding = any(runner_mc.layer_window(i) for i in range(runner_mc.num_hidden_layers))
+        if sliding and config.speculative is not None and config.speculative.eagle_topk > 1 and (
+                resolve_attention_backend(config.attention_backend, self.device) == "triton"
+                or (self.tp is not None and layout.window is not None)):
+            # (the Triton kernel takes no window for tree tokens; the ranks' compaction knows one pool)
             raise ValueError("tree speculation (speculative_eagle_topk > 1) on a model with sliding-window layers "
                              "runs on the torch attention backend without tensor parallelism only; use chains "
                              "(speculative_eagle_topk=1) or attention_backend='torch'")
