@@ -170,3 +170,34 @@ def test_chain_speculation_with_a_window_pool_on_triton_equals_torch(tmp_path) -
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         lp = torch.tensor([list(d.values()) for d in a.outputs[0].logprobs])
         assert torch.allclose(lp, torch.tensor([list(d.values()) for d in b.outputs[0].logprobs]), atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the static draft paths need a GPU")
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "chains"])
+def test_window_pool_under_cuda_graphs_equals_torch(tmp_path, spec: bool) -> None:
+    """Graph replays read the window pool's persistent tables; with chains also the static draft loop,
+    the fused launches and the early verify (its window slots built before the step is scheduled)."""
+    from specserve import LLM, SamplingParams
+    from tiny_model import make_random_head, make_tiny_gemma3
+
+    path = str(tmp_path / "gemma")
+    make_tiny_gemma3(path, vocab=8)
+    kw = dict(model=path, max_num_batched_tokens=32, num_kv_blocks=64, block_size=4, max_model_len=256,
+              max_num_seqs=4, device="cuda", dtype="float32")
+    if spec:
+        kw.update(speculative_algorithm="EAGLE3", speculative_policy="static", speculative_num_steps=3,
+                  speculative_num_draft_tokens=4, speculative_draft_model_path=make_random_head(
+                      path, str(tmp_path / "head"), constant=True, drafts=[6, 2]))
+    prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6] * 3, [2, 4], [3, 3, 5, 7, 2, 4, 6, 5, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=0)
+    ref = LLM(attention_backend="torch", enforce_eager=True, **kw).generate(prompts, sp)
+    llm = LLM(attention_backend="triton", **kw)
+    assert llm.engine.scheduler.window is not None and llm.engine.runner.graphs is not None
+    tri = llm.generate(prompts, sp)
+    assert llm.engine.runner.path_counts["target:graph"] > 0
+    for a, b in zip(tri, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = torch.tensor([list(d.values()) for d in a.outputs[0].logprobs])
+        assert torch.allclose(lp, torch.tensor([list(d.values()) for d in b.outputs[0].logprobs]), atol=1e-3)
+    if spec:
+        assert sum(o.metrics.spec_accepted_tokens for o in tri) > 0

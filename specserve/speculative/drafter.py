@@ -311,8 +311,8 @@ class EagleSpeculator:
             self.runner.driver.compact_tree_kv(*args)
         compact_tree_kv(kv_slab(self.runner.pool_caches[0]), *args)
         if len(self.runner.pool_caches) > 1:  # the sliding-window layers' pool: the same moves, its tables
-            wt = host_to_device([b for s, _ in trees for b in s.req.kv.window_table + [0] * (W - len(s.req.kv.window_table))],
-                                self.device).view(B, W)
+            wt = [t + [0] * (W - len(t)) for t in (s.req.kv.window_table for s, _ in trees)]
+            wt = host_to_device([b for t in wt for b in t], self.device).view(B, W)
             compact_tree_kv(kv_slab(self.runner.pool_caches[1]), wt, *args[1:6],
                             self.runner.layout.num_window_blocks * self.engine.config.block_size)
 
