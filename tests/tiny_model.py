@@ -152,9 +152,10 @@ def make_tiny_gemma3(path: str | None = None, seed: int = 0, **kw):
 def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0, kv_heads: int = 2,
                        attention_bias: bool = False):
     """A tiny random Qwen2 / Qwen3 / Gemma 3 saved by transformers (save_pretrained) with a word-level
-    tokenizer (t0 ... t{vocab-1}; Qwen: a chat template joining the messages' contents). Returns the model."""
+    tokenizer (t0 ... t{vocab-1}; Qwen: a chat template joining the messages' contents; Gemma: BOS t1
+    before every text, as Gemma's tokenizer has). Returns the model."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     torch.manual_seed(seed)
     if kind == "gemma3":
@@ -172,6 +173,8 @@ def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0, kv_
     model.save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if kind == "gemma3":
+        tok.post_processor = processors.TemplateProcessing(single="t1 $A", special_tokens=[("t1", 1)])
     tok.save(os.path.join(path, "tokenizer.json"))
     cfg = {"eos_token": "t0", "bos_token": "t1"}
     if kind != "gemma3":
