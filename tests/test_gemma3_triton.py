@@ -172,7 +172,7 @@ def test_chain_speculation_with_a_window_pool_on_triton_equals_torch(tmp_path) -
         assert torch.allclose(lp, torch.tensor([list(d.values()) for d in b.outputs[0].logprobs]), atol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the static draft paths need a GPU")
+@pytest.mark.gpu  # (CUDA graphs and the static draft paths)
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "chains"])
 def test_window_pool_under_cuda_graphs_equals_torch(tmp_path, spec: bool) -> None:
     """Graph replays read the window pool's persistent tables; with chains also the static draft loop,
