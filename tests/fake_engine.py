@@ -27,7 +27,7 @@ class QueueFullError(RuntimeError):
 class FakeTokenizer:
     eos_token_ids = {0}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:  # (no special tokens)
         return [ord(ch) for ch in text]
 
     def decode(self, ids: list[int]) -> str:

@@ -31,9 +31,11 @@ def test_graph_token_limit_is_the_capture_size_capped_by_the_step_budget():
         EngineConfig(max_cudagraph_capture_size=0)
 
 
-def _attn(max_num_seqs: int, block_size: int, max_blocks_per_seq: int, num_blocks: int = 100):
+def _attn(max_num_seqs: int, block_size: int, max_blocks_per_seq: int, num_blocks: int = 100,
+          window_blocks: int | None = None):
     return SimpleNamespace(max_num_seqs=max_num_seqs, block_size=block_size, max_blocks_per_seq=max_blocks_per_seq,
-                           scratch_slot=num_blocks * block_size)
+                           scratch_slot=num_blocks * block_size,
+                           window_scratch_slot=None if window_blocks is None else window_blocks * block_size)
 
 
 def test_fit_sizes_drops_counts_no_step_can_reach():
@@ -58,6 +60,10 @@ def test_dummy_meta_lays_out_n_tokens_on_the_scratch_block(n):
     assert (m.slot_mapping == attn.scratch_slot).all() and m.slot_mapping.shape == (n,)
     assert (m.block_tables == attn.scratch_slot // 16).all() and m.block_tables.shape[0] == len(m.query_lens)
     assert m.block_tables.shape[1] * 16 >= max(m.query_lens)
+    assert m.window_slot_mapping is None and m.window_block_tables is None
+    w = dummy_meta(_attn(4, 16, 2, window_blocks=30), n, torch.device("cpu"))  # a window pool: its own scratch block
+    assert (w.window_slot_mapping == 30 * 16).all() and (w.window_block_tables == 30).all()
+    assert w.window_block_tables.shape == w.block_tables.shape and (w.slot_mapping == attn.scratch_slot).all()
 
 
 def test_dummy_meta_refuses_more_tokens_than_a_step_holds():

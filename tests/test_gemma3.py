@@ -117,9 +117,79 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_cache(tmp_pat
         with torch.inference_mode():
             logits = hf(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1 :]
         assert got == logits.argmax(-1).tolist()
-    again = llm.generate(prompts[3:], sp)
-    assert all(o.metrics.num_cached_tokens > 0 for o in again)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[3:]]
+    # the window layers' blocks of a prompt's end were freed 8 tokens into its output (and may be reused
+    # since): a hit is where a finished request left off, its prompt + output (a chat's next turn)
+    conts = [ids + out.outputs[0].token_ids for ids, out in zip(prompts[3:], outs[3:])]
+    again = llm.generate(conts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for ids, o in zip(conts, again):
+        assert o.metrics.num_cached_tokens >= len(ids) - 4 - 1
+        with torch.inference_mode():
+            logits = hf(torch.tensor([ids + o.outputs[0].token_ids[:-1]])).logits[0, len(ids) - 1 :]
+        assert o.outputs[0].token_ids == logits.argmax(-1).tolist()
+
+
+def _greedy_hf(hf, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        return hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)[0, len(ids):].tolist()
+
+
+def test_window_pool_frees_blocks_fits_more_tokens_and_survives_preemption(tmp_path) -> None:
+    """A budget of 24 blocks of every layer: 12 blocks for the sliding layers (2 seats' windows and a
+    step's chunk) and 36 for the global ones, so 104-token requests fit (96 tokens before); two of
+    them preempt each other; greedy tokens are transformers' all along."""
+    from specserve import LLM, SamplingParams
+
+    path = str(tmp_path / "gemma")
+    hf = make_tiny_gemma3(path)
+    llm = LLM(model=path, max_num_batched_tokens=16, num_kv_blocks=24, block_size=4, max_model_len=128,
+              max_num_seqs=2)
+    eng = llm.engine
+    win = eng.scheduler.window
+    assert (eng.blocks.num_blocks, win.pool.num_blocks, eng.max_model_len) == (36, 12, 128)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (40, 33, 21)]
+    live = []  # window blocks the running requests hold after each step
+    for i, ids in enumerate(prompts):
+        eng.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        live.append(sum(b != win.null for r in eng.scheduler.running for b in r.kv.window_table))
+    assert eng.scheduler.num_preemptions > 0
+    assert max(live) <= win.pool.num_blocks and win.pool.num_free_blocks == win.pool.num_blocks
+    for i, ids in enumerate(prompts):
+        assert got[str(i)] == _greedy_hf(hf, ids, 64)
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_speculation_past_the_window_is_lossless(tmp_path, topk: int) -> None:
+    """A random EAGLE-3 head on the tiny Gemma 3 (window pool, prefix cache, chunked prefill): greedy
+    speculation, chains and trees (the torch backend), gives plain decoding's tokens."""
+    from specserve import LLM, SamplingParams
+    from tiny_model import make_random_head
+
+    path = str(tmp_path / "gemma")
+    make_tiny_gemma3(path, vocab=8)  # (a random head's drafts are accepted now and then)
+    # its drafts: 6 then 2, what this target repeats after some prompts and not others
+    head = make_random_head(path, str(tmp_path / "head"), constant=True, drafts=[6, 2])
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, 8, (n,), generator=g).tolist() for n in (30, 17, 45)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    kw = dict(model=path, max_num_batched_tokens=16, num_kv_blocks=32, block_size=4, max_model_len=128, max_num_seqs=3)
+    plain = LLM(**kw).generate(prompts, sp)
+    llm = LLM(**kw, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static",
+              speculative_num_steps=3, speculative_eagle_topk=topk,
+              speculative_num_draft_tokens=4 if topk == 1 else 6)
+    assert llm.engine.scheduler.window is not None
+    outs = llm.generate(prompts, sp)
+    for o, p in zip(outs, plain):  # the same tokens, each at the same log-probability (the K/V it read)
+        assert o.outputs[0].token_ids == p.outputs[0].token_ids
+        lp = [[d[t] for t in d] for d in o.outputs[0].logprobs]
+        ref = [[d[t] for t in d] for d in p.outputs[0].logprobs]
+        assert torch.allclose(torch.tensor(lp), torch.tensor(ref), atol=1e-4)
+    assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
 
 
 def test_tree_verify_past_the_window_equals_each_path(pair) -> None:

@@ -86,5 +86,118 @@ def test_tiny_gemma3_on_triton_equals_torch(tmp_path) -> None:
     kw = dict(model=path, max_num_batched_tokens=8, num_kv_blocks=24, block_size=4, max_model_len=64,
               max_num_seqs=2, device=str(DEVICE))
     ref = LLM(attention_backend="torch", **kw).generate(prompts, sp)
-    tri = LLM(attention_backend="triton", enforce_eager=True, **kw).generate(prompts, sp)
+    llm = LLM(attention_backend="triton", enforce_eager=True, **kw)
+    assert llm.engine.scheduler.window is not None  # the window layer's K/V in a pool of its own
+    tri = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in tri] == [o.outputs[0].token_ids for o in ref]
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_window_pool_reads_its_own_tables_and_never_its_null_blocks(name: str) -> None:
+    """A window pool (kv_cache.WindowBlocks): the window layer's K/V at other block ids, blocks out of the
+    window null (a spare block of garbage); the same output as one cache read through one table."""
+    bs, D, W, nb = 4, 32, 6, 24
+    g = torch.Generator().manual_seed(3)
+    q_lens, seq = [1, 5, 2], [23, 17, 9]  # decodes and a chunk past the window of 6
+    tables = [list(range(0, 6)), list(range(6, 11)), list(range(11, 14))]
+    cache = (torch.randn(nb, bs, 1, D, generator=g), torch.randn(nb, bs, 1, D, generator=g))
+    perm = torch.randperm(nb, generator=g).tolist()  # block x of `cache` is block perm[x] of the pool
+    pool = (torch.empty_like(cache[0]), torch.empty_like(cache[1]))
+    for x in range(nb):
+        pool[0][perm[x]], pool[1][perm[x]] = cache[0][x], cache[1][x]
+    null = nb  # (the spare block past the pool's)
+    pool = tuple(torch.cat([c, torch.full_like(c[:1], 1e4)]) for c in pool)
+    wtables = [[null if (j + 1) * bs <= s - q - W + 1 else perm[b] for j, b in enumerate(t)]
+               for t, s, q in zip(tables, seq, q_lens)]
+    assert [t.count(null) for t in wtables] == [4, 1, 0]
+    T = sum(q_lens)
+    q, k, v = (torch.randn(T, n, D, generator=g) for n in (4, 1, 1))
+    pos = [(t, p) for t, s, ql in zip(tables, seq, q_lens) for p in range(s - ql, s)]
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in pos], device=DEVICE)
+    wslots = torch.tensor([perm[t[p // bs]] * bs + p % bs for t, p in pos], device=DEVICE)
+
+    def run(caches, **meta_kw):
+        meta = AttentionMetadata(query_lens=q_lens, seq_lens=seq, slot_mapping=slots,
+                                 block_tables=torch.tensor([t + [0] * (6 - len(t)) for t in tables], device=DEVICE),
+                                 **meta_kw)
+        caches = [(c[0].clone().to(DEVICE), c[1].clone().to(DEVICE)) for c in caches]
+        if name == "torch":
+            b = TorchNativeBackend(caches, bs, D**-0.5)
+        else:
+            b = TritonBackend(caches, bs, D**-0.5, num_heads=4, max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8,
+                              block_n=16, scratch_slot=(nb - 1) * bs,
+                              window_scratch_slot=null * bs if "window_block_tables" in meta_kw else None)
+        b.plan(meta)
+        return b.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), window=W).cpu()
+
+    ref = run([cache])
+    got = run([pool], window_slot_mapping=wslots,
+              window_block_tables=torch.tensor([t + [0] * (6 - len(t)) for t in wtables], device=DEVICE))
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_trees_with_a_window_pool_on_triton_are_refused_at_start(tmp_path) -> None:
+    """The Triton backend takes no window on steps with trees: such an engine is refused before it runs."""
+    from specserve import LLM
+    from tiny_model import make_random_head, make_tiny_gemma3
+
+    path = str(tmp_path / "gemma")
+    make_tiny_gemma3(path, layers=2)
+    head = make_random_head(path, str(tmp_path / "head"))
+    with pytest.raises(ValueError, match="tree speculation .* sliding-window layers"):
+        LLM(model=path, num_kv_blocks=24, block_size=4, max_model_len=64, max_num_seqs=2, device=str(DEVICE),
+            attention_backend="triton", enforce_eager=True, speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=head, speculative_num_steps=2, speculative_eagle_topk=2,
+            speculative_num_draft_tokens=4)
+
+
+def test_chain_speculation_with_a_window_pool_on_triton_equals_torch(tmp_path) -> None:
+    from specserve import LLM, SamplingParams
+    from tiny_model import make_random_head, make_tiny_gemma3
+
+    path = str(tmp_path / "gemma")
+    make_tiny_gemma3(path, layers=2, vocab=8)
+    head = make_random_head(path, str(tmp_path / "head"), constant=True, drafts=[6, 2])
+    prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6], [2, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    kw = dict(model=path, max_num_batched_tokens=8, num_kv_blocks=24, block_size=4, max_model_len=64, max_num_seqs=2,
+              device=str(DEVICE), speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="static", speculative_num_steps=3, speculative_num_draft_tokens=4)
+    ref = LLM(attention_backend="torch", **kw).generate(prompts, sp)
+    tri = LLM(attention_backend="triton", enforce_eager=True, **kw).generate(prompts, sp)
+    assert sum(o.metrics.spec_accepted_tokens for o in tri) > 0
+    for a, b in zip(tri, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = torch.tensor([list(d.values()) for d in a.outputs[0].logprobs])
+        assert torch.allclose(lp, torch.tensor([list(d.values()) for d in b.outputs[0].logprobs]), atol=1e-4)
+
+
+@pytest.mark.gpu  # (CUDA graphs and the static draft paths)
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "chains"])
+def test_window_pool_under_cuda_graphs_equals_torch(tmp_path, spec: bool) -> None:
+    """Graph replays read the window pool's persistent tables; with chains also the static draft loop,
+    the fused launches and the early verify (its window slots built before the step is scheduled)."""
+    from specserve import LLM, SamplingParams
+    from tiny_model import make_random_head, make_tiny_gemma3
+
+    path = str(tmp_path / "gemma")
+    make_tiny_gemma3(path, vocab=8)
+    kw = dict(model=path, max_num_batched_tokens=32, num_kv_blocks=64, block_size=4, max_model_len=256,
+              max_num_seqs=4, device="cuda", dtype="float32")
+    if spec:
+        kw.update(speculative_algorithm="EAGLE3", speculative_policy="static", speculative_num_steps=3,
+                  speculative_num_draft_tokens=4, speculative_draft_model_path=make_random_head(
+                      path, str(tmp_path / "head"), constant=True, drafts=[6, 2]))
+    prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6] * 3, [2, 4], [3, 3, 5, 7, 2, 4, 6, 5, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=0)
+    ref = LLM(attention_backend="torch", enforce_eager=True, **kw).generate(prompts, sp)
+    llm = LLM(attention_backend="triton", **kw)
+    assert llm.engine.scheduler.window is not None and llm.engine.runner.graphs is not None
+    tri = llm.generate(prompts, sp)
+    assert llm.engine.runner.path_counts["target:graph"] > 0
+    for a, b in zip(tri, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = torch.tensor([list(d.values()) for d in a.outputs[0].logprobs])
+        assert torch.allclose(lp, torch.tensor([list(d.values()) for d in b.outputs[0].logprobs]), atol=1e-3)
+    if spec:
+        assert sum(o.metrics.spec_accepted_tokens for o in tri) > 0

@@ -60,6 +60,11 @@ def test_served_from_hf_directory(kind: str, tmp_path) -> None:
         if kind == "gemma3":  # a base model: no chat template
             with pytest.raises(openai.BadRequestError, match="no chat template"):
                 client.chat.completions.create(model=model, messages=chat, max_tokens=4)
+            # a text prompt gets the tokenizer's BOS (Gemma's text without it is far from what it was trained on)
+            r = client.completions.create(model=model, prompt="t5 t17 t33", max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.usage.prompt_tokens == 4
+            assert r.choices[0].text.split() == [f"t{i}" for i in _greedy(hf, [1, 5, 17, 33], 6)]
         else:
             c = client.chat.completions.create(model=model, messages=chat, max_tokens=6, temperature=0,
                                                extra_body={"ignore_eos": True})

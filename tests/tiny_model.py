@@ -39,14 +39,19 @@ def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, l
     return path
 
 
-def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5, constant: bool = False) -> str:
-    """``constant``: its final norm's weight zero: it drafts token 0 every time."""
+def make_random_head(model_dir: str, path: str, seed: int = 1, std: float = 0.5, constant: bool = False,
+                     drafts: list[int] | None = None) -> str:
+    """``constant``: its final norm's weight zero: it drafts token 0 every time. ``drafts``: its draft
+    vocabulary, these target ids (with ``constant`` it proposes them in this order)."""
     from specserve.loader import load_model_source
     from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
 
     mc = load_model_source(model_dir).config
     torch.manual_seed(seed)
-    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=mc.vocab_size))
+    head = Eagle3DraftModel(Eagle3Config.from_target(mc, draft_vocab_size=len(drafts) if drafts else mc.vocab_size))
+    if drafts:
+        ids = torch.tensor(drafts)
+        head.set_vocab_map(ids - torch.arange(len(drafts)), torch.zeros(mc.vocab_size, dtype=torch.bool).index_fill_(0, ids, True))
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" in name:
@@ -147,9 +152,10 @@ def make_tiny_gemma3(path: str | None = None, seed: int = 0, **kw):
 def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0, kv_heads: int = 2,
                        attention_bias: bool = False):
     """A tiny random Qwen2 / Qwen3 / Gemma 3 saved by transformers (save_pretrained) with a word-level
-    tokenizer (t0 ... t{vocab-1}; Qwen: a chat template joining the messages' contents). Returns the model."""
+    tokenizer (t0 ... t{vocab-1}; Qwen: a chat template joining the messages' contents; Gemma: BOS t1
+    before every text, as Gemma's tokenizer has). Returns the model."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     torch.manual_seed(seed)
     if kind == "gemma3":
@@ -167,6 +173,8 @@ def make_tiny_hf_model(path: str, kind: str, vocab: int = 64, seed: int = 0, kv_
     model.save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if kind == "gemma3":
+        tok.post_processor = processors.TemplateProcessing(single="t1 $A", special_tokens=[("t1", 1)])
     tok.save(os.path.join(path, "tokenizer.json"))
     cfg = {"eos_token": "t0", "bos_token": "t1"}
     if kind != "gemma3":

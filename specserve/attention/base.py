@@ -32,6 +32,10 @@ class AttentionMetadata:
     # planned at the longest, its positions and slots written on the device). Every token's key limits
     # move by it; no key at or past the real length is read
     seq_shift: torch.Tensor | None = None
+    # engines with a pool of their own for sliding-window layers (kv_cache.WindowBlocks): what those
+    # layers write and read instead of slot_mapping / block_tables (same shapes; null entries masked)
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +61,8 @@ class AttentionBackend(ABC):
         """q [T, H, D], k/v [T, KVH, D] (this step's tokens, RoPE applied) -> out [T, H, D].
 
         Writes k/v into the cache first, so a token attends to itself. ``window`` (sliding-window
-        layers): a token at KV position p sees only keys at positions > p - window.
+        layers): a token at KV position p sees only keys at positions > p - window; where the step has
+        window tables, the layer's cache is in the window pool and read through them.
         """
 
     # backends that take the fused qkv projection and do rotary + the cache write in one kernel

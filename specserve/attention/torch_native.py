@@ -24,6 +24,7 @@ class _Group:
 
     q_index: torch.Tensor  # [B, max_q] flat token index of each padded query (pads -> the zero row T)
     kv_slots: torch.Tensor  # [B, max_kv] cache slot of each padded key
+    window_kv_slots: torch.Tensor | None  # the same in the window pool (meta.window_block_tables)
     mask: torch.Tensor  # [B, 1, max_q, max_kv] row attends column
     # positions of each padded query [B, 1, max_q, 1] and key [B, 1, 1, max_kv] (sliding windows): the
     # KV index, but a tree token's is its prefix length + depth
@@ -51,19 +52,21 @@ class TorchNativeBackend(AttentionBackend):
         short = [b for b, q in enumerate(q_lens) if q <= self.short_q]
         groups = ([short] if short else []) + [[b] for b, q in enumerate(q_lens) if q > self.short_q]
         bt_all = meta.block_tables.to("cpu", torch.long)
-        self._groups = [self._plan_group(meta, g, starts, T, bt_all, device) for g in groups]
+        wt_all = None if meta.window_block_tables is None else meta.window_block_tables.to("cpu", torch.long)
+        self._groups = [self._plan_group(meta, g, starts, T, bt_all, wt_all, device) for g in groups]
         self._order: torch.Tensor | None = None
         if len(groups) > 1:  # the groups' outputs, concatenated, back in flat token order
             dest = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for g in groups for b in g])
             self._order = torch.argsort(dest).to(device)
         self._slot_mapping = meta.slot_mapping
+        self._window_slot_mapping = meta.window_slot_mapping
         self._window_masks: dict[tuple[int, int], torch.Tensor] = {}
 
     def step_slots(self, num_tokens: int) -> torch.Tensor:
         return self._slot_mapping[:num_tokens]
 
     def _plan_group(self, meta: AttentionMetadata, members: list[int], starts: list[int], T: int,
-                    bt_all: torch.Tensor, device: torch.device) -> _Group:
+                    bt_all: torch.Tensor, wt_all: torch.Tensor | None, device: torch.device) -> _Group:
         B = len(members)
         sel = torch.tensor(members, dtype=torch.long)
         q_lens = torch.tensor([meta.query_lens[b] for b in members], dtype=torch.long)
@@ -79,11 +82,16 @@ class TorchNativeBackend(AttentionBackend):
 
         # key gather: [B, max_kv] -> cache slot
         kj = torch.arange(max_kv)
-        bt = bt_all if B == bt_all.shape[0] else bt_all[sel]
-        blk = bt.gather(1, (kj // self.block_size).clamp(max=bt.shape[1] - 1)[None, :].expand(B, -1))
-        kv_slots = blk * self.block_size + (kj % self.block_size)[None, :]
         kv_valid = kj[None, :] < kv_lens[:, None]
-        kv_slots = torch.where(kv_valid, kv_slots, torch.zeros_like(kv_slots))
+
+        def slots_of(tables: torch.Tensor) -> torch.Tensor:
+            bt = tables if B == tables.shape[0] else tables[sel]
+            blk = bt.gather(1, (kj // self.block_size).clamp(max=bt.shape[1] - 1)[None, :].expand(B, -1))
+            kv_slots = blk * self.block_size + (kj % self.block_size)[None, :]
+            return torch.where(kv_valid, kv_slots, torch.zeros_like(kv_slots)).to(device)
+
+        kv_slots = slots_of(bt_all)
+        window_kv_slots = None if wt_all is None else slots_of(wt_all)
 
         # mask: query i of request b sits at kv position kv_len - q_len + i
         q_pos = (kv_lens - q_lens)[:, None] + qi[None, :]
@@ -106,7 +114,7 @@ class TorchNativeBackend(AttentionBackend):
         mask[~q_valid] = False
         mask[:, :, 0] |= ~q_valid  # padded query rows attend something, avoiding NaN
 
-        return _Group(q_index.to(device), kv_slots.to(device), mask[:, None].to(device),
+        return _Group(q_index.to(device), kv_slots, window_kv_slots, mask[:, None].to(device),
                       q_pos[:, None, :, None].to(device), k_pos[:, None, None, :].to(device),
                       # flat position of each real query in the padded [B * max_q] layout
                       q_valid.reshape(-1).nonzero()[:, 0].to(device), (B, max_q, max_kv), int(q_pos.min()))
@@ -126,7 +134,9 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
-        k_flat, v_flat = write_kv(self.kv_caches[layer], self._slot_mapping, k, v)
+        pooled = window is not None and self._window_slot_mapping is not None  # (the window pool's layer)
+        k_flat, v_flat = write_kv(self.kv_caches[layer], self._window_slot_mapping if pooled else self._slot_mapping,
+                                  k, v)
         kvh, d = k_flat.shape[1:]
         h = q.shape[1]
         q_ext = torch.cat([q, q.new_zeros(1, h, d)], 0)
@@ -138,7 +148,8 @@ class TorchNativeBackend(AttentionBackend):
         for g in self._groups:
             B, max_q, max_kv = g.shape
             mask, lo = self._mask(g, window)
-            slots = g.kv_slots if lo == 0 else g.kv_slots[:, lo:]
+            slots = g.window_kv_slots if pooled else g.kv_slots
+            slots = slots if lo == 0 else slots[:, lo:]
             qp = q_ext[g.q_index].transpose(1, 2)  # [B, H, max_q, D]
             kp = k_src[slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv - lo, D]
             vp = v_src[slots].view(v_flat.dtype).transpose(1, 2)

@@ -37,6 +37,10 @@ kernel's EXACT variant, whose programs loop over items up to the count the plan 
 replay such steps are captured with ``capture_exact`` (CUDAGraphRunner's tree graphs, the drafter's
 verify graph); the plain variant stays as it was for every other step. Tokens past the step's real
 count (padding up to a captured size) write their K/V into ``scratch_slot``.
+
+A window pool (``window_scratch_slot``, kv_cache.WindowBlocks): sliding-window layers write and read
+through their own slots and block table, persistent buffers like the others (padding: that pool's
+scratch slot).
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ class TritonBackend(AttentionBackend):
                  scratch_slot: int | None = None, block_n: int = 64, num_warps: int = 4,
                  num_stages: int | None = 2, split_kv: bool = True, target_programs: int | None = None,
                  min_split_keys: int | None = None, exact_trees: bool | None = None,
-                 share_tree_prefix: bool | None = None) -> None:
+                 share_tree_prefix: bool | None = None, window_scratch_slot: int | None = None) -> None:
         super().__init__(kv_caches, block_size, scale)
         k0 = kv_caches[0][0]
         num_blocks, page, self.num_kv_heads, self.head_dim = k0.shape
@@ -182,6 +186,12 @@ class TritonBackend(AttentionBackend):
         self._block_table = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._slots = torch.full((max_num_tokens,), self.scratch_slot, dtype=torch.long, device=dev)
         self._slots_used = 0  # rows of _slots the last plan wrote (the rest hold the scratch slot)
+        # the window pool's (None: sliding-window layers, if any, share the tables above)
+        self.window_scratch_slot = window_scratch_slot
+        self._window_block_table = self._window_slots = None
+        if window_scratch_slot is not None:
+            self._window_block_table = torch.zeros_like(self._block_table)
+            self._window_slots = torch.full_like(self._slots, window_scratch_slot)
         bm = self.block_m_for(1)
         self._part_o = torch.zeros(self.max_parts, self.num_kv_heads, bm, self.head_dim, dtype=torch.float32,
                                    device=dev)
@@ -236,6 +246,8 @@ class TritonBackend(AttentionBackend):
             raise ValueError("a seq_len exceeds its block table")
         if meta.slot_mapping.shape[0] != T:
             raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {T} tokens")
+        if (meta.window_block_tables is None) != (self._window_slots is None):
+            raise ValueError("a step's window tables and the backend's window pool come together")
         trees = meta.tree_masks or {}
         block_m = self.block_m_for(T)
         # the same work list either way (docs/decisions.md: plain Python below SMALL_PLAN_TOKENS)
@@ -258,7 +270,8 @@ class TritonBackend(AttentionBackend):
         cols.append([ni, nm])
         self._exact_step = exact
         self._tree_step = bool(trees)
-        self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m)
+        window = None if meta.window_block_tables is None else (meta.window_slot_mapping, meta.window_block_tables)
+        self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m, window)
         if meta.seq_shift is not None:  # lengths known on the device only: every token's limits move
             shift = meta.seq_shift.to(torch.int32)
             if B > 1:
@@ -414,7 +427,8 @@ class TritonBackend(AttentionBackend):
         return cols + [kv_limit, tree_start], n_parts
 
     def _write(self, cols: list, trees: dict, q_lens: list[int], bt: torch.Tensor, slot_mapping: torch.Tensor,
-               T: int, ni: int, nm: int, block_m: int) -> None:
+               T: int, ni: int, nm: int, block_m: int,
+               window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The planned step into the persistent device buffers (asynchronous copies)."""
         B = len(q_lens)
         offs = self._offsets
@@ -467,8 +481,13 @@ class TritonBackend(AttentionBackend):
 
         self._block_table[:B, : bt.shape[1]].copy_(bt, non_blocking=True)
         self._slots[:T].copy_(slot_mapping, non_blocking=True)
+        if window is not None:
+            self._window_block_table[:B, : bt.shape[1]].copy_(window[1], non_blocking=True)
+            self._window_slots[:T].copy_(window[0], non_blocking=True)
         if T < self._slots_used:  # padding rows write to the scratch slot (past T: scratch already)
             self._slots[T : self._slots_used].fill_(self.scratch_slot)
+            if window is not None:
+                self._window_slots[T : self._slots_used].fill_(self.window_scratch_slot)
         self._slots_used = T
         self._num_items = ni
         self._num_merges = nm
@@ -504,7 +523,8 @@ class TritonBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window: int | None = None) -> torch.Tensor:
         n = q.shape[0]
-        write_kv(self.kv_caches[layer], self._slots[:n], k, v)
+        pooled = window is not None and self._window_slots is not None  # (the window pool's layer)
+        write_kv(self.kv_caches[layer], (self._window_slots if pooled else self._slots)[:n], k, v)
         return self._attend(layer, q, window)
 
     def _attend(self, layer: int, q: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -512,6 +532,7 @@ class TritonBackend(AttentionBackend):
         if window is not None and self._tree_step:  # (a tree token's kv_limit is not its position)
             raise ValueError("the triton backend has no sliding-window attention for tree tokens; use the torch backend")
         k_cache, v_cache = self.kv_caches[layer]
+        table = self._window_block_table if window is not None and self._window_slots is not None else self._block_table
         n = q.shape[0]
         q = kernel_query(q, k_cache.dtype)
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
@@ -531,7 +552,7 @@ class TritonBackend(AttentionBackend):
             q, k_cache, v_cache, out, po, pl,
             it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"], it["pstride"],
             self._kv_limit, self._tree_start, self._tree_bits, self._path_tab, self._path_len, self._counts,
-            self._block_table, self._block_table.stride(0), self.scale * LOG2E, window or NO_WINDOW,
+            table, table.stride(0), self.scale * LOG2E, window or NO_WINDOW,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             po.stride(0), po.stride(1),

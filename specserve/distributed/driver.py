@@ -92,8 +92,9 @@ class TPDriver:
         with self.guard():
             send_op(self.tp, op, header, tensors)
 
-    def init_workers(self, num_blocks: int) -> None:
-        self.send("init", {"num_blocks": num_blocks})
+    def init_workers(self, layout: Any) -> None:
+        """``layout``: the runner's KVLayout, which every rank's cache follows."""
+        self.send("init", {"layout": layout})
 
     def wrap(self, model: nn.Module, attn: AttentionBackend) -> tuple[nn.Module, AttentionBackend]:
         """The runner's model and backend on rank 0: each target call goes to the other ranks first."""
@@ -222,11 +223,14 @@ class DriverModel(nn.Module):
         if meta is None:
             raise RuntimeError("a tensor-parallel forward needs its attention planned through the runner's backend")
         tensors = [input_ids, positions, meta.slot_mapping, meta.block_tables]
+        window = meta.window_block_tables is not None
+        if window:
+            tensors += [meta.window_slot_mapping, meta.window_block_tables]
         if meta.seq_shift is not None:
             tensors.append(meta.seq_shift)
         # (tree masks: built on the host, and pickled so)
         header = {"query_lens": meta.query_lens, "seq_lens": meta.seq_lens, "tree_masks": meta.tree_masks,
-                  "shift": meta.seq_shift is not None}
+                  "shift": meta.seq_shift is not None, "window": window}
         with self.driver.guard():
             send_op(self.driver.tp, "forward", header, tensors)
             return self.inner(input_ids, positions)

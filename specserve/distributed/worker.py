@@ -49,7 +49,7 @@ def run_worker(config: EngineConfig) -> None:
     if op != "init":
         raise RuntimeError(f"tensor-parallel rank {rank}: expected init, got {op}")
     runner = ModelRunner(model, tp.local_config(src.config), dataclasses.replace(config, enforce_eager=True),
-                         header["num_blocks"], device, dtype)
+                         header["layout"], device, dtype)
     log.info("tensor-parallel rank %d/%d ready on %s: %d KV heads of %d", rank, size, device,
              runner.mc.num_key_value_heads, src.config.num_key_value_heads)
     with torch.inference_mode():
@@ -57,8 +57,9 @@ def run_worker(config: EngineConfig) -> None:
             op, header, t = recv_op(tp, device)
             if op == "forward":
                 ids, pos, slots, tables = t[:4]
+                window = t[4:6] if header["window"] else (None, None)  # (the window pool's slots, tables)
                 meta = AttentionMetadata(header["query_lens"], header["seq_lens"], slots, tables,
-                                         header["tree_masks"], t[4] if header["shift"] else None)
+                                         header["tree_masks"], t[-1] if header["shift"] else None, *window)
                 runner.attn.plan(meta)
                 with forward_context(runner.attn):
                     model(ids, pos)

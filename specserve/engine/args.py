@@ -27,8 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens per engine step (prompt chunks, decodes and drafts together)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (a power of two)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV-cache blocks (default: sized from --kv-cache-memory-gb on CPU, "
-                        "--gpu-memory-utilization on CUDA)")
+                   help="KV-cache blocks of every layer (default: sized from --kv-cache-memory-gb on CPU, "
+                        "--gpu-memory-utilization on CUDA); with sliding-window layers (Gemma 3) their bytes "
+                        "are split per layer type, so the global layers get more blocks")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3) / fp8_e5m2, stored with "
                         "scale 1.0: half the cache memory; the draft head's cache keeps the head's dtype")

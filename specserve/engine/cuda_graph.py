@@ -80,12 +80,17 @@ def dummy_meta(attn: TritonBackend, n: int, device: torch.device) -> AttentionMe
         raise ValueError(f"cannot lay out {n} tokens over {attn.max_num_seqs} requests of "
                          f"{bs * attn.max_blocks_per_seq} tokens for graph capture")
     width = -(-per_req // bs)
-    scratch_block = attn.scratch_slot // bs
-    return AttentionMetadata(
-        query_lens=q_lens, seq_lens=list(q_lens),
-        slot_mapping=torch.full((n,), attn.scratch_slot, dtype=torch.long, device=device),
-        block_tables=torch.full((len(q_lens), width), scratch_block, dtype=torch.long, device=device),
-    )
+
+    def scratch(slot: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if slot is None:
+            return None, None
+        return (torch.full((n,), slot, dtype=torch.long, device=device),
+                torch.full((len(q_lens), width), slot // bs, dtype=torch.long, device=device))
+
+    slots, tables = scratch(attn.scratch_slot)
+    window_slots, window_tables = scratch(attn.window_scratch_slot)  # (a window pool's)
+    return AttentionMetadata(query_lens=q_lens, seq_lens=list(q_lens), slot_mapping=slots, block_tables=tables,
+                             window_slot_mapping=window_slots, window_block_tables=window_tables)
 
 
 @dataclass

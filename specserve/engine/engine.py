@@ -17,9 +17,10 @@ import torch
 from specserve.config import EngineConfig
 from specserve.distributed.parallel import check_tp_shapes
 from specserve.engine import gc_pauses
-from specserve.engine.kv_cache import BlockManager
+from specserve.engine.kv_cache import BlockManager, WindowBlocks
 from specserve.engine.request import Request, Status
-from specserve.engine.runner import LaunchedStep, ModelRunner, num_kv_blocks_for
+from specserve.engine.runner import (LaunchedStep, ModelRunner, kv_layout, num_kv_blocks_for,
+                                     resolve_attention_backend)
 from specserve.engine.scheduler import CommitResult, Scheduler, StepPlan
 from specserve.engine.stop import streamable_text_end
 from specserve.loader.tokenizer import IncrementalDetokenizer
@@ -128,18 +129,32 @@ class LLMEngine:
             runner_mc = self.tp.tp.local_config(src.config)  # this rank's heads
             runner_config = dataclasses.replace(config, enforce_eager=True)  # (no CUDA graphs across ranks yet)
         model, self.packed_linears = load_target(src, config, self.device, self.dtype, self.tp and self.tp.tp)
-        num_blocks = num_kv_blocks_for(config, runner_mc, self.dtype, self.device)
-        if self.tp is not None:
-            self.tp.init_workers(num_blocks)
-        self.runner = ModelRunner(model, runner_mc, runner_config, num_blocks, self.device, self.dtype,
-                                  eos_token_ids=frozenset(self.tokenizer.eos_token_ids), driver=self.tp)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        kv_capacity = num_blocks * config.block_size
         ctx = src.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > ctx:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {ctx}")
-        self.max_model_len = min(config.max_model_len or ctx, kv_capacity)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids))
+        # the budget per layer type: sliding-window layers keep only their window's blocks (a pool of their own)
+        layout = kv_layout(config, runner_mc, num_kv_blocks_for(config, runner_mc, self.dtype, self.device),
+                           self.dtype, config.max_model_len or ctx)
+        sliding = any(runner_mc.layer_window(i) for i in range(runner_mc.num_hidden_layers))
+        if sliding and config.speculative is not None and config.speculative.eagle_topk > 1 and (
+                resolve_attention_backend(config.attention_backend, self.device) == "triton"
+                or (self.tp is not None and layout.window is not None)):
+            # (the Triton kernel takes no window for tree tokens; the ranks' compaction knows one pool)
+            raise ValueError("tree speculation (speculative_eagle_topk > 1) on a model with sliding-window layers "
+                             "runs on the torch attention backend without tensor parallelism only; use chains "
+                             "(speculative_eagle_topk=1) or attention_backend='torch'")
+        if self.tp is not None:
+            self.tp.init_workers(layout)
+        self.runner = ModelRunner(model, runner_mc, runner_config, layout, self.device, self.dtype,
+                                  eos_token_ids=frozenset(self.tokenizer.eos_token_ids), driver=self.tp)
+        self.blocks = BlockManager(layout.num_blocks, config.block_size, config.enable_prefix_caching)
+        window = None if layout.window is None else WindowBlocks(layout.num_window_blocks, config.block_size,
+                                                                 layout.window, config.enable_prefix_caching)
+        if window is not None:
+            log.info("KV cache: %d blocks of the full-attention layers, %d of the sliding-window (%d) layers",
+                     layout.num_blocks, layout.num_window_blocks, layout.window)
+        self.max_model_len = min(config.max_model_len or ctx, layout.num_blocks * config.block_size)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, set(self.tokenizer.eos_token_ids), window)
         self.requests: dict[str, Request] = {}
         self._grammars = None  # structured.grammar.GrammarCompiler, built by the first constrained request
         gc_pauses.install()
@@ -159,7 +174,7 @@ class LLMEngine:
             self.drafter.after_capture()  # its cost profile measures the graphs
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready in %.2fs: %s on %s/%s, %d KV blocks x %d (%s), max_model_len %d%s%s",
-                 self.load_time_s, self.model_name, self.device, self.dtype, num_blocks, config.block_size,
+                 self.load_time_s, self.model_name, self.device, self.dtype, self.blocks.num_blocks, config.block_size,
                  str(self.runner.kv_dtype).replace("torch.", ""), self.max_model_len,
                  ", overlap scheduling" if self.overlap else "",
                  f", tensor parallel over {config.tensor_parallel_size} ranks" if self.tp else "")
@@ -274,6 +289,12 @@ class LLMEngine:
         return result
 
     # -- helpers -----------------------------------------------------------------------------
+    @property
+    def kv_usage(self) -> float:
+        """Of the KV pool closest to full (with sliding-window layers: theirs or the full-attention layers')."""
+        window = self.scheduler.window
+        return max(self.blocks.usage, window.pool.usage) if window is not None else self.blocks.usage
+
     def _detokenize(self, req: Request) -> None:
         req.text += req.detok.append(req.output_token_ids[-1])
 
@@ -283,7 +304,7 @@ class LLMEngine:
         s.generation_tokens = self.scheduler.num_generated_tokens
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
-        s.kv_usage = self.blocks.usage
+        s.kv_usage = self.kv_usage
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_cache_queries = self.blocks.stats.prefix_queries
         s.prefix_cache_hits = self.blocks.stats.prefix_hits
@@ -318,7 +339,7 @@ class LLMEngine:
         """A snapshot (safe to keep while the engine runs on)."""
         self.stats.num_running = len(self.scheduler.running)
         self.stats.num_waiting = len(self.scheduler.waiting)
-        self.stats.kv_usage = self.blocks.usage
+        self.stats.kv_usage = self.kv_usage
         if self.drafter is not None:  # the controller's counts (quick plain decisions do not copy them per step)
             self.stats.k_histogram = dict(self.drafter.controller.k_histogram)
         return dataclasses.replace(self.stats, k_histogram=dict(self.stats.k_histogram),

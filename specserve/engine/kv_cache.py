@@ -114,15 +114,19 @@ class BlockManager:
         parent = block_hashes[-1] if block_hashes else None
         for b in range(len(block_hashes), num_full):
             h = hash_block(parent, token_ids[b * self.block_size : (b + 1) * self.block_size])
-            blk = self.blocks[block_table[b]]
-            if blk.block_hash is None:
-                blk.block_hash = h
-                cur = self.cached.get(h)
-                # a copy with draft KV beats one without (see mark_draft_ready)
-                if cur is None or (self.draft_ready[blk.block_id] and not self.draft_ready[cur]):
-                    self.cached[h] = blk.block_id
+            self.register(block_table[b], h)
             block_hashes.append(h)
             parent = h
+
+    def register(self, block_id: int, h: bytes) -> None:
+        """Make a full block of committed tokens findable by its chain hash ``h``."""
+        blk = self.blocks[block_id]
+        if blk.block_hash is None:
+            blk.block_hash = h
+            cur = self.cached.get(h)
+            # a copy with draft KV beats one without (see mark_draft_ready)
+            if cur is None or (self.draft_ready[block_id] and not self.draft_ready[cur]):
+                self.cached[h] = block_id
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -188,9 +192,81 @@ class BlockManager:
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].block_hash == h}
 
 
+class WindowBlocks:
+    """The KV blocks of sliding-window layers: a pool of their own beside the full-attention layers'.
+
+    A request's ``KVSlots.window_table`` is as long as its block table (position p: slot
+    window_table[p // bs] * bs + p % bs), with ``null`` for the blocks that fell out of the window of
+    every token still to come (freed at once: ``drop``). A block is out of the window of a token at
+    position >= c when all its positions are < c - window + 1 (window 8, bs 4, c = 13: blocks 0..0).
+    Freed blocks stay findable by their hash until reused, like the full pool's; a prefix hit needs
+    only the last ``hit_blocks`` blocks before the first token to compute.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
+        self.window = window
+        self.null = num_blocks  # the spare block past the pool's: masked reads, padded writes
+        self.hit_blocks = -(-(window - 1) // block_size)  # a token at c sees positions c - window + 1 .. c - 1
+
+    def drop(self, kv: KVSlots, num_computed: int) -> None:
+        """Free the blocks out of the window of every token at positions >= ``num_computed``."""
+        t = kv.window_table
+        freed = []
+        for i in range(min(max(0, num_computed - self.window + 1) // self.block_size, len(t)) - 1, -1, -1):
+            if t[i] == self.null:  # (nulls are a prefix: dropped by an earlier call)
+                break
+            freed.append(t[i])
+            t[i] = self.null
+        if freed:
+            self.pool.free(freed)
+
+    def grow(self, kv: KVSlots, n: int) -> None:
+        kv.window_table.extend(self.pool.allocate(n))
+
+    def trim(self, kv: KVSlots, keep: int) -> None:
+        """Free the table's blocks past the first ``keep`` (drafts' blocks that were rejected)."""
+        self.pool.free([b for b in kv.window_table[keep:] if b != self.null])
+        del kv.window_table[keep:]
+
+    def release(self, kv: KVSlots) -> None:
+        self.cache(kv)
+        self.pool.free([b for b in kv.window_table if b != self.null])
+        kv.window_table = []
+
+    def cache(self, kv: KVSlots) -> None:
+        """Register the blocks whose hashes the full pool computed (``kv.block_hashes``) since the last call;
+        one dropped before (overlap scheduling moves counts before commit) is simply not cached."""
+        if not self.pool.enable_prefix_caching:
+            return
+        t = kv.window_table
+        for b in range(kv.window_hashed, min(len(kv.block_hashes), len(t))):
+            if t[b] != self.null:
+                self.pool.register(t[b], kv.block_hashes[b])
+        kv.window_hashed = max(kv.window_hashed, len(kv.block_hashes))
+
+    def match(self, hashes: list[bytes]) -> tuple[int, list[int]]:
+        """The longest prefix of these full-pool hits whose last min(n, hit_blocks) blocks are cached
+        here: (n blocks, its window table, nulls before them). Takes no reference."""
+        cached = self.pool.cached if self.pool.enable_prefix_caching else {}
+        n, run = len(hashes), 0  # blocks [n - run, n) are cached
+        for i in range(len(hashes) - 1, -1, -1):
+            if run >= self.hit_blocks:
+                break
+            if hashes[i] in cached:
+                run += 1
+            else:
+                n, run = i, 0
+        return n, [self.null] * (n - run) + [cached[h] for h in hashes[n - run : n]]
+
+
 @dataclass
 class KVSlots:
-    """A request's view of its blocks: block table plus the hashes of its cached full blocks."""
+    """A request's view of its blocks: block table plus the hashes of its cached full blocks; with
+    sliding-window layers their own table (WindowBlocks) and how many of its blocks were registered."""
 
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    window_table: list[int] = field(default_factory=list)
+    window_hashed: int = 0

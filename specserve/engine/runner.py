@@ -99,11 +99,15 @@ class StepLists:
     tables: list[list[int]] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # per sampling request: (first row, rows)
     tree_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the sliding-window layers' pool (kv_cache.WindowBlocks), where the engine has one
+    window_slots: list[int] = field(default_factory=list)
+    window_tables: list[list[int]] = field(default_factory=list)
 
     def add(self, toks: list[int], start: int, table: list[int], positions: list[int] | None = None,
-            sample_rows: int = 0) -> int:
+            sample_rows: int = 0, window_table: list[int] | None = None) -> int:
         """A request's tokens at KV positions start, start + 1, ... (RoPE ``positions``: the same by
-        default); its last ``sample_rows`` rows are sampled. Returns its first row."""
+        default); its last ``sample_rows`` rows are sampled. ``window_table``: its KVSlots.window_table
+        (engines with a window pool). Returns its first row."""
         a, n, bs = len(self.ids), len(toks), self.block_size
         self.ids.extend(toks)
         if n == 1 and positions is None:  # a decode: most requests of a step
@@ -113,6 +117,9 @@ class StepLists:
             kv = range(start, start + n)
             self.pos.extend(kv if positions is None else positions)
             self.slots.extend(kv_slot(table, i, bs) for i in kv)
+        if window_table:
+            self.window_slots.extend(kv_slot(window_table, i, bs) for i in range(start, start + n))
+            self.window_tables.append(window_table)
         self.q_lens.append(n)
         self.seq_lens.append(start + n)
         self.tables.append(table)
@@ -131,6 +138,54 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def kv_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The target's KV pools: ``num_blocks`` blocks of every layer, or, with sliding-window layers whose
+    window is shorter than the context, ``num_blocks`` of the full-attention layers and
+    ``num_window_blocks`` of the ``window`` layers (kv_cache.WindowBlocks). Each pool has one spare
+    block past its own (padded writes, null table entries)."""
+
+    num_blocks: int
+    window: int | None = None
+    num_window_blocks: int = 0
+
+    def window_layers(self, mc: ModelConfig) -> list[int]:
+        return [i for i in range(mc.num_hidden_layers) if self.window is not None and mc.layer_window(i)]
+
+
+def kv_layout(config: EngineConfig, mc: ModelConfig, num_blocks: int, dtype: torch.dtype, max_len: int) -> KVLayout:
+    """The budget of ``num_blocks`` blocks of every layer (num_kv_blocks_for), split per layer type. The
+    window pool gets what every seat's window holds at once, cdiv(window, bs) + 2 blocks (drafts, a
+    block boundary), plus a step's tokens (a prefill chunk writes all of its own), at most
+    ``num_blocks``; the rest of the bytes go to the full-attention layers."""
+    windows = {mc.layer_window(i) for i in range(mc.num_hidden_layers)} - {None}
+    n_win = sum(mc.layer_window(i) is not None for i in range(mc.num_hidden_layers))
+    if not windows or n_win == mc.num_hidden_layers or max(windows) >= max_len:
+        return KVLayout(num_blocks)
+    if len(windows) > 1:
+        raise ValueError(f"sliding-window layers of several windows {sorted(windows)} are not supported")
+    (window,) = windows
+    bs = config.block_size
+    layer_block = kv_bytes_per_token(mc, kv_cache_dtype(config.kv_cache_dtype, dtype)) // mc.num_hidden_layers * bs
+    full_block = (mc.num_hidden_layers - n_win) * layer_block + _spec_bytes_per_block(config, mc, dtype)
+    budget = num_blocks * (full_block + n_win * layer_block)
+    seats = config.max_num_seqs * (-(-window // bs) + 2) + -(-config.max_num_batched_tokens // bs)
+    num_window = min(seats, num_blocks)
+    return KVLayout((budget - num_window * n_win * layer_block) // full_block, window, num_window)
+
+
+def _spec_bytes_per_block(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> int:
+    """What speculation keeps per full-attention block: the draft head's one KV layer, shaped like the
+    target's (EAGLE heads) in the head's dtype, and the target's features of every token (three
+    layers' hidden states, EAGLE-3)."""
+    sc = config.speculative
+    if sc is None:
+        return 0
+    head_dtype = dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
+    return (kv_bytes_per_token(mc, head_dtype) // mc.num_hidden_layers + 3 * mc.hidden_size * dtype.itemsize) \
+        * config.block_size
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -157,17 +212,11 @@ def kv_slab(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
 
 def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                       reserve_bytes: int = 0) -> int:
+    """Blocks of every layer the KV budget holds (``kv_layout`` splits them per layer type)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_token(mc, kv_cache_dtype(config.kv_cache_dtype, dtype)) * config.block_size
-    if config.speculative is not None:
-        # the draft head keeps one KV layer per block, shaped like the target's (EAGLE heads) in the
-        # head's dtype, and the drafter the target's features of every token (three layers' hidden
-        # states, EAGLE-3)
-        sc = config.speculative
-        head_dtype = dtype if sc.draft_dtype == "auto" else getattr(torch, sc.draft_dtype)
-        per_block += (kv_bytes_per_token(mc, head_dtype) // mc.num_hidden_layers
-                      + 3 * mc.hidden_size * dtype.itemsize) * config.block_size
+    per_block = (kv_bytes_per_token(mc, kv_cache_dtype(config.kv_cache_dtype, dtype)) * config.block_size
+                 + _spec_bytes_per_block(config, mc, dtype))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - config.gpu_memory_utilization) * total - reserve_bytes
@@ -198,10 +247,14 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
-                 num_blocks: int, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int | KVLayout, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: frozenset[int] = frozenset(), driver: "TPDriver | None" = None) -> None:
         """``model_config``: this rank's heads under tensor parallelism; ``driver`` there (rank 0): the
-        group's other ranks, sent each target call (then no CUDA graphs)."""
+        group's other ranks, sent each target call (then no CUDA graphs). ``num_blocks``: of every
+        layer, or a KVLayout with a window pool."""
+        layout = num_blocks if isinstance(num_blocks, KVLayout) else KVLayout(num_blocks)
+        num_blocks = layout.num_blocks
+        self.layout = layout
         self.model = model
         self.eos_token_ids = eos_token_ids  # masked before a request's min_tokens (logits_process)
         self.mc = model_config
@@ -215,25 +268,33 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.graphs: CUDAGraphRunner | None = None
         self.attn: AttentionBackend
+        # one block beyond each pool's: padded (graph) tokens write their K/V there, the drafter's
+        # device-side no-op moves too; [full-attention layers' caches] (+ [window layers' caches])
+        windowed = layout.window_layers(mc)
+        full = [i for i in range(mc.num_hidden_layers) if i not in windowed]
+        self.pool_caches = [allocate_kv_cache(len(full), num_blocks + 1, bs, mc.num_key_value_heads, mc.head_dim,
+                                              self.kv_dtype, device)]
+        by_layer = dict(zip(full, self.pool_caches[0]))
+        if windowed:
+            self.pool_caches.append(allocate_kv_cache(len(windowed), layout.num_window_blocks + 1, bs,
+                                                      mc.num_key_value_heads, mc.head_dim, self.kv_dtype, device))
+            by_layer.update(zip(windowed, self.pool_caches[1]))
+        self.kv_caches = [by_layer[i] for i in range(mc.num_hidden_layers)]
+        window_scratch = layout.num_window_blocks * bs if windowed else None
         if self.backend_name == "triton":
             from specserve.attention.triton_backend import TritonBackend
 
-            # one block beyond the block manager's: padded (graph) tokens write their K/V there
-            self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, bs, mc.num_key_value_heads,
-                                               mc.head_dim, self.kv_dtype, device)
             max_len = config.max_model_len or mc.max_position_embeddings
             self.attn = TritonBackend(
                 self.kv_caches, bs, scale, num_heads=mc.num_attention_heads,
                 max_num_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=min(num_blocks, -(-max_len // bs)), scratch_slot=num_blocks * bs,
-                exact_trees=config.exact_tree_attention)
+                exact_trees=config.exact_tree_attention, window_scratch_slot=window_scratch)
             if device.type == "cuda" and not config.enforce_eager:
                 from specserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 
                 self.graphs = CUDAGraphRunner(model, self.attn, capture_sizes(config.graph_token_limit), device)
-        else:  # (the same spare block: the drafter's device-side moves send their no-ops there)
-            self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, bs, mc.num_key_value_heads,
-                                               mc.head_dim, self.kv_dtype, device)
+        else:
             self.attn = TorchNativeBackend(self.kv_caches, bs, scale)
         self.driver = driver
         if driver is not None:
@@ -282,7 +343,8 @@ class ModelRunner:
             if s.tree is not None:
                 positions = [nc + d for d in s.tree.depths[:n]]
                 lists.tree_masks[b] = s.tree.mask()[:n, :n]
-            a = lists.add(toks, nc, r.kv.block_table, positions, len(s.draft_token_ids) + 1 if s.samples else 0)
+            a = lists.add(toks, nc, r.kv.block_table, positions, len(s.draft_token_ids) + 1 if s.samples else 0,
+                          r.kv.window_table)
             if r.num_pending_tokens and nc + n == r.num_tokens:  # (its input is its pending token)
                 pending.append((a + n - 1, r))
         inputs = self.upload(lists)
@@ -295,22 +357,32 @@ class ModelRunner:
         ids, tables = lists.ids, lists.tables
         width = max(len(t) for t in tables)
         T, B = len(ids), len(tables)
+        win = bool(lists.window_tables)  # (a window table is as long as its block table)
+        if win and len(lists.window_tables) != B:
+            raise ValueError(f"{len(lists.window_tables)} window tables for {B} requests")
         # one host buffer (pinned on CUDA), one asynchronous copy: ids | positions | slots | block tables
+        # (| window slots | window tables)
         on_cuda = self.device.type == "cuda"
-        h, host = host_buffer(3 * T + B * width, torch.long, self.device)
+        n = 3 * T + B * width
+        h, host = host_buffer(n + win * (T + B * width), torch.long, self.device)
         h[:T] = ids
         h[T : 2 * T] = lists.pos
         h[2 * T : 3 * T] = lists.slots
-        tab = h[3 * T :].reshape(B, width)
-        for i, t in enumerate(tables):
-            tab[i, : len(t)] = t
+        for part, ts in ((h[3 * T : n], tables), (h[n + T :], lists.window_tables)):
+            tab = part.reshape(-1, width)
+            for i, t in enumerate(ts):
+                tab[i, : len(t)] = t
+        if win:
+            h[n : n + T] = lists.window_slots
         buf = host.to(self.device, non_blocking=True) if on_cuda else host
         meta = AttentionMetadata(
             query_lens=lists.q_lens,
             seq_lens=lists.seq_lens,
             slot_mapping=buf[2 * T : 3 * T],
-            block_tables=buf[3 * T :].view(B, width),
+            block_tables=buf[3 * T : n].view(B, width),
             tree_masks=lists.tree_masks or None,
+            window_slot_mapping=buf[n : n + T] if win else None,
+            window_block_tables=buf[n + T :].view(B, width) if win else None,
         )
         return StepInputs(input_ids=buf[:T], positions=buf[T : 2 * T], meta=meta, sample_spans=lists.spans)
 

@@ -4,7 +4,9 @@ Each step is one flat batch under a token budget. Running requests come first (a
 token, or 1 + k when k drafted tokens are verified; a request still prefilling gets a chunk),
 then waiting requests are admitted with a prefix-cache lookup and a (possibly chunked) prefill.
 When KV blocks run out, the most recently admitted running request is preempted: its blocks
-are freed and it is recomputed later from its tokens (prefix cache permitting).
+are freed and it is recomputed later from its tokens (prefix cache permitting). With sliding-window
+layers (``window``) a request holds blocks in both pools, and those of the window pool that fell
+out of its window are freed whenever it is scheduled.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
-from specserve.engine.kv_cache import BlockManager, KVSlots
+from specserve.engine.kv_cache import BlockManager, KVSlots, WindowBlocks
 from specserve.engine.request import PENDING_TOKEN, Request, Status
 from specserve.engine.stop import check_stop
 
@@ -77,9 +79,10 @@ class CommitResult:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], window: WindowBlocks | None = None) -> None:
         self.config = config
         self.blocks = block_manager
+        self.window = window  # the sliding-window layers' pool (None: every layer is in block_manager's)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
@@ -122,19 +125,34 @@ class Scheduler:
                 or req.num_tokens >= self.max_model_len)
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Grow req's block table to hold ``num_tokens`` tokens; False if blocks ran out."""
+        """Grow req's block tables to hold ``num_tokens`` tokens; False if blocks ran out. Frees its
+        window blocks that no token from ``num_computed_tokens`` on can see (a forward still in flight
+        may read them: only forwards launched after it write them again)."""
+        win = self.window
+        if win is not None:
+            win.drop(req.kv, req.num_computed_tokens)
         need = self.blocks.blocks_needed(num_tokens) - len(req.kv.block_table)
         if need <= 0:
             return True
-        if need > self.blocks.num_free_blocks:
+        if need > self.blocks.num_free_blocks or (win is not None and need > win.pool.num_free_blocks):
             return False
         req.kv.block_table.extend(self.blocks.allocate(need))
+        if win is not None:
+            win.grow(req.kv, need)
         return True
+
+    def _cache(self, req: Request) -> None:
+        """Make req's full blocks of computed tokens findable (both pools)."""
+        self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids, req.num_computed_tokens)
+        if self.window is not None:
+            self.window.cache(req.kv)
 
     def _release(self, req: Request) -> None:
         """Free req's blocks; its committed full blocks stay in the prefix cache until evicted."""
-        self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids, req.num_computed_tokens)
+        self._cache(req)
         self.blocks.free(req.kv.block_table)
+        if self.window is not None:
+            self.window.release(req.kv)
         req.kv = KVSlots()
         req.kv_hold_tokens = 0
 
@@ -189,11 +207,17 @@ class Scheduler:
             req = self.waiting[0]
             if not req.kv.block_table:
                 cached_ids, hashes = self.blocks.match_prefix(req.all_token_ids)
+                window_ids: list[int] = []
+                if self.window is not None:  # a hit also needs the window blocks before its end
+                    n, window_ids = self.window.match(hashes)
+                    self.blocks.stats.prefix_hits -= (len(cached_ids) - n) * self.blocks.block_size
+                    cached_ids, hashes = cached_ids[:n], hashes[:n]
+                    self.window.pool.take_cached([b for b in window_ids if b != self.window.null])
                 req.draft_kv_tokens = None
                 if self.blocks.lacks_draft_kv(cached_ids):  # the head catches up over them (features kept)
                     req.draft_kv_tokens = self.blocks.draft_ready_prefix(cached_ids) * self.blocks.block_size
                 self.blocks.take_cached(cached_ids)
-                req.kv = KVSlots(list(cached_ids), list(hashes))
+                req.kv = KVSlots(list(cached_ids), list(hashes), window_ids, len(hashes))
                 req.num_computed_tokens = len(cached_ids) * self.blocks.block_size
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.num_cached_tokens = req.num_computed_tokens
@@ -206,6 +230,8 @@ class Scheduler:
                 # what it took from the prefix cache goes back (still cached): a waiting request holds no
                 # blocks, or requests that could not be admitted could pin the cache between them
                 self.blocks.free(req.kv.block_table)
+                if self.window is not None:
+                    self.window.release(req.kv)
                 req.kv = KVSlots()
                 req.num_computed_tokens = 0
                 if not self.running:
@@ -290,8 +316,7 @@ class Scheduler:
             req.metrics.num_generation_tokens = req.num_output_tokens
             touched.append(req)
             if not req.is_finished:
-                self.blocks.cache_blocks(req.kv.block_table, req.kv.block_hashes, req.all_token_ids,
-                                         req.num_computed_tokens)
+                self._cache(req)
                 if plan.advanced:  # no drafts; blocks past its tokens are the next step's, launched already
                     continue
                 # release blocks reserved for drafts that were rejected
@@ -300,8 +325,9 @@ class Scheduler:
                     extra = req.kv.block_table[keep:]
                     del req.kv.block_table[keep:]
                     self.blocks.free(extra)
+                    if self.window is not None:
+                        self.window.trim(req.kv, keep)
         for s in plan.scheduled:  # prefill chunks: their full blocks become shareable at once
             if not s.samples and not s.req.is_finished:
-                self.blocks.cache_blocks(s.req.kv.block_table, s.req.kv.block_hashes, s.req.all_token_ids,
-                                         s.req.num_computed_tokens)
+                self._cache(s.req)
         return touched

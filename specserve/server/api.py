@@ -402,7 +402,9 @@ def build_app(client: EngineClient, served_model_name: str | list[str] | None = 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created, model = P.now(), body.model or srv.model_name
         top_n = body.logprobs or 0
-        prompt_ids = await asyncio.to_thread(srv.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
+        # (special tokens as the offline engine adds them: Gemma's BOS)
+        prompt_ids = (await asyncio.to_thread(srv.tokenizer.encode, prompt, add_special_tokens=True)
+                      if isinstance(prompt, str) else list(prompt))
         state = await srv.submit(request_id, prompt_ids, params, arrival)
         echo_text = "" if not body.echo else (prompt if isinstance(prompt, str) else srv.tokenizer.decode(prompt))
 

@@ -309,7 +309,12 @@ class EagleSpeculator:
                 self.scratch_slot)
         if self.runner.driver is not None:  # (the other tensor-parallel ranks' KV heads)
             self.runner.driver.compact_tree_kv(*args)
-        compact_tree_kv(kv_slab(self.runner.kv_caches), *args)
+        compact_tree_kv(kv_slab(self.runner.pool_caches[0]), *args)
+        if len(self.runner.pool_caches) > 1:  # the sliding-window layers' pool: the same moves, its tables
+            wt = [t + [0] * (W - len(t)) for t in (s.req.kv.window_table for s, _ in trees)]
+            wt = host_to_device([b for t in wt for b in t], self.device).view(B, W)
+            compact_tree_kv(kv_slab(self.runner.pool_caches[1]), wt, *args[1:6],
+                            self.runner.layout.num_window_blocks * self.engine.config.block_size)
 
     def _logprobs(self, sampling, results: list[Accepted], kept_rows: list[list[int]], logits) -> list | None:
         if not any(s.req.params.logprobs is not None for s in sampling):

@@ -266,7 +266,7 @@ class Pipeline:
                 return  # it ends in this commit, or has no draft left after it
             start = r.num_computed_tokens + 1 + res.num_accepted  # the bonus token's position
             bt = r.kv.block_table
-            a = lists.add([res.tokens[-1]] + [0] * kk, start, bt, sample_rows=kk + 1)
+            a = lists.add([res.tokens[-1]] + [0] * kk, start, bt, sample_rows=kk + 1, window_table=r.kv.window_table)
             tree_src.append((toks, i, a, kk + 1, i, start))
             src.extend(range(i * K, i * K + kk))
             dst.extend(range(a + 1, a + kk + 1))

@@ -81,7 +81,8 @@ def profile_costs(d: Any) -> CostModel:
     # CPU: a step of more than ~128 tokens is far past where drafting pays
     max_tokens = min(e.config.max_num_batched_tokens, most if dev.type == "cuda" else min(most, 128))
     max_batch = min(e.config.max_num_seqs, max_tokens)
-    nblk = max(1, min(8, e.blocks.num_blocks - 1, e.max_model_len // bs))
+    window = e.scheduler.window  # (sliding-window layers' pool: the same scratch blocks there)
+    nblk = max(1, min(8, e.blocks.num_blocks - 1, e.max_model_len // bs, window.pool.num_blocks if window else 8))
     ctx = nblk * bs
     table = torch.arange(nblk, device=dev)
 
@@ -91,9 +92,10 @@ def profile_costs(d: Any) -> CostModel:
 
     def meta(n: int, b: int | None = None) -> AttentionMetadata:
         q = q_lens(n, b)
-        return AttentionMetadata(query_lens=q, seq_lens=[ctx] * len(q),
-                                 slot_mapping=torch.full((n,), ctx - 1, device=dev),
-                                 block_tables=table[None, :].expand(len(q), -1).contiguous())
+        slots, tables = torch.full((n,), ctx - 1, device=dev), table[None, :].expand(len(q), -1).contiguous()
+        return AttentionMetadata(query_lens=q, seq_lens=[ctx] * len(q), slot_mapping=slots, block_tables=tables,
+                                 window_slot_mapping=slots if window else None,
+                                 window_block_tables=tables if window else None)
 
     def inputs(n: int, b: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         pos = [ctx - qi + j for qi in q_lens(n, b) for j in range(qi)]
