@@ -58,11 +58,11 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
     t0 = time.perf_counter()
     llm = LLM(**kw)
     if opt == "noearly":
-        llm.engine.drafter.controller.early_verify = False
+        llm.engine.drafter.pipeline.early_verify = False
     elif opt == "nopresync":
-        llm.engine.drafter.controller.presync_verify = False
+        llm.engine.drafter.pipeline.presync_verify = False
     elif opt == "nograph":
-        llm.engine.drafter.controller.fused_launch_graph = False
+        llm.engine.drafter.pipeline.fused_launch_graph = False
     return llm, kw, time.perf_counter() - t0
 
 
