@@ -164,28 +164,28 @@ class EagleSpeculator:
         pipe = self.pipeline
         pipe.reset()
         early = pipe.take(plan)
+        sampling = [s for s in plan.scheduled if s.samples]
         if early is not None:  # this step's forward was launched with the last step's sync
-            inputs, out = early.inputs, early.out
+            inputs, out, logits, argmax, sb = early.inputs, early.out, early.logits, early.argmax, None
             pending, pending_rows, tree_extra = list(plan.scheduled), early.draft_rows, early.tree_extra
+            self.controller.flush()
         else:
             inputs = self.runner.prepare(plan)
             pending, pending_rows, tree_extra = pipe.fill_drafts(plan, inputs)
             out = self.runner.forward(inputs)
-        self.controller.flush()
-        hidden, feats = out if isinstance(out, tuple) else (out, out)
-        sampling = [s for s in plan.scheduled if s.samples]
-        logits = early.logits if early is not None else None
-        rows = None
-        if early is None and sampling:
-            rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
-            logits = self.target.compute_logits(hidden[rows])
-        sb = None if early is not None else self._row_sampling(sampling, inputs, rows)
+            self.controller.flush()
+            logits = argmax = sb = None
+            if sampling:
+                rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
+                logits = self.target.compute_logits((out[0] if isinstance(out, tuple) else out)[rows])
+                sb = self._row_sampling(sampling, inputs, rows)
+                argmax = logits.argmax(-1)
+        feats = out[1] if isinstance(out, tuple) else out
         processed = early is None and any(s.req.processes_logits for s in sampling)
         argmax_host: list[int] = []
         fused = None
         raw = logits
         if logits is not None:  # the step's one host sync (two where logits are processed): picks, drafts
-            argmax = early.argmax if early is not None else logits.argmax(-1)
             if not processed:
                 argmax = sampler.picks(logits, sb, argmax)
             back = argmax
@@ -222,11 +222,11 @@ class EagleSpeculator:
         self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=[r.tokens for r in results], logprobs=lps, num_accepted_drafts=accepted)
 
-    def _row_sampling(self, sampling, inputs, rows: torch.Tensor | None) -> sampler.SamplingBatch | None:
+    def _row_sampling(self, sampling, inputs, rows: torch.Tensor) -> sampler.SamplingBatch | None:
         """Per verify row, its request's params and the output index of the token it predicts (the row's
         position + 1 - prompt length: a chain's row j, a tree node's depth, after the committed tokens);
         None where every request is greedy."""
-        if rows is None or all(s.req.params.greedy for s in sampling):
+        if all(s.req.params.greedy for s in sampling):
             return None
         params, prompt = [], []
         for s, (_, n) in zip(sampling, inputs.sample_spans):
@@ -271,7 +271,8 @@ class EagleSpeculator:
             rows = [j for _, span in chains for j in span]
             got = accept_chains_sampled(sampler.processed_probs(logits[rows], sb.select(rows)),
                                         [sampling[i].draft_token_ids for i, _ in chains],
-                                        [sampling[i].req.spec.draft_probs for i, _ in chains], self.runner.generator)
+                                        [sampling[i].req.spec.draft_probs if len(span) > 1 else None
+                                         for i, span in chains], self.runner.generator)
             for (i, _), res in zip(chains, got):
                 results[i] = res
         if compact:

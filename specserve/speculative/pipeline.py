@@ -43,11 +43,10 @@ class Pipeline:
         self.early: EarlyVerify | None = None  # the next step's verify, launched already
         self.presync: tuple[list[Target], list[list[int]], EarlyVerify] | None = None
         self.read_back_around = ReadBack(self.device)  # the verify's picks, the next drafts launched meanwhile
-        # launch paths benchmarks/gpu_spec_c1.py turns off to measure them: the next verify before the commit
-        # (a GPU's default), a tree's before the sync, the fused launch as one graph
+        # the next verify before the commit (a GPU's default), a tree's before the sync (tests and
+        # benchmarks/gpu_spec_c1.py turn them off to compare and measure)
         self.early_verify = self.device.type == "cuda"
         self.presync_verify = True
-        self.fused_launch_graph = True
 
     def reset(self) -> None:
         """A new step: what the last one decided early is spent."""
@@ -171,7 +170,7 @@ class Pipeline:
             return
         chain = self.proposer.chain_runner
         fl = self.fused_launch
-        key = fl.key(T, B, K, max(nk)) if fl is not None and self.fused_launch_graph else None
+        key = fl.key(T, B, K, max(nk)) if fl is not None else None
         if key is not None:  # what follows, as one graph
             fl.write(key, [r.num_computed_tokens for r in reqs], k_list, nk, [r.kv.block_table for r in reqs])
             path = fl.run(key, inputs.input_ids, argmax, feats[:T])

@@ -11,7 +11,7 @@ import torch
 from specserve.engine import sampler
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.request import Request
-from specserve.speculative.catch_up import CatchUp
+from specserve.speculative.catch_up import CatchUp, catch_up_slots
 from specserve.speculative.state import PENDING
 from specserve.speculative.tree import DraftTree, tree_fields
 
@@ -107,9 +107,11 @@ class Proposer:
                 break
             sub = [reqs[i] for i in active]
             idx = host_to_device(active, self.device)
-            pos = [r.num_tokens + j - 3 for r in sub]
+            starts = [r.num_tokens + j - 3 for r in sub]
+            pos, slots = catch_up_slots(sub, starts, [1] * len(sub), self.catch_up.block_size)
             emb = self.embed(host_to_device([drafts[i][-1] for i in active], self.device))
-            h_sub = self.catch_up.run_head(sub, [1] * len(sub), pos, [p + 1 for p in pos], emb, h[idx])
+            h_sub = self.catch_up.run_head(sub, [1] * len(sub), pos, (pos + 1).tolist(), emb, h[idx],
+                                           host_to_device(slots, self.device))
             h = h.index_copy(0, idx, h_sub)
             toks, qs = self._pick(sub, self.head.compute_logits(h_sub), j)
             for i, t, q in zip(active, toks, qs):
