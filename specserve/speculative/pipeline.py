@@ -218,12 +218,12 @@ class Pipeline:
                  [r.spec.device_tree[1] for r in reqs])
         path = tl.run(key, argmax, feats, trees)
         self.path_counts[f"fused_launch:{path}"] += 1
-        self.path_counts["fused"] += 1
-        self.fused = {r.request_id: (i, self.max_k) for i, r in enumerate(reqs)}
-        self.fused_toks = tl.tree.trees[: len(reqs)].clone()
+        self._adopt_launched(reqs, [self.max_k] * len(reqs), tl.tree.trees[: len(reqs)])
 
-    def _adopt_launched(self, reqs: list[Request], nk: list[int], toks: torch.Tensor, chain_path: str) -> None:
-        self.path_counts[f"chain:{chain_path}"] += 1
+    def _adopt_launched(self, reqs: list[Request], nk: list[int], toks: torch.Tensor, chain_path: str = "") -> None:
+        """The drafts launched (chains, or packed trees), for adopt_fused; ``chain_path``: the chain loop's."""
+        if chain_path:
+            self.path_counts[f"chain:{chain_path}"] += 1
         self.path_counts["fused"] += 1
         self.fused = {r.request_id: (i, kk) for i, (r, kk) in enumerate(zip(reqs, nk))}
         self.fused_toks = toks.clone()
@@ -254,8 +254,7 @@ class Pipeline:
         if not self._next_plan_known(targets):
             return
         toks = self.fused_toks
-        K, bs = toks.shape[1], self.block_size
-        lists = StepLists(bs)
+        K, lists = toks.shape[1], StepLists(self.block_size)
         src: list[int] = []  # the drafts' places in toks, and their input rows
         dst: list[int] = []
         tree_src: list[tuple[torch.Tensor, int, int, int, int, int]] = []
@@ -266,14 +265,11 @@ class Pipeline:
                 return
             if p.max_tokens is not None and r.num_output_tokens + len(res.tokens) + 1 >= p.max_tokens:
                 return  # it ends in this commit, or has no draft left after it
-            start = r.num_computed_tokens + 1 + res.num_accepted  # the bonus token's position
-            bt = r.kv.block_table
-            a = lists.add([res.tokens[-1]] + [0] * kk, start, bt, sample_rows=kk + 1)
-            tree_src.append((toks, i, a, kk + 1, i, start))
+            plan.append(self._next_verify(r, res, kk, r.kv.block_table, blocks))
+            a = lists.add([res.tokens[-1]] + [0] * kk, plan[-1][1], r.kv.block_table, sample_rows=kk + 1)
+            tree_src.append((toks, i, a, kk + 1, i, plan[-1][1]))
             src.extend(range(i * K, i * K + kk))
             dst.extend(range(a + 1, a + kk + 1))
-            plan.append((r.request_id, start, res.tokens[-1], kk))
-            blocks.append(bt[start // bs : (start + kk) // bs + 1])
         inputs = self.runner.upload(lists)
         extra = None
         if self.topk > 1:  # ids, positions and masks of the trees the fused launch selected
@@ -285,6 +281,13 @@ class Pipeline:
         logits = self.target.compute_logits(out[0] if isinstance(out, tuple) else out)
         self._keep_early(EarlyVerify(plan, blocks, [r for r, _, _ in targets], inputs, out, logits,
                                      logits.argmax(-1), rows, toks, extra))
+
+    def _next_verify(self, r: Request, res: Accepted, kk: int, table: list[int], blocks: list) -> tuple:
+        """``r``'s entry in a verify launched early (id, first position: its bonus token's, that token, drafts);
+        the blocks its KV goes to appended to ``blocks``."""
+        start, bs = r.num_computed_tokens + 1 + res.num_accepted, self.block_size
+        blocks.append(table[start // bs : (start + kk) // bs + 1])
+        return r.request_id, start, res.tokens[-1], kk
 
     def _keep_early(self, early: EarlyVerify) -> None:
         """Commit keeps the blocks the early verify's KV went to."""
@@ -339,14 +342,11 @@ class Pipeline:
         if presync is None:
             return False
         targets, tables, early = presync
-        bs = self.block_size
         for (r, _, kk), res, table in zip(targets, results, tables):
             if may_stop(r, res.tokens, self.sched.eos_token_ids):
                 self.path_counts["presync_verify:discarded"] += 1
                 return True
-            start = r.num_computed_tokens + 1 + res.num_accepted
-            early.plan.append((r.request_id, start, res.tokens[-1], kk))
-            early.blocks.append(table[start // bs : (start + kk) // bs + 1])
+            early.plan.append(self._next_verify(r, res, kk, table, early.blocks))
         self._keep_early(early)
         return True
 
