@@ -179,7 +179,7 @@ class SpeculativeConfig:
 
     algorithm: SpecAlgorithm = "EAGLE3"
     draft_model_path: str | None = None
-    num_steps: int = 3
+    num_steps: int = 5
     eagle_topk: int = 1
     num_draft_tokens: int | None = None  # None: steps + 1 for a chain
     policy: SpecPolicy = "adaptive"

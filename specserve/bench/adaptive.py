@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--threshold-n", type=int, default=4)
     ap.add_argument("--threshold-steps", type=int, default=3)
-    ap.add_argument("--adaptive-steps", type=int, default=3)
+    ap.add_argument("--adaptive-steps", type=int, default=None, help="default: the engine's")
     ap.add_argument("--adaptive-calibrate", default=None, action=argparse.BooleanOptionalAction,
                     help="the adaptive engine's start-up calibration (spec/calibrate.py; default: the engine's)")
     ap.add_argument("--off-concurrency", type=int, default=32)
