@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "spec engine held at plain decoding at 0.94x no-spec, where alone it ran 0.986x")
     ap.add_argument("--variant", default=None, action="append", metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
                     help="one more adaptive engine (adaptive_NAME) with AdaptivePolicyConfig fields set, e.g. "
-                         "m1:margin=0.01,full_every=8: an A/B in the same run, reported beside adaptive (repeatable: "
+                         "m1:margin=0.01,explore_every=8: an A/B in the same run, reported beside adaptive (repeatable: "
                          "one engine per --variant, names distinct)")
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--threshold-n", type=int, default=4)

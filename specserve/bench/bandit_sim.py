@@ -1,23 +1,23 @@
-"""The adaptive controller's bandit in a simulated load: what deciding costs, apart from the engine's noise.
+"""The adaptive controller's goodput table in a simulated load: what deciding costs, apart from the engine's noise.
 
 A sweep point of ``adaptive.py`` compares engines whose rates move 2-4 % between runs of the same
-configuration, so the 1-3 % the bandit (specserve/speculative/policy/bandit.py) itself may lose (explorations, a
+configuration, so the 1-3 % the policy (specserve/speculative/policy/bandit.py) itself may lose (explorations, a
 pick that lags, a wrong pick on noisy cycles, hysteresis holding a worse arm) cannot be read from
 it. Here each scenario fixes every depth's true goodput; the real ``GoodputBandit`` decides cycle by
-cycle as the controller drives it (a full decision one cycle in ``full_every``, or an exploration
-turn; the pick kept in between), and each cycle's outcome is drawn: every request's committed tokens
-from per-position acceptance rates, the cycle's seconds from the depth's mean with a spread
-(gamma, ``time_cv``) and rare pauses. Priors are the cost model's: each depth's true time off by a
-random factor (``prior_error``) drawn once per seed, its tokens the true expectation. Drafting after
-plain cycles first catches every request's draft KV up over what it committed meanwhile: that
-cycle pays ``catch_per_token`` a token, is left out of the depth's measurement (charged, as the
-drafter's ``skip_cycle`` does) and is announced to ``choose`` as ``switch_s``.
+cycle as the controller drives it (a lookup each cycle; its row rebuilt after each measured cycle, whose
+outcome arrives one decision late), and each cycle's outcome is drawn: every request's committed tokens
+from per-position acceptance rates (which the table learns its tokens per depth from, as the controller
+does), the cycle's seconds from the depth's mean with a spread (gamma, ``time_cv``) and rare pauses.
+Predicted seconds are the cost model's: each depth's true time off by a random factor (``prior_error``)
+drawn once per seed. Drafting after plain cycles first catches every request's draft KV up over what it
+committed meanwhile: that cycle pays ``catch_per_token`` a token and is left out of the depth's
+measurement (charged, as the drafter's ``skip_cycle`` does).
 
 Output per scenario and variant: the achieved goodput over the run (tokens / seconds, catch-ups
 included) as a share of the best depth's true goodput, over ``--seeds`` seeds (mean, min,
 quartiles), the share of cycles per depth and the switches of the pick. Scenarios are set from
 measured sweeps: the CPU at C = 16 where depth 1 paid only 3 %, C = 1, C = 32 where plain decoding won;
-a GPU at one request (depth 5 best) and at 4-256 requests.
+a GPU at C = 1-256 (``gpu_c*``: fitted to issue 58's H100 table; ``s.seconds=3`` is about one pass of it).
 
     python -m specserve.bench.bandit_sim --seeds 20 --output-file benchmarks/results/bandit_sim.json
     python -m specserve.bench.bandit_sim --scenarios cpu_c16_edge --variant m1:margin=0.01 --output-file ...
