@@ -96,3 +96,33 @@ def test_explorations_stay_within_the_budget_past_the_warm_up():
     assert sum(1 for a in late if a) / len(late) < 0.03  # within 1 % of the time lost, at ~70 % slower cycles
     never = serve(GoodputBandit(AdaptivePolicyConfig(explore_every=0)), true_s, dict(true_s), 300)
     assert set(never[1:]) == {0}
+
+
+def test_plain_decoding_under_a_drafting_pick_is_measured_again_whatever_the_budget():
+    # a pause-hit plain cycle must not hold drafting where plain decoding is better: plain decoding, the floor,
+    # is explored again once its cycles fade, even with no exploration budget at all
+    true_s = {0: 0.010, 1: 0.018, 2: 0.021, 3: 0.024}
+    b = GoodputBandit(AdaptivePolicyConfig(explore_budget=0.0))
+    key = batch_key(B)
+    pred_s = dict(true_s)
+    b.refresh(key, priors(pred_s), B)
+    b.observe(key, 0, 0.010, B, 0.040, B)  # plain decoding's first cycle: a 4x pause
+    b.chosen[key] = 2
+    arms = []
+    for _ in range(1500):
+        arm, _ = b.decide(key)
+        arms.append(arm)
+        b.observe(key, arm, pred_s[arm], TOKENS[arm] * B, true_s[arm], B)
+        b.refresh(key, priors(pred_s), B)
+    assert arms[-200:].count(0) >= 190
+
+
+def test_an_arm_whose_bound_clears_the_pick_is_explored_before_faded_neighbours():
+    b = GoodputBandit()
+    key = batch_key(B)
+    for _ in range(40):  # plain decoding and depth 1 served, then faded far; depth 3 never served
+        b.observe(key, 0, 0.010, B, 0.010, B)
+    b.observe(key, 1, 0.011, TOKENS[1] * B, 0.030, B)
+    b.visits[key] = 100
+    b.refresh(key, priors({0: 0.010, 1: 0.011, 2: 0.020, 3: 0.009}), B)
+    assert b.chosen[key] == 0 and b.explore[key] == 3  # (depth 1's cycle faded, but 3 may beat the pick)

@@ -69,8 +69,10 @@ class GoodputBandit:
             return again, True
         alt = self.explore.get(key)
         every = 0 if not c.explore_every else c.warm_every if v < c.warm_visits else c.explore_every
-        # (a bucket's warm-up explores whatever it loses: its first cycles may be a pause's)
-        if alt is not None and every and v % every == every - 1 and (v < c.warm_visits or self._within_budget(key)):
+        # unbudgeted: plain decoding under a drafting pick (the floor), and a bucket's warm-up out of a
+        # drafting pick (its first cycles may be a pause's)
+        free = self.chosen[key] != 0 and (alt == 0 or v < c.warm_visits)
+        if alt is not None and every and v % every == every - 1 and (free or self._within_budget(key)):
             self._again[key] = alt
             self._last_loss[key] = 0.0
             return alt, True
@@ -104,7 +106,7 @@ class GoodputBandit:
                 s = max(s, spr[0]) if 0 in spr else s
             spr[arm] = s
             g = tokens / s if s > 0 else 0.0
-            out[arm] = (g, g * c.default_cv / math.sqrt(st.n + w))
+            out[arm] = (g, g * c.default_cv / math.sqrt(st.n + st.seed_n + 0.1))  # (a prior alone: 3x a cycle's)
         self.spr[key] = spr
         return out
 
@@ -122,8 +124,7 @@ class GoodputBandit:
 
     def refresh(self, key: int, priors: dict[int, Prior], batch: int) -> None:
         """Rebuild bucket ``key``'s row: goodput per arm, the pick (kept unless another beats it by
-        ``margin``), and the arm an exploration turn runs: unmeasured plain decoding first, else the one
-        whose upper bound most clears the pick by the margin (None: none does)."""
+        ``margin``), and the arm an exploration turn runs (None: none)."""
         c = self.cfg
         est = self.estimates(key, priors, batch)
         self.goodput[key] = {a: g for a, (g, _) in est.items()}
@@ -138,11 +139,13 @@ class GoodputBandit:
             best = cur
         self.chosen[key] = best
         others = [a for a in est if a != best and (a == 0 or priors[a][0] >= 1 + c.margin)]
-        # plain decoding (the floor) and the pick's neighbours measured whatever their bound, plain first
-        must = [a for a in others if (a == 0 or abs(a - best) == 1) and (arms.get(a) or _NONE).n < c.min_cycles]
+        # unmeasured plain decoding (the floor) first, then the best upper bound past the pick by the margin,
+        # else the pick's neighbours once their cycles have faded, whatever their bound
+        faded = [a for a in others if (a == 0 or abs(a - best) == 1) and (arms.get(a) or _NONE).n < c.min_cycles]
         bound = {a: est[a][0] + c.z * est[a][1] for a in others}
         ok = [a for a in others if bound[a] > est[best][0] * (1 + c.margin)]
-        self.explore[key] = min(must) if must else max(ok, key=lambda a: bound[a]) if ok else None
+        self.explore[key] = (0 if 0 in faded else max(ok, key=lambda a: bound[a]) if ok
+                             else min(faded) if faded else None)
 
     # -- measurements --------------------------------------------------------------------------
     def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float, requests: int) -> None:
