@@ -88,7 +88,7 @@ class GoodputBandit:
         """(goodput per request, its standard error) per arm of ``priors`` for cycles of ``batch`` requests."""
         c = self.cfg
         arms = self.stats.get(key, {})
-        borrowed = self._drafting_excess(arms)
+        borrowed = self._drafting_excess(arms, batch)
         plain = arms.get(0) or _NONE
         out: dict[int, tuple[float, float]] = {}
         spr: dict[int, float] = {}
@@ -110,8 +110,9 @@ class GoodputBandit:
         self.spr[key] = spr
         return out
 
-    def _drafting_excess(self, arms: dict[int, ArmStats]) -> float:
-        """Measured minus predicted seconds per request-cycle of drafting arms: this bucket's, else every one's."""
+    def _drafting_excess(self, arms: dict[int, ArmStats], batch: int) -> float:
+        """Measured minus predicted seconds per request-cycle of drafting arms: this bucket's, else every one's
+        (shrunk towards none by two cycles of ``batch`` requests: one slow cycle lends a third of its excess)."""
         for pool in (arms.values(), [st for a in self.stats.values() for st in a.values()]):
             num = den = 0.0
             for st in pool:
@@ -119,7 +120,7 @@ class GoodputBandit:
                     num += st.seconds - st.predicted
                     den += st.requests
             if den > 1e-9:
-                return num / (den + 1.0)  # (one request-cycle of no excess: a single slow cycle lends little)
+                return num / (den + 2.0 * batch)
         return 0.0
 
     def refresh(self, key: int, priors: dict[int, Prior], batch: int) -> None:
