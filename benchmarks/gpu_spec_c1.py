@@ -45,10 +45,9 @@ PARITY_CONFIG = "chain3"
 def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, dict[str, Any], float]:
     """``name``: a CONFIGS entry, or one with "+noearly" (no verify launched before the commit)."""
     base, _, opt = name.partition("+")
-    if opt not in ("", "noearly", "nopresync", "nograph"):
+    if opt not in ("", "noearly", "nopresync"):
         raise SystemExit(f"unknown option +{opt} in {name!r} (noearly: no verify launched before the commit, "
-                         "nopresync: a tree's next verify launched after the sync, not before it, "
-                         "nograph: the fused launch step by step, not as one graph)")
+                         "nopresync: a tree's next verify launched after the sync, not before it)")
     spec = dict(CONFIGS[base])
     if spec:
         spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
@@ -58,11 +57,9 @@ def make_engine(args: argparse.Namespace, name: str, dtype: str) -> tuple[LLM, d
     t0 = time.perf_counter()
     llm = LLM(**kw)
     if opt == "noearly":
-        llm.engine.drafter.controller.early_verify = False
+        llm.engine.drafter.pipeline.early_verify = False
     elif opt == "nopresync":
-        llm.engine.drafter.controller.presync_verify = False
-    elif opt == "nograph":
-        llm.engine.drafter.controller.fused_launch_graph = False
+        llm.engine.drafter.pipeline.presync_verify = False
     return llm, kw, time.perf_counter() - t0
 
 
@@ -107,7 +104,7 @@ def fallbacks(name: str, delta: Counter, prompts: int) -> list[str]:
         bad.append(f"{name}: {delta['chain:eager']} eager chain draft loops")
     if delta["tree:eager"]:
         bad.append(f"{name}: {delta['tree:eager']} eager tree expansions")
-    if delta["fused_launch:eager"] and "+nograph" not in name:
+    if delta["fused_launch:eager"]:
         bad.append(f"{name}: {delta['fused_launch:eager']} fused launches run eagerly")
     # a prompt's first catch-up covers the whole prompt (eager Triton); the rest must replay
     if delta["catch_up:eager"] > prompts or delta["catch_up:torch"]:

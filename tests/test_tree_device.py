@@ -1,17 +1,40 @@
-"""Draft trees on the device (select_trees, accept_trees) are the host's trees and acceptance."""
+"""Draft trees on the device (select_trees, accept_trees) are the reference selection and the host's acceptance."""
 
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from specserve.speculative.accept import accept_chains_on_device, accept_greedy, accept_trees
-from specserve.speculative.tree import (Candidate, DraftTree, select_tree, select_trees, tree_fields,
-                                        tree_width)
+from specserve.speculative.tree import DraftTree, select_trees, tree_fields, tree_width
 from specserve.speculative.tree_graph import candidate_depths
 
+
+class Candidate(NamedTuple):
+    token: int
+    score: float  # cumulative draft log-probability
+    parent: int  # candidate index of the parent, -1 for a child of the root
+    depth: int
+
+
+def select_tree(root_token: int, cands: list[Candidate], num_nodes: int) -> DraftTree:
+    """The reference, written out: the best ``num_nodes`` candidates (ties: shallower first, then earlier),
+    closed under parents, as a tree in depth order."""
+    order = sorted(range(len(cands)), key=lambda i: (-cands[i].score, cands[i].depth, i))[:num_nodes]
+    chosen = set(order)
+    for i in order:
+        p = cands[i].parent
+        while p != -1 and p not in chosen:
+            chosen.add(p)
+            p = cands[p].parent
+    nodes = sorted(chosen, key=lambda i: (cands[i].depth, -cands[i].score, i))
+    index = {c: k + 1 for k, c in enumerate(nodes)}
+    return DraftTree([root_token] + [cands[c].token for c in nodes],
+                     [-1] + [0 if cands[c].parent == -1 else index[cands[c].parent] for c in nodes],
+                     [0] + [cands[c].depth for c in nodes])
 
 
 def bits_to_mask(bits: torch.Tensor) -> torch.Tensor:

@@ -151,9 +151,9 @@ class LLMEngine:
         self._ahead: tuple[StepPlan, LaunchedStep] | None = None
         self.drafter = None
         if config.speculative is not None:
-            from specserve.speculative.drafter import build_speculator
+            from specserve.speculative.drafter import EagleSpeculator
 
-            self.drafter = build_speculator(self)
+            self.drafter = EagleSpeculator(self)
         self.runner.capture_graphs()  # after the drafter: it sets the target's aux outputs
         if self.drafter is not None:
             self.drafter.after_capture()  # its cost profile measures the graphs

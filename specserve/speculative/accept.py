@@ -66,31 +66,45 @@ def accept_tree_sampled(tree: DraftTree, probs: torch.Tensor, gen: torch.Generat
         node = accepted
 
 
-def accept_chains_sampled(p: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, q: torch.Tensor,
-                          gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling for R chains padded to K drafts: p [R, K+1, V], drafts [R, K], num_drafts [R],
-    q [R, K, V]. Returns (accepted count [R], the target's token after the accepted drafts [R])."""
-    R, K1, V = p.shape
-    K = K1 - 1
-    rows = torch.arange(R, device=p.device)
+def accept_chains_sampled(probs: torch.Tensor, drafts: list[list[int]], qs: list[torch.Tensor],
+                          gen: torch.Generator | None) -> list[Accepted]:
+    """Rejection sampling for R chains at once: ``probs`` [sum(k_i + 1), V] the target's processed distribution
+    at each chain's rows in turn, ``drafts[i]`` its k_i drafts drawn from ``qs[i]`` [>= k_i, V]."""
+    dev, V = probs.device, probs.shape[1]
+    R, K = len(drafts), max(len(d) for d in drafts)
+    idx, first = [], 0  # [R, K + 1] rows, padded with each chain's last
+    for d in drafts:
+        idx += [first + min(j, len(d)) for j in range(K + 1)]
+        first += len(d) + 1
+    p = probs[torch.tensor(idx, device=dev)].view(R, K + 1, V)
+    draft_ids = torch.zeros(R, K, dtype=torch.long)
+    q = torch.zeros(R, K, V, device=dev)
+    for c, (d, qc) in enumerate(zip(drafts, qs)):
+        if d:
+            draft_ids[c, : len(d)] = torch.tensor(d)
+            q[c, : len(d)] = qc[: len(d)]
+    num_drafts = torch.tensor([len(d) for d in drafts], device=dev)
+    rows = torch.arange(R, device=dev)
     if K:
-        p_d = p[:, :K].gather(-1, drafts[..., None])[..., 0]
-        q_d = q.gather(-1, drafts[..., None])[..., 0]
-        u = torch.rand((R, K), generator=gen, device=p.device)
+        draft_ids = draft_ids.to(dev)
+        p_d = p[:, :K].gather(-1, draft_ids[..., None])[..., 0]
+        q_d = q.gather(-1, draft_ids[..., None])[..., 0]
+        u = torch.rand((R, K), generator=gen, device=dev)
         # (strict: a draft p rules out, by a grammar's mask say, is never accepted, whatever u)
-        ok = (u * q_d < p_d) & (torch.arange(K, device=p.device)[None] < num_drafts[:, None])
+        ok = (u * q_d < p_d) & (torch.arange(K, device=dev)[None] < num_drafts[:, None])
         acc = ok.long().cumprod(1).sum(1)
         rejected = acc < num_drafts
         q_at = q[rows, acc.clamp(max=K - 1)] * rejected[:, None]
     else:
-        acc = torch.zeros(R, dtype=torch.long, device=p.device)
-        q_at = torch.zeros(R, V, device=p.device)
+        acc = torch.zeros(R, dtype=torch.long, device=dev)
+        q_at = torch.zeros(R, V, device=dev)
     p_at = p[rows, acc]
     residual = (p_at - q_at).clamp_min(0)
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q there: drawing from p is exact
     residual = torch.where(empty, p_at, residual)
-    noise = torch.empty((R, V), device=p.device).exponential_(generator=gen)
-    return acc, (residual / noise).argmax(-1)
+    noise = torch.empty((R, V), device=dev).exponential_(generator=gen)
+    bonus = (residual / noise).argmax(-1)
+    return [Accepted(list(range(1, a + 1)), d[:a] + [b], a) for d, a, b in zip(drafts, acc.tolist(), bonus.tolist())]
 
 
 def accept_chains_on_device(ids: torch.Tensor, picks: torch.Tensor, nxt: torch.Tensor, j: torch.Tensor,

@@ -42,14 +42,10 @@ class CatchUp:
         self.h0: torch.Tensor | None = None  # the static draft loop's input, where built
 
     def run_head(self, reqs: list[Request], q_lens: list[int], positions, seq_lens: list[int],
-                 embeds: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+                 embeds: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One eager head forward over ``reqs``' rows (their draft KV written at ``slots``)."""
         tables = [r.kv.block_table for r in reqs]
         width = max(len(t) for t in tables)
-        if slots is None:
-            it = iter(positions)
-            slots = host_to_device([kv_slot(r.kv.block_table, next(it), self.block_size)
-                                    for r, n in zip(reqs, q_lens) for _ in range(n)], self.device)
         self.attn.plan(AttentionMetadata(
             query_lens=q_lens, seq_lens=seq_lens, slot_mapping=slots,
             block_tables=host_to_device([t + [0] * (width - len(t)) for t in tables], self.device)))

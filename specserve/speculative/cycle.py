@@ -14,14 +14,6 @@ from specserve.speculative.policy.bandit import batch_key
 CATCH_UP_TIMING_EVERY = 8  # steady catch-ups per one timed with device events (the adaptive policy on a GPU)
 
 
-def steady_share(caught_up: int, prompt_rows: int) -> float:
-    """The part of a catch-up over ``caught_up`` rows that replays what the last verify committed
-    (the rest, ``prompt_rows``, is the head's pass over prompts new to drafting)."""
-    if caught_up <= 0:
-        return 1.0
-    return max(caught_up - prompt_rows, 0) / caught_up
-
-
 class CycleClock:
     def __init__(self, controller, engine, max_k: int, time_on_device: bool) -> None:
         self.controller, self.engine, self.max_k = controller, engine, max_k
@@ -103,4 +95,7 @@ class CycleClock:
         elif not self.drafted_last:  # a switch out of plain decoding: not what this depth costs per cycle
             ctl.skip_cycle()
             ctl.observe_catch_up(caught_up, catch_up_s)
-        return catch_up_s * steady_share(caught_up, prompt_rows) if self.drafted_last else 0.0
+        if not self.drafted_last:
+            return 0.0
+        # the share replaying what the last verify committed (the rest is the head's pass over new prompts)
+        return catch_up_s * (max(caught_up - prompt_rows, 0) / caught_up if caught_up > 0 else 1.0)

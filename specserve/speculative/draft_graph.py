@@ -11,7 +11,8 @@ import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
 from specserve.attention.torch_decode import TorchDecodeAttention
-from specserve.engine.cuda_graph import GraphStats, capture_each, ladder, pad_to, replay_or_eager
+from specserve.engine.cuda_graph import (GraphStats, capture_each, capture_per_size, fit_sizes, ladder, pad_to,
+                                         replay_or_eager)
 from specserve.engine.host_copy import host_buffer, host_to_device
 from specserve.engine.kv_cache import kv_slot
 from specserve.models.eagle3 import Eagle3DraftModel
@@ -59,9 +60,6 @@ class ChainDraftRunner:
         self.stats = GraphStats()
         self.pad_batches = device.type == "cuda"
 
-    def padded_batch(self, B: int) -> int:
-        return pad_to(self.batch_sizes, B)  # type: ignore[return-value]  (B <= max_batch, the last size)
-
     def _body(self, B: int, K: int, max_kv: list[int] | None = None) -> None:
         """Draft K tokens for rows [0, B) from h0, base_pos, ks, block_tables into ``tokens``; rows past
         their k write the scratch slot and attend one key, so one graph serves any mix of k."""
@@ -101,21 +99,18 @@ class ChainDraftRunner:
         B, K = len(ks), max(ks)
         if B > self.max_batch or K > self.max_k:
             raise ValueError(f"draft batch {B} x {K} exceeds the loop's {self.max_batch} x {self.max_k}")
-        graph = self.graphs.get((self.padded_batch(B), K)) if self.graphs else None
+        Bp = pad_to(self.batch_sizes, B)  # (B <= max_batch, the last size)
+        graph = self.graphs.get((Bp, K))
+        # padded to the graph's shapes exactly on the GPU (there eager and graph drafts are bitwise equal)
+        Bp = Bp if graph is not None or self.pad_batches else B
+        self.load(base, ks, tables, Bp, device_base)
         if graph is not None:
-            self.load(base, ks, tables, self.padded_batch(B), device_base)
             graph.replay()
             return self.tokens[:B, :K], "graph"
-        if self.pad_batches:  # the graph's shapes exactly (GPU: eager and graph drafts are bitwise equal)
-            Bp = self.padded_batch(B)
-            self.load(base, ks, tables, Bp, device_base)
-            self._body(Bp, K)
-            return self.tokens[:B, :K], "eager"
-        self.load(base, ks, tables, B, device_base)
         max_kv = None
-        if isinstance(self.attn, TorchDecodeAttention):  # gather only the keys in use, as the eager loop
+        if isinstance(self.attn, TorchDecodeAttention) and not self.pad_batches:  # only the keys in use
             max_kv = [max(b + j - 1 for b, k in zip(base, ks) if k >= j) for j in range(2, K + 1)]
-        self._body(B, K, max_kv)
+        self._body(Bp, K, max_kv)
         return self.tokens[:B, :K], "eager"
 
     @torch.inference_mode()
@@ -141,8 +136,6 @@ class CatchUpRunner:
         self.embed = embed
         self.attn = attn  # a TritonBackend over the draft KV
         self.h_out = h_out  # [max_batch, H]
-        from specserve.engine.cuda_graph import fit_sizes
-
         self.sizes = fit_sizes(attn, sizes) if sizes else []
         self.device = device
         n = self.sizes[-1] if self.sizes else 0
@@ -213,8 +206,6 @@ class CatchUpRunner:
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> GraphStats:
-        from specserve.engine.cuda_graph import capture_per_size
-
         self.last.zero_()
         secs, nbytes = capture_per_size(self.attn, self.sizes, self._graph_body, self.device, self.graphs, {}, pool)
         self.stats = GraphStats(len(self.graphs), secs, nbytes)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specserve.attention.torch_native import TorchNativeBackend
-from specserve.attention.tree_draft import TreeDraftBackend
 from specserve.config import DEFAULT_HEAD, default_draft_path  # noqa: F401  (DEFAULT_HEAD: for tests)
 from specserve.engine import logits_process, sampler
 from specserve.engine.gc_pauses import clock
@@ -74,13 +73,13 @@ class EagleSpeculator:
         self.attn = TorchNativeBackend(caches, bs, hc.head_dim**-0.5)
         engine.blocks.require_draft_kv = True
         self.controller = SpecController(cfg, defer=True, clock=clock)  # bookkeeping deferred to the next launch
-        self.controller.early_verify = self.device.type == "cuda"
         self.caps = Caps(self.max_k, self.topk, cfg.num_steps, engine.max_model_len)
         self.catch_up = CatchUp(self.head, self.target.embed_tokens, self.attn, self.features, engine.blocks, bs,
                                 self.device, self.path_counts)
-        self.proposer = Proposer(self.head, self.target.embed_tokens, self.catch_up,
-                                 TreeDraftBackend(caches, bs, hc.head_dim**-0.5), self.topk, cfg.num_steps,
-                                 mc.vocab_size, self.runner.generator, self.device, self.path_counts)
+        self.proposer = Proposer(self.head, self.target.embed_tokens, self.catch_up, self.topk, mc.vocab_size,
+                                 self.runner.generator, self.device, self.path_counts)
+        if self.topk > 1:  # trees expand on static buffers (run eagerly unless captured: enable_static_draft)
+            static.build_tree_runner(self)
         self.pipeline = Pipeline(engine, self.controller, self.caps, self.catch_up, self.proposer, cfg.policy,
                                  self.path_counts)
         self.cycle = CycleClock(self.controller, engine, self.max_k,
@@ -164,28 +163,28 @@ class EagleSpeculator:
         pipe = self.pipeline
         pipe.reset()
         early = pipe.take(plan)
+        sampling = [s for s in plan.scheduled if s.samples]
         if early is not None:  # this step's forward was launched with the last step's sync
-            inputs, out = early.inputs, early.out
+            inputs, out, logits, argmax, sb = early.inputs, early.out, early.logits, early.argmax, None
             pending, pending_rows, tree_extra = list(plan.scheduled), early.draft_rows, early.tree_extra
+            self.controller.flush()
         else:
             inputs = self.runner.prepare(plan)
             pending, pending_rows, tree_extra = pipe.fill_drafts(plan, inputs)
             out = self.runner.forward(inputs)
-        self.controller.flush()
-        hidden, feats = out if isinstance(out, tuple) else (out, out)
-        sampling = [s for s in plan.scheduled if s.samples]
-        logits = early.logits if early is not None else None
-        rows = None
-        if early is None and sampling:
-            rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
-            logits = self.target.compute_logits(hidden[rows])
-        sb = None if early is not None else self._row_sampling(sampling, inputs, rows)
+            self.controller.flush()
+            logits = argmax = sb = None
+            if sampling:
+                rows = host_to_device([i for a, n in inputs.sample_spans for i in range(a, a + n)], self.device)
+                logits = self.target.compute_logits((out[0] if isinstance(out, tuple) else out)[rows])
+                sb = self._row_sampling(sampling, inputs, rows)
+                argmax = logits.argmax(-1)
+        feats = out[1] if isinstance(out, tuple) else out
         processed = early is None and any(s.req.processes_logits for s in sampling)
         argmax_host: list[int] = []
         fused = None
         raw = logits
         if logits is not None:  # the step's one host sync (two where logits are processed): picks, drafts
-            argmax = early.argmax if early is not None else logits.argmax(-1)
             if not processed:
                 argmax = sampler.picks(logits, sb, argmax)
             back = argmax
@@ -210,7 +209,7 @@ class EagleSpeculator:
                 argmax_host = sampler.picks(logits, sb).tolist()
         on_device = bool(fused) and self.topk > 1  # a fused tree launch moved KV and kept features already
         results = self._accept(sampling, logits, argmax_host, sb, compact=not on_device)
-        if not pipe.adopt_presync_verify(results) and fused and self.controller.early_verify:
+        if not pipe.adopt_presync_verify(results) and fused and pipe.early_verify:
             pipe.launch_early_verify(fused, results)
         kept_rows = [[0] + r.path for r in results]  # query rows whose KV/features are kept
         lps = self._logprobs(sampling, results, kept_rows, raw)
@@ -222,11 +221,11 @@ class EagleSpeculator:
         self._record(plan, sampling, accepted, clock() - t0, own_time)
         return CommitResult(token_ids=[r.tokens for r in results], logprobs=lps, num_accepted_drafts=accepted)
 
-    def _row_sampling(self, sampling, inputs, rows: torch.Tensor | None) -> sampler.SamplingBatch | None:
+    def _row_sampling(self, sampling, inputs, rows: torch.Tensor) -> sampler.SamplingBatch | None:
         """Per verify row, its request's params and the output index of the token it predicts (the row's
         position + 1 - prompt length: a chain's row j, a tree node's depth, after the committed tokens);
         None where every request is greedy."""
-        if rows is None or all(s.req.params.greedy for s in sampling):
+        if all(s.req.params.greedy for s in sampling):
             return None
         params, prompt = [], []
         for s, (_, n) in zip(sampling, inputs.sample_spans):
@@ -251,39 +250,30 @@ class EagleSpeculator:
         """Per sampling request: accepted path and tokens; sampled chains in one batch; trees' accepted
         target KV moved up behind the root (``compact``). Greedy and seeded requests follow the target's
         picks (what plain sampling takes at each row); the others are verified by rejection sampling."""
-        results: list[Accepted | None] = [None] * len(sampling)
-        chains, offs, off = [], [], 0
+        results: list[Accepted | None] = []
+        chains: list[tuple[int, list[int]]] = []  # sampled chains (index, rows): accepted in one batch
+        off = 0
         for i, s in enumerate(sampling):
-            offs.append(off)
-            k = len(s.draft_token_ids)
+            k, p = len(s.draft_token_ids), s.req.params
             span = list(range(off, off + k + 1))
             off += k + 1
-            p = s.req.params
             if p.greedy or p.seeded:
                 tree = s.tree.truncated(k) if s.tree is not None else DraftTree.chain(0, s.draft_token_ids)
-                results[i] = accept_greedy(tree, picks[span[0] : span[-1] + 1])
+                results.append(accept_greedy(tree, picks[span[0] : span[-1] + 1]))
             elif s.tree is not None:
                 probs = sampler.processed_probs(logits[span], sb.select(span))
-                results[i] = accept_tree_sampled(s.tree.truncated(k), probs, self.runner.generator)
+                results.append(accept_tree_sampled(s.tree.truncated(k), probs, self.runner.generator))
             else:
-                chains.append(i)
+                results.append(None)
+                chains.append((i, span))
         if chains:
-            K = max(len(sampling[i].draft_token_ids) for i in chains)
-            row_idx = [offs[i] + min(j, len(sampling[i].draft_token_ids)) for i in chains for j in range(K + 1)]
-            p = sampler.processed_probs(logits[row_idx], sb.select(row_idx))
-            p = p.view(len(chains), K + 1, -1)
-            drafts = torch.zeros(len(chains), K, dtype=torch.long)
-            q = torch.zeros(len(chains), K, p.shape[-1], device=self.device)
-            for c, i in enumerate(chains):
-                d = sampling[i].draft_token_ids
-                if d:
-                    drafts[c, : len(d)] = torch.tensor(d)
-                    q[c, : len(d)] = sampling[i].req.spec.draft_probs[: len(d)]
-            n_d = torch.tensor([len(sampling[i].draft_token_ids) for i in chains], device=self.device)
-            acc, bonus = accept_chains_sampled(p, drafts.to(self.device), n_d, q, self.runner.generator)
-            for c, (a, b) in enumerate(zip(acc.tolist(), bonus.tolist())):
-                d = sampling[chains[c]].draft_token_ids
-                results[chains[c]] = Accepted(list(range(1, a + 1)), d[:a] + [b], a)
+            rows = [j for _, span in chains for j in span]
+            got = accept_chains_sampled(sampler.processed_probs(logits[rows], sb.select(rows)),
+                                        [sampling[i].draft_token_ids for i, _ in chains],
+                                        [sampling[i].req.spec.draft_probs if len(span) > 1 else None
+                                         for i, span in chains], self.runner.generator)
+            for (i, _), res in zip(chains, got):
+                results[i] = res
         if compact:
             self._compact([(s, res.path) for s, res in zip(sampling, results) if s.tree is not None])
         return results  # type: ignore[return-value]
@@ -397,7 +387,3 @@ class EagleSpeculator:
         if arm is not None:
             return ctl.uniform(candidates, arm, caps)
         return ctl.decide(Batch(candidates, caps, len(self.engine.scheduler.running)))
-
-
-def build_speculator(engine: "LLMEngine") -> EagleSpeculator:
-    return EagleSpeculator(engine)

@@ -16,7 +16,7 @@ from specserve.engine.scheduler import StepPlan
 from specserve.engine.stop import may_stop
 from specserve.speculative.accept import Accepted, accept_chains_on_device
 from specserve.speculative.catch_up import CatchUp, catch_up_slots
-from specserve.speculative.propose import Proposer, pend, pend_trees
+from specserve.speculative.propose import Proposer, pend
 from specserve.speculative.state import PENDING, Caps, EarlyVerify, catch_up_end
 from specserve.speculative.tree import DraftTree
 
@@ -42,6 +42,10 @@ class Pipeline:
         self.early: EarlyVerify | None = None  # the next step's verify, launched already
         self.presync: tuple[list[Target], list[list[int]], EarlyVerify] | None = None
         self.read_back_around = ReadBack(self.device)  # the verify's picks, the next drafts launched meanwhile
+        # the next verify before the commit (a GPU's default), a tree's before the sync (tests and
+        # benchmarks/gpu_spec_c1.py turn them off to compare and measure)
+        self.early_verify = self.device.type == "cuda"
+        self.presync_verify = True
 
     def reset(self) -> None:
         """A new step: what the last one decided early is spent."""
@@ -135,7 +139,7 @@ class Pipeline:
             return
         chain = self.proposer.chain_runner
         fl = self.fused_launch
-        key = fl.key(T, B, K, max(nk)) if fl is not None and self.controller.fused_launch_graph else None
+        key = fl.key(T, B, K, max(nk)) if fl is not None else None
         if key is not None:  # what follows, as one graph
             fl.write(key, [r.num_computed_tokens for r in reqs], k_list, nk, [r.kv.block_table for r in reqs])
             path = fl.run(key, inputs.input_ids, argmax, feats[:T])
@@ -208,7 +212,7 @@ class Pipeline:
             adopted.append((r, kk))
             rows.append(row)
         if adopted:
-            (pend_trees if self.topk > 1 else pend)(adopted, self.fused_toks, rows)
+            pend(adopted, self.fused_toks, rows, tree=self.topk > 1)
         return rest
 
     # -- the next verify, before the commit ------------------------------------------------------------
@@ -216,9 +220,7 @@ class Pipeline:
         """The next step's verify from each accepted count, bonus token and drafts on the device; not where
         the next plan will differ (arrivals, requests outside the step, a stop, the budget, k = 0 next)."""
         sched = self.sched
-        if sched.waiting or len(targets) != len(sched.running):
-            return
-        if sum(kk + 1 for _, _, kk in targets) > self.max_tokens or not all(kk for _, _, kk in targets):
+        if not self._next_plan_known(targets):
             return
         toks = self.fused_toks
         K, bs = toks.shape[1], self.block_size
@@ -247,9 +249,7 @@ class Pipeline:
             inputs.meta.tree_masks = {}
             rows, extra = self._fill_trees(tree_src, inputs)
         else:
-            idx = host_to_device(dst + src, self.device)
-            rows = idx[: len(dst)]
-            inputs.input_ids.index_copy_(0, rows, toks.view(-1).index_select(0, idx[len(dst):]))
+            rows = self._copy_drafts(inputs, toks, src, dst)
         out = self.runner.forward(inputs)
         logits = self.target.compute_logits(out[0] if isinstance(out, tuple) else out)
         self._keep_early(EarlyVerify(plan, blocks, [r for r, _, _ in targets], inputs, out, logits,
@@ -264,16 +264,18 @@ class Pipeline:
     def presync_ok(self, targets: list[Target]) -> bool:
         """Whether the verify after a fused tree launch may go before the sync: what launch_early_verify
         asks short of the picks, and no request that can end by length in this commit."""
-        ctl, sched = self.controller, self.sched
-        if not (ctl.early_verify and ctl.presync_verify and self.topk > 1 and self.tree_verify is not None):
+        if not (self.early_verify and self.presync_verify and self.topk > 1 and self.tree_verify is not None):
             return False
-        if sched.waiting or len(targets) != len(sched.running) or not all(kk == self.max_k for _, _, kk in targets):
-            return False
-        if sum(kk + 1 for _, _, kk in targets) > self.max_tokens:
-            return False
-        return all(r.params.max_tokens is None
+        return self._next_plan_known(targets) and all(r.params.max_tokens is None
                    or r.num_output_tokens + self.caps.most_committed(k) + 1 < r.params.max_tokens
                    for r, k, _ in targets)
+
+    def _next_plan_known(self, targets: list[Target]) -> bool:
+        """Whether the next plan verifies exactly ``targets``' next drafts: no prompt waiting, every running
+        request among them, each drafting (a fused tree: all of it) within the step budget."""
+        sched = self.sched
+        return (not sched.waiting and len(targets) == len(sched.running) and all(kk for _, _, kk in targets)
+                and sum(kk + 1 for _, _, kk in targets) <= self.max_tokens)
 
     def launch_presync_verify(self, targets: list[Target]) -> None:
         """The verify of the trees just selected, behind the fused launch and before the sync: inputs from
@@ -350,56 +352,49 @@ class Pipeline:
 
     # -- drafts on the device into a verify's inputs --------------------------------------------------
     def fill_drafts(self, plan: StepPlan, inputs) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
-        """Write PENDING drafts into the step's input ids, device to device (trees: also positions and
-        masks). Returns the requests filled, their input rows, and their trees' parents and depths."""
-        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        pending = []
+        """Write PENDING drafts into the step's input ids, device to device (trees: also positions and masks).
+        Returns the requests filled, their input rows in the same order, and their trees' parents and depths
+        (an engine drafts chains or trees: one kind)."""
+        groups: dict[int, tuple[torch.Tensor, list, list[int], list[int]]] = {}  # by drafts tensor: requests, src, dst
+        trees: list = []
         spans = iter(inputs.sample_spans)
         tree_src: list[tuple[torch.Tensor, int, int, int, int, int]] = []  # (trees, row, input row, n, b, root)
         for b, s in enumerate(plan.scheduled):
             if not s.samples:
                 continue
             a, n = next(spans)
-            d = s.draft_token_ids
+            d, st = s.draft_token_ids, s.req.spec
             if not d or d[0] != PENDING:
                 continue
-            st = s.req.spec
-            pending.append(s)
             if st.device_tree is not None:
-                trees, row = st.device_tree
-                tree_src.append((trees, row, a, n, b, s.req.num_computed_tokens + s.num_new_tokens - 1))
+                trees.append(s)
+                tree_src.append((*st.device_tree, a, n, b, s.req.num_computed_tokens + s.num_new_tokens - 1))
                 continue
             toks, row = st.device_drafts
             K = toks.shape[1]
-            _, src, dst = groups.setdefault(id(toks), (toks, [], []))
+            _, reqs, src, dst = groups.setdefault(id(toks), (toks, [], [], []))
+            reqs.append(s)
             src.extend(range(row * K, row * K + n - 1))  # (the scheduler may have cut the drafts short)
             dst.extend(range(a + 1, a + n))
-        if not pending:
-            return pending, None, None
-        rows = []
-        for toks, src, dst in groups.values():
-            idx = host_to_device(dst + src, self.device)
-            rows.append(idx[: len(dst)])
-            inputs.input_ids.index_copy_(0, rows[-1], toks.view(-1).index_select(0, idx[len(dst):]))
-        extra = None
         if tree_src:
-            tree_rows, extra = self._fill_trees(tree_src, inputs)
-            rows.append(tree_rows)
-        return pending, rows[0] if len(rows) == 1 else torch.cat(rows), extra
+            return trees, *self._fill_trees(tree_src, inputs)
+        if not groups:
+            return [], None, None
+        rows = [self._copy_drafts(inputs, toks, src, dst) for toks, _, src, dst in groups.values()]
+        pending = [s for _, reqs, _, _ in groups.values() for s in reqs]
+        return pending, rows[0] if len(rows) == 1 else torch.cat(rows), None
+
+    def _copy_drafts(self, inputs, toks: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
+        """Chain drafts ``toks.view(-1)[src]`` into input rows ``dst``, device to device; returns those rows."""
+        idx = host_to_device(dst + src, self.device)
+        inputs.input_ids.index_copy_(0, idx[: len(dst)], toks.view(-1).index_select(0, idx[len(dst):]))
+        return idx[: len(dst)]
 
     def _fill_trees(self, src: list[tuple[torch.Tensor, int, int, int, int, int]], inputs
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Device trees into a step's inputs: ids, positions (root's + depth), mask rows. Returns the
         drafts' input rows and the parents and depths of nodes 1..n-1 (read back with the picks)."""
         N = self.max_k + 1
-        if len(src) == 1:  # one tree: slices, no index lists
-            trees, row, a, n, b, nc = src[0]
-            t = trees[row]
-            inputs.input_ids[a + 1 : a + n].copy_(t[1:n])
-            torch.add(t[2 * N : 2 * N + n], nc, out=inputs.positions[a : a + n])
-            inputs.meta.tree_masks[b] = t[3 * N : 3 * N + n]
-            rows = torch.arange(a + 1, a + n, device=inputs.input_ids.device)
-            return rows, torch.cat([t[N + 1 : N + n], t[2 * N + 1 : 2 * N + n]])
         W = src[0][0].shape[1]
         dst_ids, src_ids, dst_pos, src_pos, offs, src_extra = [], [], [], [], [], []  # type: ignore[var-annotated]
         same = all(t is src[0][0] for t, *_ in src)
@@ -427,17 +422,16 @@ class Pipeline:
 
     @staticmethod
     def resolve_drafts(pending: list, values: list[int]) -> None:
-        """The host values of the drafts fill_drafts wrote (chains then trees, by input row; then each
-        tree's parents and depths)."""
-        chains = [s for s in pending if s.req.spec.device_tree is None]
-        trees = [s for s in pending if s.req.spec.device_tree is not None]
+        """The host values of the drafts fill_drafts wrote, in its order (then each tree's parents and depths)."""
         off = 0
-        for s in chains + trees:
+        for s in pending:
             n = len(s.draft_token_ids)
             s.draft_token_ids = s.req.draft_token_ids = values[off : off + n]
             s.req.spec.device_drafts = None
             off += n
-        for s in trees:
+        for s in pending:
+            if s.req.spec.device_tree is None:
+                continue
             n = len(s.draft_token_ids)
             parents, depths = values[off : off + n], values[off + n : off + 2 * n]
             off += 2 * n

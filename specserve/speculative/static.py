@@ -29,6 +29,22 @@ def decode_attention(d: Any, rows: int, triton: bool) -> Any:
     return TorchDecodeAttention(caches, bs, scale, tables)
 
 
+def build_tree_runner(d: Any, triton: bool = False, chain: ChainDraftRunner | None = None) -> None:
+    """Every tree's expansion (tree_graph.py); its frontier slots are queries of a decode attention over the
+    chain loop's h0 and block tables where that is built, else over its own."""
+    e, bs = d.engine, d.engine.config.block_size
+    max_batch = e.config.max_num_seqs
+    if chain is None:
+        tables = torch.zeros(max_batch, -(-e.max_model_len // bs), dtype=torch.long, device=d.device)
+        h0 = torch.zeros(max_batch, d.head.config.hidden_size, dtype=d.head_dtype, device=d.device)
+    else:
+        tables, h0 = chain.block_tables, chain.h0
+    attn = decode_attention(d, max_batch * d.topk, triton)
+    d.proposer.tree_runner = TreeDraftRunner(d.head, d.target.embed_tokens, attn, tables, bs, d.scratch_slot // bs + 1,
+                                             h0, max_batch, d.topk, d.cfg.num_steps, d.device, num_nodes=d.max_k + 1)
+    d.catch_up.h0 = h0
+
+
 def build_static_draft(d: Any, graphs: bool, attention: str, fused_launch: bool | None) -> None:
     """attention: "triton", "torch" or "auto" (triton on CUDA with the triton backend). fused_launch:
     the fused launch of small steps (default: with graphs)."""
@@ -45,11 +61,8 @@ def build_static_draft(d: Any, graphs: bool, attention: str, fused_launch: bool 
     chain = ChainDraftRunner(d.head, d.target.embed_tokens, dec, dec.block_tables, bs, d.scratch_slot,
                              max_batch, d.max_k, dev, d.head_dtype)
     prop.chain_runner, cu.h0 = chain, chain.h0
-    prop.tree_runner = None
-    if d.topk > 1:  # frontier slots are queries of a decode attention over the same h0 and tables
-        prop.tree_runner = TreeDraftRunner(d.head, d.target.embed_tokens, decode_attention(d, max_batch * d.topk, triton),
-                                           dec.block_tables, bs, d.scratch_slot // bs + 1, chain.h0, max_batch,
-                                           d.topk, d.cfg.num_steps, dev, num_nodes=d.max_k + 1)
+    if d.topk > 1:
+        build_tree_runner(d, triton, chain)
     fused_launch = graphs if fused_launch is None else fused_launch
     tr = prop.tree_runner
     if fused_launch and tr is not None:
@@ -75,21 +88,23 @@ def build_static_draft(d: Any, graphs: bool, attention: str, fused_launch: bool 
         capture(d)
 
 
+def runners(d: Any) -> list[tuple[str, Any]]:
+    """The static draft runners built, by name."""
+    prop, pipe = d.proposer, d.pipeline
+    loop = ("tree expansion", prop.tree_runner) if prop.tree_runner else ("chain loop", prop.chain_runner)
+    parts = [("catch-up", d.catch_up.runner), loop, ("fused launch", pipe.fused_launch or pipe.tree_launch),
+             ("tree verify", pipe.tree_verify)]
+    return [(name, r) for name, r in parts if r is not None]
+
+
 def capture(d: Any) -> None:
     pool = torch.cuda.graph_pool_handle()
-    cu, prop, pipe = d.catch_up.runner, d.proposer, d.pipeline
-    loop = prop.tree_runner or prop.chain_runner
-    parts = [("catch-up", cu), ("tree expansion" if prop.tree_runner else "chain loop", loop),
-             ("fused launch", pipe.fused_launch or pipe.tree_launch), ("tree verify", pipe.tree_verify)]
-    for name, runner in parts:
-        if runner is not None:
-            st = runner.capture(pool)
-            log.info("draft CUDA graphs: %s %d in %.2fs using %.1f MiB of GPU memory", name, st.graphs, st.seconds,
-                     st.bytes / 2**20)
+    for name, runner in runners(d):
+        st = runner.capture(pool)
+        log.info("draft CUDA graphs: %s %d in %.2fs using %.1f MiB of GPU memory", name, st.graphs, st.seconds,
+                 st.bytes / 2**20)
 
 
 def graph_memory_bytes(d: Any) -> int:
     """GPU memory the draft CUDA graphs took at capture."""
-    runners = (d.catch_up.runner, d.proposer.chain_runner, d.proposer.tree_runner, d.pipeline.fused_launch,
-               d.pipeline.tree_launch, d.pipeline.tree_verify)
-    return sum(r.stats.bytes for r in runners if r is not None)
+    return sum(r.stats.bytes for _, r in runners(d))

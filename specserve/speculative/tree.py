@@ -3,19 +3,10 @@ below the last committed token (closed under parents), their mask and packed dev
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-
-@dataclass(frozen=True)
-class Candidate:
-    token: int  # target vocab id
-    score: float  # cumulative draft log-probability
-    parent: int  # candidate index of the parent, -1 for a child of the root
-    depth: int  # 1 for children of the root
 
 
 @dataclass
@@ -31,10 +22,6 @@ class DraftTree:
         """A chain as a tree: node i hangs under node i - 1."""
         return cls([root] + list(drafts), list(range(-1, len(drafts))), list(range(len(drafts) + 1)))
 
-    @property
-    def num_nodes(self) -> int:
-        return len(self.tokens) - 1
-
     def truncated(self, num_nodes: int) -> "DraftTree":
         """The first ``num_nodes`` nodes (depth order keeps every parent)."""
         n = num_nodes + 1
@@ -43,47 +30,17 @@ class DraftTree:
     def children(self, i: int) -> list[int]:
         return [j for j in range(1, len(self.tokens)) if self.parents[j] == i]
 
-    def ancestor_bits(self) -> list[int]:
-        """Per node i: bit j set iff j is i or an ancestor of i (parents come before children)."""
-        bits: list[int] = []
-        for i, p in enumerate(self.parents):
-            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
-        return bits
-
     def mask(self) -> torch.Tensor:
         """bool [n+1, n+1]: row i may attend column j iff j is i or an ancestor of i."""
         n = len(self.tokens)
         if n > 64:
             raise ValueError(f"a tree of {n} tokens: at most 64 (one 64-bit word of ancestors per token)")
-        bits = np.array(self.ancestor_bits(), dtype=np.uint64)
+        bits: list[int] = []  # per node i: bit j set iff j is i or an ancestor of i (parents come first)
+        for i, p in enumerate(self.parents):
+            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
+        bits = np.array(bits, dtype=np.uint64)
         cols = np.left_shift(np.uint64(1), np.arange(n, dtype=np.uint64))
         return torch.from_numpy((bits[:, None] & cols[None, :]) != 0)
-
-
-def select_tree(root_token: int, cands: list[Candidate], num_nodes: int) -> DraftTree:
-    """The best ``num_nodes`` candidates as a tree (ties: shallower first, then earlier)."""
-    order = sorted(range(len(cands)), key=lambda i: (-cands[i].score, cands[i].depth, i))[:num_nodes]
-    chosen = set(order)
-    for i in order:  # closure under parents (holds already unless scores tie oddly)
-        p = cands[i].parent
-        while p != -1 and p not in chosen:
-            chosen.add(p)
-            p = cands[p].parent
-    nodes = sorted(chosen, key=lambda i: (cands[i].depth, -cands[i].score, i))
-    index = {c: k + 1 for k, c in enumerate(nodes)}
-    return DraftTree(
-        tokens=[root_token] + [cands[c].token for c in nodes],
-        parents=[-1] + [0 if cands[c].parent == -1 else index[cands[c].parent] for c in nodes],
-        depths=[0] + [cands[c].depth for c in nodes],
-    )
-
-
-def tree_is_final(cands: list[Candidate], num_nodes: int, frontier_best: float) -> bool:
-    """Whether expanding further can change ``select_tree(cands, num_nodes)`` (exact): a later node scores at
-    most its frontier ancestor, so once num_nodes candidates score >= the best frontier node, none enters."""
-    if len(cands) < num_nodes:
-        return False
-    return heapq.nlargest(num_nodes, (c.score for c in cands))[-1] >= frontier_best
 
 
 def tree_width(num_nodes: int) -> int:
@@ -101,8 +58,9 @@ def tree_fields(packed: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, tor
 def select_trees(cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_parent: torch.Tensor,
                  cand_depth: torch.Tensor, num_nodes: int, max_depth: int, out: torch.Tensor,
                  sizes: torch.Tensor | None = None) -> None:
-    """``select_tree`` for every row: candidates [B, C] of depths ``cand_depth`` [C] into packed trees ``out``
-    (nodes 1..N-1; ``sizes`` [B]: fewer drafts, the best first); a stable sort by score gives the host's order."""
+    """The best num_nodes - 1 candidates of every row as a tree (ties: shallower first, then earlier): candidates
+    [B, C] of depths ``cand_depth`` [C] into packed trees ``out`` (nodes 1..N-1 in depth order; ``sizes`` [B]:
+    fewer drafts, the best first). A node's parent scores at least as high, so the best are closed under parents."""
     B, C = cand_score.shape
     M = num_nodes - 1
     if M > C:

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from specserve.attention.base import AttentionBackend, forward_context
-from specserve.engine.cuda_graph import GraphStats, capture_each, ladder, pad_to, replay_or_eager
+from specserve.attention.torch_decode import TorchDecodeAttention
+from specserve.engine.cuda_graph import GraphStats, capture_each, dummy_meta, ladder, pad_to, replay_or_eager
 from specserve.engine.host_copy import host_buffer
 from specserve.engine.kv_cache import kv_slot
 from specserve.engine.runner import kv_slab
@@ -63,26 +64,21 @@ class TreeDraftRunner:
         self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
-    def _body(self, B: int) -> None:
-        """Expand rows [0, B) and select each one's tree (reads only static buffers; writes ``trees``)."""
-        toks, scores, parents = self._expand(B)
-        select_trees(toks, scores, parents, self.cand_depth, self.num_nodes, self.depth, self.trees, self.sizes[:B])
-
-    def _expand(self, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every depth's candidates [B, C]: tokens, scores, parents (one concatenation each: at one
-        request the expansion is bound by its kernel count)."""
-        head, K = self.head, self.topk
+    def _body(self, B: int, max_kv: list[int] | None = None) -> None:
+        """Expand rows [0, B) from h0 and select each one's tree (reads only static buffers; writes ``trees``):
+        every depth's candidates [B, C] (tokens, scores, parents), one concatenation each at the end (at one
+        request the expansion is bound by its kernel count). ``max_kv``: keys each depth reads (eager only)."""
         h = self.h0[:B]
-        score, tok = head.top_drafts(h, K)  # [B, K]
+        score, tok = self.head.top_drafts(h, self.topk)  # [B, K]
         toks, scores, parents = [tok], [score], [self._first_parent.expand(B, -1)]
-        self._expand_depths(B, h, tok, score, toks, scores, parents)
-        return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+        if self.depth >= 2:
+            self._expand(B, h, tok, score, toks, scores, parents, max_kv)
+        select_trees(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), self.cand_depth, self.num_nodes,
+                     self.depth, self.trees, self.sizes[:B])
 
-    def _expand_depths(self, B: int, h: torch.Tensor, tok: torch.Tensor, score: torch.Tensor,
-                       toks: list[torch.Tensor], scores: list[torch.Tensor], parents: list[torch.Tensor]) -> None:
+    def _expand(self, B: int, h: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, toks: list[torch.Tensor],
+                scores: list[torch.Tensor], parents: list[torch.Tensor], max_kv: list[int] | None) -> None:
         head, K, D, bs = self.head, self.topk, self.depth, self.block_size
-        if D < 2:
-            return
         R = B * K
         lanes = self.lanes[:R]
         nb = lanes.shape[1]
@@ -108,7 +104,7 @@ class TreeDraftRunner:
         rows = torch.arange(B, device=self.device)[:, None] * K
         at = K
         for i in range(D - 1):  # depth i + 2
-            self.attn.set_step(slots[i], seqs[i])
+            self.attn.set_step(slots[i], seqs[i], None if max_kv is None else max_kv[i])
             with forward_context(self.attn):
                 h_out = head(self.embed(front_tok.reshape(-1)), front_h, pos[i])
             c_score, c_tok = head.top_drafts(h_out, K)  # [R, K]
@@ -128,9 +124,6 @@ class TreeDraftRunner:
             kvb.index_copy_(1, lanes.reshape(-1), kvb.index_select(1, lanes.index_select(0, parent).reshape(-1)))
             at += K * K
 
-    def padded_batch(self, B: int) -> int | None:
-        return pad_to(self.batch_sizes, B)
-
     def load(self, base: list[int], tables: list[list[int]], Bp: int, sizes: list[int] | None = None) -> None:
         sizes = sizes or [self.num_nodes - 1] * len(base)
         load_rows(self.device, Bp, [(self.base_pos, base), (self.sizes, sizes)], self.block_tables, tables)
@@ -141,14 +134,17 @@ class TreeDraftRunner:
         B = len(base)
         if B > self.max_batch:
             raise ValueError(f"tree batch {B} exceeds the expansion's {self.max_batch}")
-        Bp = self.padded_batch(B)
+        Bp = pad_to(self.batch_sizes, B)
         graph = self.graphs.get((Bp,)) if Bp is not None else None
         if graph is not None:
             self.load(base, tables, Bp, sizes)
             graph.replay()
             return "graph"
         self.load(base, tables, B, sizes)
-        self._body(B)
+        max_kv = None  # (the torch attention gathers only the keys in use, else a whole block-table row)
+        if isinstance(self.attn, TorchDecodeAttention):
+            max_kv = [max(base) + i + 1 for i in range(self.depth - 1)]
+        self._body(B, max_kv)
         return "eager"
 
     @torch.inference_mode()
@@ -329,8 +325,6 @@ class TreeVerifyGraph:
     def capture(self, pool: Any = None) -> GraphStats:
         """A graph per padded batch of the launch, its attention launches sized for any step of one
         request's tree up to the batch's (graph_min_tokens), planned over the scratch block."""
-        from specserve.engine.cuda_graph import dummy_meta
-
         tl, attn = self.launch, self.attn
 
         def prepare(Bp: int) -> None:

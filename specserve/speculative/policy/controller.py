@@ -102,12 +102,6 @@ class SpecController:
     catch_up_cost: LinearCost = field(default_factory=LinearCost)  # catch-ups after plain decoding
     clock: Callable[[], float] = time.perf_counter
 
-    # launch-path switches the pipeline reads (not policy): the next verify launched before the commit
-    # (the drafter sets it on a GPU), a tree's before the sync, the fused launch as one graph
-    early_verify = False
-    presync_verify = True
-    fused_launch_graph = True
-
     def __post_init__(self) -> None:
         self.policy = self.cfg.adaptive  # the adaptive policy's tunables
         if self.bandit is None:
