@@ -126,3 +126,15 @@ def test_an_arm_whose_bound_clears_the_pick_is_explored_before_faded_neighbours(
     b.visits[key] = 100
     b.refresh(key, priors({0: 0.010, 1: 0.011, 2: 0.020, 3: 0.009}), B)
     assert b.chosen[key] == 0 and b.explore[key] == 3  # (depth 1's cycle faded, but 3 may beat the pick)
+
+
+def test_an_unserved_depth_borrows_the_drafting_cycles_excess_not_plain_decodings():
+    # elsewhere plain cycles ran 2x their prediction (host time drafting cycles do not share) and depth 1's
+    # ran as predicted: a depth never served in a new bucket keeps its prediction
+    b = GoodputBandit()
+    other, new = batch_key(8), batch_key(32)
+    for _ in range(20):
+        b.observe(other, 0, 0.010, 8, 0.020, 8)
+        b.observe(other, 1, 0.012, 8 * TOKENS[1], 0.012, 8)
+    b.refresh(new, priors({0: 0.010, 1: 0.011, 2: 0.012, 3: 0.013}), 32)
+    assert b.spr[new][2] == pytest.approx(0.012 / 32)

@@ -113,12 +113,11 @@ class GoodputBandit:
     def _drafting_excess(self, arms: dict[int, ArmStats], batch: int) -> float:
         """Measured minus predicted seconds per request-cycle of drafting arms: this bucket's, else every one's
         (shrunk towards none by two cycles of ``batch`` requests: one slow cycle lends a third of its excess)."""
-        for pool in (arms.values(), [st for a in self.stats.values() for st in a.values()]):
+        for pool in ([arms], self.stats.values()):
             num = den = 0.0
-            for st in pool:
-                if st is not arms.get(0) and st.requests > 1e-9:
-                    num += st.seconds - st.predicted
-                    den += st.requests
+            for st in (st for bucket in pool for a, st in bucket.items() if a):
+                num += st.seconds - st.predicted
+                den += st.requests
             if den > 1e-9:
                 return num / (den + 2.0 * batch)
         return 0.0
