@@ -70,7 +70,8 @@ def configs(args: argparse.Namespace, variants: dict[str, AdaptivePolicyConfig] 
     for k in args.static_steps:
         out[f"chain{k}"] = {**STATIC, "speculative_num_steps": k}
     if args.tree:  # the default tree: 5 steps x top-4, 16 nodes
-        out["tree"] = {**STATIC, "speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 16}
+        out["tree"] = {**STATIC, "speculative_num_steps": 5, "speculative_eagle_topk": 4,
+                       "speculative_num_draft_tokens": 16}
     out[f"threshold{args.threshold_n}"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "threshold",
                                            "speculative_disable_batch_threshold": args.threshold_n,
                                            "speculative_num_steps": args.threshold_steps}
@@ -125,7 +126,8 @@ class Client:
         while len(self.live) < c and (limit is None or self.issued < limit):
             prompt, out_len = source(self.issued)
             rid = f"{self.name}-{id(self)}-{self.issued}-{time.monotonic_ns()}"
-            self.llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=self.ignore_eos,
+            self.llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=out_len,
+                                                                     ignore_eos=self.ignore_eos,
                                                                      output_kind=RequestOutputKind.DELTA))
             self.live[rid] = Req(rid, out_len, self.clock + time.perf_counter() - t0)
             self.issued += 1

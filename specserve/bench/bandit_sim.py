@@ -119,7 +119,8 @@ SCENARIOS = {
         # a cycle (its best), depths 1 / 3 / 4 / 5 served at 0.65 / 0.90 / 0.81 / 0.91x its goodput (2 by
         # guess), their cycles at 1.6-1.9x the profile's prediction where plain ones ran at 0.96x
         Scenario("gpu_c16_hostbound", 16, 0.0018, (1.0, 0.65, 0.80, 0.90, 0.81, 0.91),
-                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=10.0, draft_prior_bias=1.7),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=10.0,
+                 draft_prior_bias=1.7),
         Scenario("gpu_c64_sweep", 64, 0.00344, (1.0, 0.93, 0.91, 0.90, 0.905, 0.91),
                  alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=1.5e-6, seconds=14.0),
         Scenario("gpu_c256_sweep", 256, 0.00973, (1.0, 0.90, 0.87, 0.85, 0.855, 0.86),
