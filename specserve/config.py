@@ -97,35 +97,22 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class AdaptivePolicyConfig:
-    """The adaptive policy's tunables (controller + bandit); docs/decisions.md says why each default."""
+    """The adaptive policy's tunables (controller + goodput table); docs/decisions.md says why each default."""
 
-    # controller
-    full_every: int = 4  # weigh a bucket's arms every this many decisions (keep its pick in between)
-    decide_budget: float = 0.01  # ... or less often where weighing would take more than this share of time
     prefill_share_limit: float = 0.25  # a cycle whose prompt tokens take more of its time is charged, not measured
-    truncate_relative: float = 0.5  # a request whose expected gain at a position is under this x the mean stops there
-    cut_min_batch: int = 2  # ... in batches of at least this many requests
-    # bandit
-    decay: float = 0.995  # per decision in a bucket (~200 cycles of memory)
-    pool_decay: float = 0.998  # per cycle in any bucket: the pooled tokens per request
-    prior_cv: float = 0.3  # relative error of the cost model's predicted seconds for an arm
-    default_cv: float = 0.3  # spread of a cycle's tokens per request and of its seconds, before measured
-    prior_requests: float = 16.0  # requests' worth of the acceptance model's tokens per request
+    decay: float = 0.995  # per cycle measured in a bucket (~200 cycles of memory)
+    default_cv: float = 0.3  # spread of an arm's goodput per cycle: its standard error is this / sqrt(cycles + 1)
     z: float = 1.5  # standard errors of optimism when exploring
-    margin: float = 0.02  # a better arm must beat the pick by this fraction to replace it ...
-    band: float = 0.5  # ... and by this many standard errors of the difference
+    margin: float = 0.02  # a better arm must beat the pick by this fraction to replace it (or be explored)
     explore_every: int = 16  # decisions per exploration turn in a bucket (0: never explore)
-    off_slower: int = 4  # upper-bound explorations this many times rarer while plain decoding is the pick
     warm_visits: int = 32  # a bucket's first decisions ...
-    warm_every: int = 4  # ... may explore this often, each arm not yet measured whose bound beats the pick
-    min_cycles: float = 0.3  # decayed cycles plain decoding and the pick's neighbours keep
+    warm_every: int = 4  # ... may explore this often
+    min_cycles: float = 0.3  # decayed cycles plain decoding keeps in a bucket (else it is explored first)
     pick_cycles: float = 0.3  # served decayed cycles an arm needs in a bucket, past its warm-up, to be picked
     explore_budget: float = 0.01  # share of a bucket's time explorations may lose ...
-    budget_decay: float = 0.999  # ... over this memory per decision (~1,000 cycles)
-    borrow: float = 4.0  # cycles' worth of the excess seconds per request measured in all buckets
-    cap_cycles: float = 4.0  # plain decoding's own cycles before its goodput bounds the drafting arms'
-    switch_horizon: float = 64.0  # cycles in which turning drafting on must repay its catch-up
-    clip: float = 3.0  # a cycle counts at most this x its predicted seconds x the arm's measured/predicted ratio
+    budget_decay: float = 0.999  # ... over this memory per cycle (~1,000 cycles)
+    cap_cycles: float = 4.0  # plain decoding's own cycles before its time per request bounds the drafting arms'
+    clip: float = 3.0  # a cycle counts at most this x the arm's estimated seconds
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -135,14 +122,12 @@ class AdaptivePolicyConfig:
                 raise ValueError(f"adaptive policy: {f.name} must be {want.__name__}, got {v!r}")
             if v < 0 or v != v:
                 raise ValueError(f"adaptive policy: {f.name} must be >= 0, got {v!r}")
-        for name in ("decay", "pool_decay", "budget_decay"):
+        for name in ("decay", "budget_decay"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"adaptive policy: {name} must be in (0, 1], got {getattr(self, name)!r}")
-        for name in ("full_every", "warm_every", "off_slower"):
+        for name in ("warm_every",):
             if getattr(self, name) < 1:
                 raise ValueError(f"adaptive policy: {name} must be >= 1, got {getattr(self, name)!r}")
-        if self.prior_cv <= 0:
-            raise ValueError(f"adaptive policy: prior_cv must be > 0, got {self.prior_cv!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AdaptivePolicyConfig":
@@ -179,7 +164,7 @@ class SpeculativeConfig:
 
     algorithm: SpecAlgorithm = "EAGLE3"
     draft_model_path: str | None = None
-    num_steps: int = 3
+    num_steps: int = 5
     eagle_topk: int = 1
     num_draft_tokens: int | None = None  # None: steps + 1 for a chain
     policy: SpecPolicy = "adaptive"

@@ -42,12 +42,12 @@ def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny)
     ctl = d.controller
     for b in (1, 2, 3, 4):  # seeded: every arm of every bucket holds its pseudo-cycles, time only
         arms = ctl.bandit.stats[batch_key(b)]
-        assert sorted(arms) == [0, 1, 2] and all(st.n == 2 and st.tokens == 0 for st in arms.values())
+        assert sorted(arms) == [0, 1, 2] and all(st.seed_n == 2 and st.n == 0 and st.seed_spr > 0 for st in arms.values())
     # the scratch requests and what they did are gone
     assert not e.requests and not e.has_unfinished_requests()
     assert e.blocks.num_free_blocks == e.blocks.num_blocks
     assert e.get_stats().steps == 0 and e.get_stats().k_histogram == {}
-    assert ctl.decisions == 0 and not ctl.k_histogram and not ctl.per_request and ctl.forced_arm is None
+    assert ctl.decisions == 0 and not ctl.k_histogram and ctl.forced_arm is None
     assert sum(ctl.overall.drafted) == 0  # scratch text taught the acceptance model nothing
     assert ctl.cost.target.samples  # the live cost model keeps the step times it saw
     # and the engine serves as one never calibrated does (greedy is lossless either way)

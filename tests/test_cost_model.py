@@ -43,7 +43,7 @@ def test_predictions_never_fall_as_the_count_grows():
         c.observe(5, 0.015)  # a lucky bucket: faster than 4 tokens
     assert c.predict(5) == pytest.approx(0.040)  # held at the 4-token time, not below it
     xs = np.arange(1, 65)
-    assert (np.diff(c.predict_many(xs)) >= 0).all()
+    assert (np.diff([c.predict(x) for x in xs]) >= 0).all()
 
 
 def test_unseen_buckets_keep_the_profile_increments_shifted_by_seen_neighbours():
@@ -112,12 +112,6 @@ def test_measure_takes_medians_of_interleaved_rounds_and_rechecks_noisy_points()
     # warm-up 1, 2; round 1 up, round 2 down, round 3 up; then the re-check rounds of point 2
     assert calls[:2] == [1, 2] and calls[2:8] == [1] * 3 + [2] * 3 and calls[8:14] == [2] * 3 + [1] * 3
     assert len(calls) == 2 + 3 * 6 + 2 * 3
-
-
-def test_vectorised_predictions_match_scalar_ones():
-    c = Curve(dict(CPU_LIKE))
-    xs = np.array([1, 3, 4, 7, 33, 100])
-    assert np.allclose(c.predict_many(xs), [c.predict(x) for x in xs])
 
 
 def test_measure_stops_at_its_budget_and_calls_that_noisy():

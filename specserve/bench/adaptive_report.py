@@ -15,7 +15,7 @@ def device_name() -> str:
 
 def summarise(points: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
     rows = []
-    static = [n for n in names if n.startswith("chain")]
+    static = [n for n in names if n.startswith("chain") or n == "tree"]
     for p in points:
         cf = p["configs"]
         base = cf["none"]["tok_s"]

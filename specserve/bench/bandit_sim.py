@@ -1,23 +1,23 @@
-"""The adaptive controller's bandit in a simulated load: what deciding costs, apart from the engine's noise.
+"""The adaptive controller's goodput table in a simulated load: what deciding costs, apart from the engine's noise.
 
 A sweep point of ``adaptive.py`` compares engines whose rates move 2-4 % between runs of the same
-configuration, so the 1-3 % the bandit (specserve/speculative/policy/bandit.py) itself may lose (explorations, a
+configuration, so the 1-3 % the policy (specserve/speculative/policy/bandit.py) itself may lose (explorations, a
 pick that lags, a wrong pick on noisy cycles, hysteresis holding a worse arm) cannot be read from
 it. Here each scenario fixes every depth's true goodput; the real ``GoodputBandit`` decides cycle by
-cycle as the controller drives it (a full decision one cycle in ``full_every``, or an exploration
-turn; the pick kept in between), and each cycle's outcome is drawn: every request's committed tokens
-from per-position acceptance rates, the cycle's seconds from the depth's mean with a spread
-(gamma, ``time_cv``) and rare pauses. Priors are the cost model's: each depth's true time off by a
-random factor (``prior_error``) drawn once per seed, its tokens the true expectation. Drafting after
-plain cycles first catches every request's draft KV up over what it committed meanwhile: that
-cycle pays ``catch_per_token`` a token, is left out of the depth's measurement (charged, as the
-drafter's ``skip_cycle`` does) and is announced to ``choose`` as ``switch_s``.
+cycle as the controller drives it (a lookup each cycle; its row rebuilt after each measured cycle, whose
+outcome arrives one decision late), and each cycle's outcome is drawn: every request's committed tokens
+from per-position acceptance rates (which the table learns its tokens per depth from, as the controller
+does), the cycle's seconds from the depth's mean with a spread (gamma, ``time_cv``) and rare pauses.
+Predicted seconds are the cost model's: each depth's true time off by a random factor (``prior_error``)
+drawn once per seed. Drafting after plain cycles first catches every request's draft KV up over what it
+committed meanwhile: that cycle pays ``catch_per_token`` a token and is left out of the depth's
+measurement (charged, as the drafter's ``skip_cycle`` does).
 
 Output per scenario and variant: the achieved goodput over the run (tokens / seconds, catch-ups
 included) as a share of the best depth's true goodput, over ``--seeds`` seeds (mean, min,
 quartiles), the share of cycles per depth and the switches of the pick. Scenarios are set from
 measured sweeps: the CPU at C = 16 where depth 1 paid only 3 %, C = 1, C = 32 where plain decoding won;
-a GPU at one request (depth 5 best) and at 4-256 requests.
+a GPU at C = 1-256 (``gpu_c*``: fitted to issue 58's H100 table; ``s.seconds=3`` is about one pass of it).
 
     python -m specserve.bench.bandit_sim --seeds 20 --output-file benchmarks/results/bandit_sim.json
     python -m specserve.bench.bandit_sim --scenarios cpu_c16_edge --variant m1:margin=0.01 --output-file ...
@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from specserve.bench.harness import parse_variant, run_metadata, write_json
-from specserve.speculative.policy.bandit import GoodputBandit, batch_key, shallower_tokens
+from specserve.speculative.policy.bandit import GoodputBandit, batch_key
+from specserve.speculative.policy.controller import AcceptanceStats
 from specserve.config import AdaptivePolicyConfig
 
 # conditional acceptance per draft position of the shipped head on ShareGPT (CPU fp32 sweeps: accept
@@ -69,10 +70,6 @@ class Scenario:
     # over what its verify committed, which a drafting successor runs and plain decoding does not (the
     # drafter charges it: EagleSpeculator._unpaid_catch_up)
     unpaid_catch_up: float = 0.0
-    # seconds an exploration's first decision takes on the host outside any cycle's measure (a full
-    # decision after the verify's sync: ~0.5-0.7 ms at 1-16 requests on a GPU host, from cycle logs;
-    # the second cycle's is taken before the sync, while the device computes)
-    explore_overhead_s: float = 0.0
     # the cost model's predicted seconds of every drafting depth are its true seconds over this (the draft
     # loop's host time, which no profile has: 1.6-1.9 on a GPU at 16 requests), besides
     # prior_error; plain decoding's are not
@@ -115,16 +112,15 @@ SCENARIOS = {
         # ... at 64 and 256 requests plain decoding wins: chain 3 0.90x / 0.85x none, chain 5 0.91x / 0.86x
         # (depths 1, 2, 4 by guess); a catch-up ~1.4 ms + 0.5 us a token (its fit there): 1.5 us a token
         # ... at 16 requests drafting pays a little (chain 3 1.025x, chain 5 1.015x none; depths 1, 2, 4 by
-        # guess), and an exploration's decision costs ~0.7 ms of host time outside the cycles' measures
+        # guess)
         Scenario("gpu_c16_sweep", 16, 0.00201, (1.0, 0.96, 1.0, 1.025, 1.02, 1.015),
-                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=14.0,
-                 explore_overhead_s=0.0007),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=14.0),
         # a host-bound GPU sweep at 16 requests (10-s points): overlapped plain decoding ~1.8 ms
         # a cycle (its best), depths 1 / 3 / 4 / 5 served at 0.65 / 0.90 / 0.81 / 0.91x its goodput (2 by
         # guess), their cycles at 1.6-1.9x the profile's prediction where plain ones ran at 0.96x
         Scenario("gpu_c16_hostbound", 16, 0.0018, (1.0, 0.65, 0.80, 0.90, 0.81, 0.91),
                  alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=10.0,
-                 explore_overhead_s=0.0007, draft_prior_bias=1.7),
+                 draft_prior_bias=1.7),
         Scenario("gpu_c64_sweep", 64, 0.00344, (1.0, 0.93, 0.91, 0.90, 0.905, 0.91),
                  alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=1.5e-6, seconds=14.0),
         Scenario("gpu_c256_sweep", 256, 0.00973, (1.0, 0.90, 0.87, 0.85, 0.855, 0.86),
@@ -133,12 +129,32 @@ SCENARIOS = {
 }
 
 
+# conditional acceptance per position on the GPU (bf16): chain 3 commits 0.89x chain 5's tokens, as adaptive
+# with depth <= 3 ran 0.89-0.90x static chain 5 at C = 1-4 where drafting deeper costs almost nothing
+GPU_ALPHA = (0.70, 0.68, 0.66, 0.64, 0.62)
+
+
+def gpu_scenario(name: str, batch: int, plain_ms: float, fixed_ms: float, depth_ms: float, **kw) -> Scenario:
+    """A GPU point whose depth-d cycle takes plain_ms + fixed_ms + d x depth_ms (d >= 1): fixed_ms and depth_ms
+    fitted to issue 58's table (plain_ms from no-spec's tok/s, chain 5's cycle from its tok/s)."""
+    tpr = [1.0 + sum(math.prod(GPU_ALPHA[:j]) for j in range(1, d + 1)) for d in range(6)]
+    ratio = tuple(tpr[d] * plain_ms / (plain_ms + (fixed_ms + d * depth_ms if d else 0.0)) for d in range(6))
+    # a catch-up: ~1.4 ms + 0.5 us a token (an H100's fit at 64-256 requests), here 2 us a token
+    return Scenario(name, batch, plain_ms / 1e3, ratio, alpha=GPU_ALPHA, time_cv=0.1, catch_per_token=2e-6,
+                    seconds=10.0, **kw)
+
+
+for _s in [gpu_scenario("gpu_c1", 1, 1.015, 0.6, 0.005), gpu_scenario("gpu_c4", 4, 1.084, 0.87, 0.004),
+           gpu_scenario("gpu_c16", 16, 1.27, 1.337, 0.1), gpu_scenario("gpu_c64", 64, 2.07, 1.5, 0.84),
+           gpu_scenario("gpu_c256", 256, 5.4, 3.0, 3.19)]:
+    SCENARIOS[_s.name] = _s
+
+
 def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
     """One window of ``sc`` under AdaptivePolicyConfig(**policy): achieved goodput / best, cycles per depth."""
     rng = np.random.default_rng(seed)
     cfg = AdaptivePolicyConfig.from_dict(policy)
     bandit = GoodputBandit(cfg)
-    full_every = cfg.full_every
     K = len(sc.ratio) - 1
     key = batch_key(sc.batch)
     true_s = [sc.cycle_s(d) for d in range(K + 1)]  # (a cycle's time does not depend on who drafts)
@@ -156,7 +172,12 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
     if sc.request_spread > 0 and K:
         cum = np.cumprod(rates(100_000, np.random.default_rng(12345)), axis=1)
         tpr = [1.0 / float(np.mean(1.0 / (1.0 + cum[:, :d].sum(axis=1)))) for d in range(K + 1)]
-    priors = {d: (sc.batch * tpr[d], pred_s[d]) for d in range(K + 1)}
+    acc = AcceptanceStats.zeros(K)  # what the controller learns tokens per request from
+
+    def refresh() -> None:
+        tokens = acc.tokens()
+        bandit.refresh(key, {d: (tokens[d], pred_s[d]) for d in range(K + 1)}, sc.batch)
+
     shape = 1.0 / sc.time_cv**2
     # closed loop: a finished request's successor takes its place. lag: tokens the head has not
     # passed over (a new request's prompt, then what plain cycles committed), caught up before drafting
@@ -173,34 +194,26 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
     loss = {"exploring": 0.0, "exploiting": 0.0, "catch_up": 0.0}
     switches = 0
     last_pick = None
-    # a cycle's outcome reaches the bandit after the next decision, as in the drafter (finish_cycle runs
-    # after the decision that ends the cycle): (arm, tokens, seconds, tokens_at, measured)
-    pending: tuple[int, float, float, dict[int, float], bool] | None = None
+    refresh()
+    # a cycle's outcome reaches the table after the next decision, as in the drafter (finish_cycle runs
+    # after the decision that ends the cycle): (arm, tokens, seconds, measured)
+    pending: tuple[int, float, float, bool] | None = None
     while clock < sc.seconds:
         behind = int(lag.sum())
         switch_s = sc.catch_per_token * behind
-        exploring = False
-        if bandit.full_decision_due(key, full_every):  # as SpecController.quick_arm decides
-            second = bandit.second_cycle_due(key)  # (decided before the sync, overlapped: no overhead)
-            arm, exploring = bandit.choose(key, priors, sc.batch, switch_s)
-            if exploring and not second and sc.explore_overhead_s > 0:  # (SpecController.observe_decide)
-                clock += sc.explore_overhead_s
-                loss["exploring"] += sc.explore_overhead_s
-                bandit.charge_overhead(key, sc.explore_overhead_s)
-        else:  # the pick kept
-            arm = bandit.chosen[key]
-            bandit.visits[key] += 1
+        arm, exploring = bandit.decide(key)
         pick = bandit.chosen.get(key)
         switches += last_pick is not None and pick != last_pick
         last_pick = pick
         if pending is not None:
-            p_arm, p_tokens, p_seconds, p_at, p_measured = pending
+            p_arm, p_tokens, p_seconds, p_measured = pending
             if p_arm > 0 and arm == 0:
                 p_seconds *= 1.0 - sc.unpaid_catch_up
             if p_measured:
-                bandit.observe(key, p_arm, priors[p_arm][1], p_tokens, p_seconds, sc.batch, p_at)
+                bandit.observe(key, p_arm, pred_s[p_arm], p_tokens, p_seconds, sc.batch)
             else:
-                bandit.charge(key, p_arm, p_tokens, p_seconds)
+                bandit.charge(key, p_arm, p_tokens, p_seconds, sc.batch)
+            refresh()
         # the cycle's outcome
         per_req = 1 + np.cumprod(rng.random((sc.batch, arm)) < req_alpha[:, :arm], axis=1).sum(axis=1)  # arm 0: ones
         tokens = float(np.sum(per_req))
@@ -219,9 +232,14 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
             req_alpha[done] = rates(n, rng)
             age[done] = 0
             lag[done] = 0 if arm else sc.prompt_len
-        # measured with what each shallower depth would have committed on the same drafts; a catch-up
-        # after plain cycles is charged only
-        pending = (arm, tokens, seconds, shallower_tokens((per_req - 1).tolist(), arm), not caught_up)
+        for a in (per_req - 1).tolist():  # the controller's acceptance counts
+            if arm:
+                for j in range(min(arm, a + 1)):
+                    acc.drafted[j] += 1
+                for j in range(a):
+                    acc.accepted[j] += 1
+        # a catch-up after plain cycles is charged only
+        pending = (arm, tokens, seconds, not caught_up)
         clock += seconds
         tokens_total += tokens
         counts[arm] += 1

@@ -26,7 +26,6 @@ from specserve.speculative.catch_up import CatchUp
 from specserve.speculative.cycle import CycleClock
 from specserve.speculative.features import FeatureStore
 from specserve.speculative.pipeline import Pipeline
-from specserve.speculative.policy.bandit import batch_key
 from specserve.speculative.policy.interface import Batch
 from specserve.speculative.policy.controller import SpecController
 from specserve.speculative.propose import Proposer
@@ -358,15 +357,12 @@ class EagleSpeculator:
         if not candidates:
             self.controller.finish_cycle(prev, prev_s)
             return
-        ks, early, decide_s = self._decide(candidates, self._launched_ahead)
+        ks = self._decide(candidates, self._launched_ahead)
         ctl = self.controller
         if ks is None:  # plain decoding again: nothing per request
             if prev is not None:
                 prev_s += self.cycle.unpaid_catch_up(candidates)
-            if early is not None:  # a full decision of plain decoding, taken before the sync
-                ctl.install_cycle(early[1])
-            else:
-                ctl.count_off(len(candidates))
+            ctl.count_off(len(candidates))
             ctl.finish_cycle(prev, prev_s)
             self.cycle.drafted_last = False
             self.cycle.open(now)
@@ -380,46 +376,19 @@ class EagleSpeculator:
             prev_s += self.cycle.unpaid_catch_up(candidates)
         ctl.finish_cycle(prev, prev_s + shift)
         self.cycle.drafted_last = bool(todo)
-        self.cycle.open(now, shift + decide_s)
+        self.cycle.open(now, shift)
 
-    def _decide(self, candidates: list[Request], launched_ahead: bool) -> tuple[list[int] | None, Any, float]:
-        """(k per candidate or None for plain decoding, the full decision taken before the sync, the
-        decision's host seconds): one taken early (pipeline), else the policy's ``decide(Batch)``."""
-        ctl, pipe, sched = self.controller, self.pipeline, self.engine.scheduler
+    def _decide(self, candidates: list[Request], launched_ahead: bool) -> list[int] | None:
+        """k per candidate, None for plain decoding: the arm taken before the sync (pipeline), else the
+        policy's ``decide(Batch)``."""
+        ctl, pipe = self.controller, self.pipeline
         pre, pipe.pre_arm = pipe.pre_arm, None
-        pre_ks, pipe.pre_ks = pipe.pre_ks, None
-        early = None if pre_ks is None else self._early_decision(candidates, *pre_ks)
         arm = 0 if launched_ahead else None
         if arm is None and ctl.forced_arm is None and pre is not None and pre[0] == len(candidates):
             arm = pre[1]
         if arm == 0:
-            return None, early, 0.0
+            return None
         caps = [self.caps.cap(r) for r in candidates]
         if arm is not None:
-            return ctl.uniform(candidates, arm, caps), early, 0.0
-        if early is not None:
-            ctl.install_cycle(early[1])
-            return early[0], early, 0.0
-
-        def context() -> tuple[int, int]:
-            return sched.prefill_tokens_next_step(), sum(
-                r.num_computed_tokens - (r.spec.draft_pos if r.spec else 0) for r, cap in zip(candidates, caps) if cap)
-
-        ks = ctl.decide(Batch(candidates, caps, len(sched.running), context=context))
-        return ks, None, ctl.decide_seconds
-
-    @staticmethod
-    def _early_decision(candidates: list[Request], ids: list[str], ks: list[int], cycle: Any
-                        ) -> tuple[list[int], Any] | None:
-        """A full decision taken before the sync (for requests ``ids``) as it applies to ``candidates``: as
-        taken, or for those left where some stopped, in the same batch bucket; None for another batch."""
-        now = [r.request_id for r in candidates]
-        if now == ids:
-            return ks, cycle
-        by_id = dict(zip(ids, ks))
-        if not now or any(i not in by_id for i in now) or (cycle is not None and batch_key(len(now)) != cycle.key):
-            return None
-        if cycle is not None and cycle.request_ids is not None:
-            cycle.request_ids &= set(now)
-            cycle.requests = len(now)
-        return [by_id[i] for i in now], cycle
+            return ctl.uniform(candidates, arm, caps)
+        return ctl.decide(Batch(candidates, caps, len(self.engine.scheduler.running)))

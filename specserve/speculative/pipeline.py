@@ -39,7 +39,6 @@ class Pipeline:
         self.fused: dict[str, tuple[int, int]] | None = None  # drafts launched early: request -> (row, k)
         self.fused_toks: torch.Tensor | None = None
         self.pre_arm: tuple[int, int] | None = None  # (batch, depth): a quick decision taken early
-        self.pre_ks: tuple[list[str], list[int], Any] | None = None  # (requests, ks, cycle): a full one
         self.early: EarlyVerify | None = None  # the next step's verify, launched already
         self.presync: tuple[list[Target], list[list[int]], EarlyVerify] | None = None
         self.read_back_around = ReadBack(self.device)  # the verify's picks, the next drafts launched meanwhile
@@ -50,7 +49,7 @@ class Pipeline:
 
     def reset(self) -> None:
         """A new step: what the last one decided early is spent."""
-        self.fused = self.pre_arm = self.pre_ks = None
+        self.fused = self.pre_arm = None
 
     # -- decisions known before a sync ----------------------------------------------------------------
     def plain_next(self, plan: StepPlan) -> bool:
@@ -64,40 +63,15 @@ class Pipeline:
             return True
         arm = ctl.forced_arm
         if arm is None:
-            # an exploration of plain decoding runs its measured cycle overlapped, as the pick would
-            arm = 0 if ctl.plain_second_cycle(found) else ctl.quick_arm(found, len(sched.running))
-            if arm is None:  # a full decision is due: taken now where it cannot explore
-                ks = self._plain_full_early(plan)
-                if ks is None:
-                    return False
-                arm = max(ks, default=0)
-            else:
-                self.pre_arm = (found, arm)  # counted: draft_step applies it
+            arm = ctl.quick_arm(found, len(sched.running))
+            if arm is None:  # static, or threshold while on: drafting
+                return False
+            self.pre_arm = (found, arm)  # counted: draft_step applies it
         return arm == 0
-
-    def _plain_full_early(self, plan: StepPlan) -> list[int] | None:
-        if not self.controller.plain_full_early(plan.num_sampling):
-            return None
-        reqs, caps, behind = [], [], 0
-        for s in plan.scheduled:
-            if s.samples:
-                r = s.req
-                reqs.append(r)
-                caps.append(self.caps.cap(r, 1))
-                if caps[-1] > 0:
-                    behind += r.num_computed_tokens + s.num_new_tokens - (r.spec.draft_pos if r.spec else 0)
-        return self._decide_early(reqs, caps, behind)
-
-    def _decide_early(self, reqs: list[Request], caps: list[int], behind: int) -> list[int]:
-        """A full decision before the sync, left for draft_step (``pre_ks``)."""
-        ks, cycle = self.controller.decide_early(reqs, caps, len(self.sched.running),
-                                                 self.sched.prefill_tokens_next_step(), behind)
-        self.pre_ks = ([r.request_id for r in reqs], ks, cycle)
-        return ks
 
     def _early_ks(self, found: list[tuple[Request, int]]) -> list[int]:
         """Each request's next k where known before this verify's outcome (static policy, forced or
-        quick adaptive decisions, full ones that cannot explore), capped after the most it commits; []."""
+        adaptive decisions), capped after the most it commits; []."""
         ctl, caps = self.controller, self.caps
         if self.policy == "static":
             return [caps.after_verify(r, k, self.max_k) for r, k in found]
@@ -109,14 +83,9 @@ class Pipeline:
 
         if ctl.forced_arm is not None:
             return [caps.after_verify(r, k, drafts(ctl.forced_arm)) for r, k in found]
-        arm = ctl.quick_arm(len(found), len(self.sched.running))
-        if arm is not None:
-            self.pre_arm = (len(found), arm)
-            return [caps.after_verify(r, k, drafts(arm)) for r, k in found]
-        capped = [caps.after_verify(r, k, self.max_k) for r, k in found]
-        if not all(capped) or not ctl.full_early(len(found)):
-            return []
-        return self._decide_early([r for r, _ in found], capped, sum(k + 1 for _, k in found))
+        arm = ctl.quick_arm(len(found), len(self.sched.running))  # (adaptive: a table lookup)
+        self.pre_arm = (len(found), arm)
+        return [caps.after_verify(r, k, drafts(arm)) for r, k in found]
 
     def fused_targets(self, plan: StepPlan) -> list[Target] | None:
         """(request, drafts verified, next k) of a step that only verifies greedy drafts with current

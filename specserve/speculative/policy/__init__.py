@@ -1,6 +1,6 @@
-"""The adaptive speculation policy: cost model, calibration, bandit and controller (interface.py)."""
+"""The adaptive speculation policy: cost model, calibration, goodput table and controller (interface.py)."""
 
 from specserve.speculative.policy.controller import SpecController
-from specserve.speculative.policy.interface import Batch, StepOutcome
+from specserve.speculative.policy.interface import Batch
 
-__all__ = ["Batch", "SpecController", "StepOutcome"]
+__all__ = ["Batch", "SpecController"]

@@ -162,12 +162,6 @@ class Curve:
         self._tlist, self._tlist_y = self._table[0].tolist(), self._table[1].tolist()
         return self._table
 
-    def predict_many(self, x: np.ndarray) -> np.ndarray:
-        xs, ys = self.table()
-        if len(xs) == 0:
-            return np.zeros(np.shape(x))
-        return _interp(xs, ys, np.asarray(x, dtype=float))
-
     def predict(self, x: float) -> float:
         self.table()
         return _interp1(self._tlist, self._tlist_y, float(x))
@@ -271,9 +265,6 @@ class CostModel:
 
     def step_time(self, num_tokens: float, num_seqs: int | None = None) -> float:
         return self.curve(num_seqs).predict(num_tokens)
-
-    def step_times(self, num_tokens: np.ndarray, num_seqs: int | None = None) -> np.ndarray:
-        return self.curve(num_seqs).predict_many(num_tokens)
 
     def observe_step(self, num_tokens: int, seconds: float, num_seqs: int | None = None) -> float | None:
         """Record a measured target step; returns what was predicted for it (None without a curve,
