@@ -132,7 +132,8 @@ def cmd_prompts(args: argparse.Namespace) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> dict[str, Any]:
-    from specserve.train.eagle3 import TrainConfig, distill_samples
+    from specserve.train.distill import distill_samples
+    from specserve.train.eagle3 import TrainConfig
     from specserve.train.tasks import TaskPrompt
     from specserve.train.target import load_target, resolve_device
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from specserve.bench.client_processes import ClientProcesses
 from specserve.bench.datasets import BenchRequest, load_jsonl_requests, sample_random_requests, sample_sharegpt_requests
 from specserve.bench.fake_server import FakeSpec, ThreadedServer, make_app
 from specserve.bench.metrics import (
@@ -26,8 +27,8 @@ from specserve.bench.metrics import (
     spec_from_metrics,
     summarize,
 )
-from specserve.bench.serving import (BenchConfig, ClientProcesses, RampSpec, expand_doubling, parse_int_list,
-                                     run_benchmark)
+from specserve.bench.ramp import RampSpec, expand_doubling, parse_int_list
+from specserve.bench.serving import BenchConfig, run_benchmark
 from specserve.bench.sweep import ServerConfig, ServerProcess, ServerStartError, free_port, prompts_for, server_command
 
 # The result's top-level keys: tools (sweep tables, plots, BENCHMARKS.md) read these.

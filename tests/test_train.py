@@ -292,7 +292,7 @@ def test_self_distillation_replaces_replies(tmp_path) -> None:
     target, data = _six_conversations(tmp_path)
     cfg = TrainConfig(output_dir=str(tmp_path / "o"), data=str(data), heldout=1, self_distill=True,
                       distill_backend="simple", distill_max_tokens=6, max_len=128, batch_tokens=512)
-    from specserve.train.eagle3 import distill
+    from specserve.train.distill import distill
 
     convs = D.load_conversations(str(data))
     got = distill(cfg, target, list(enumerate(convs)))
@@ -314,7 +314,7 @@ def test_resumed_prepare_distills_what_the_budget_missed(tmp_path) -> None:
                          distilled={train_idx[0]})
     cfg = TrainConfig(output_dir=str(out), data=str(data), heldout=1, self_distill=True, resume=True,
                       distill_backend="simple", distill_max_tokens=6, max_len=128, batch_tokens=512)
-    from specserve.train.eagle3 import build_examples
+    from specserve.train.distill import build_examples
 
     _, _, facts = build_examples(cfg, target)
     assert facts["distilled_conversations"] == len(train_idx)
@@ -343,7 +343,7 @@ def test_resumed_prepare_extends_distilled_conversations_to_more_turns(tmp_path)
     D.save_conversations(str(out / "train_conversations.jsonl"), list(first.items()), distilled=set(train_idx))
     cfg = TrainConfig(output_dir=str(out), data=str(data), heldout=1, self_distill=True, resume=True,
                       distill_turns=2, distill_backend="simple", distill_max_tokens=6, max_len=256, batch_tokens=512)
-    from specserve.train.eagle3 import build_examples
+    from specserve.train.distill import build_examples
 
     examples, _, facts = build_examples(cfg, target)
     assert facts["distill_extended_turns"] == len(train_idx)

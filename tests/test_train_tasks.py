@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.train.eagle3 import TrainConfig, distill_samples
+from specserve.train.distill import distill_samples
+from specserve.train.eagle3 import TrainConfig
 from specserve.train.target import load_target
 from specserve.train.tasks import (MATH_HELDOUT, MATH_TEMPLATES, TASKS, build_task_prompts, is_english_prose,
                                    passage)

@@ -35,16 +35,15 @@ from typing import Any
 
 import httpx
 
+from specserve.bench.client_processes import ClientProcesses, default_client_processes
 from specserve.bench.datasets import BenchRequest, sample_sharegpt_requests
 from specserve.bench.metrics import summarize
 from specserve.bench.offline import OfflineProcess, StepStats
+from specserve.bench.ramp import parse_int_list
 from specserve.bench.serving import (
     BenchConfig,
-    ClientProcesses,
     command_line,
-    default_client_processes,
     make_client,
-    parse_int_list,
     resolve_model_name,
     warmup as warmup_requests,
     write_json,

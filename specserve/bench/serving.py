@@ -8,7 +8,7 @@ Two load shapes: a fixed prompt list under a concurrency cap and an arrival rate
 default infinite), or a ramp (``--ramp 1,8,32,8,1 --ramp-step-duration 20``): a closed loop
 whose concurrency follows the list over time, reported as a per-window series of output
 throughput and, when the server's /metrics exports them, k and accept length. Past ~16 streams
-the load splits over client processes (ClientProcesses, --client-processes) on one clock; this
+the load splits over client processes (client_processes.py, --client-processes) on one clock; this
 process keeps the warm-up, the /metrics scrapes and the summary. Metric definitions are in metrics.py.
 """
 
@@ -20,14 +20,13 @@ import datetime as _dt
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import numpy as np
@@ -42,7 +41,11 @@ from specserve.bench.metrics import (
     spec_series,
     summarize,
 )
+from specserve.bench.ramp import RampSpec, ramp_steps, window_series
 from specserve.bench.tokenizer import BenchTokenizer
+
+if TYPE_CHECKING:
+    from specserve.bench.client_processes import ClientProcesses
 
 SCHEMA_VERSION = 1
 Endpoint = Literal["completions", "chat"]
@@ -88,49 +91,6 @@ class BenchConfig:
         if self.request_timeout_s <= 0 or self.window_s <= 0:
             raise ValueError("request_timeout_s and window_s must be > 0")
         self.base_url = self.base_url.rstrip("/")
-
-
-@dataclass(frozen=True)
-class RampSpec:
-    levels: tuple[int, ...]
-    step_duration_s: float
-
-    def __post_init__(self) -> None:
-        if not self.levels or any(c < 0 for c in self.levels) or max(self.levels) < 1:
-            raise ValueError(f"ramp levels must be integers >= 0 (0: no load), one at least 1; "
-                             f"got {list(self.levels)}")
-        if self.step_duration_s <= 0:
-            raise ValueError(f"ramp step duration must be > 0, got {self.step_duration_s}")
-
-    @property
-    def duration_s(self) -> float:
-        return self.step_duration_s * len(self.levels)
-
-    def level_at(self, t: float) -> int:
-        """Target concurrency at t seconds into the run (0 once the schedule is over)."""
-        i = int(t // self.step_duration_s)
-        return self.levels[i] if 0 <= i < len(self.levels) else 0
-
-
-def parse_int_list(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise ValueError(f"want a comma-separated list of integers, got {text!r}") from e
-    if not vals:
-        raise ValueError(f"want a comma-separated list of integers, got {text!r}")
-    return vals
-
-
-def expand_doubling(levels: list[int]) -> list[int]:
-    """1,32,1 -> 1,2,4,8,16,32,16,8,4,2,1: powers-of-two steps between consecutive points."""
-    out = [levels[0]]
-    for target in levels[1:]:
-        c = out[-1]
-        while c != target:
-            c = min(c * 2, target) if target > c else max(c // 2, target)
-            out.append(c)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +302,7 @@ async def run_fixed(
     return results, t0, duration
 
 
-class _Scraper:
+class MetricsScraper:
     """Scrapes /metrics at t0 + k * window (k = 0, 1, ...) while a ramp runs."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str, window_s: float):
@@ -436,159 +396,10 @@ async def run_ramp(
 
 
 # ---------------------------------------------------------------------------------------------
-# The load split over client processes
+# A whole run
 
 
 CLIENT_START_S = 0.3  # from handing the parts out to their common start (the processes are running)
-
-
-def default_client_processes(concurrency: int) -> int:
-    """Enough client processes for ~16 streams each, leaving the server two cores and one each."""
-    return max(1, min(8, concurrency // 16, ((os.cpu_count() or 2) - 2) // 2))
-
-
-def _shares(total: int, parts: int) -> list[int]:
-    """10 over 3 -> [4, 3, 3]"""
-    return [total // parts + (i < total % parts) for i in range(parts)]
-
-
-def _client_process_ready(ready: Any) -> None:
-    """A client process's start: this module imported (the parts' code), then say so."""
-    import logging
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    ready.put(os.getpid())
-
-
-def _client_part(cfg: BenchConfig, model: str, requests: list[BenchRequest], ramp: RampSpec | None,
-                 start_at: float) -> tuple[list[RequestResult], float, float]:
-    """One client process's share of a load, started at perf_counter() ``start_at`` (one clock for the
-    processes of a host); (results, t0, duration)."""
-
-    async def go() -> tuple[list[RequestResult], float, float]:
-        async with make_client(cfg, max(ramp.levels) if ramp else cfg.max_concurrency or len(requests)) as client:
-            if ramp is not None:
-                return await run_ramp(client, cfg, model, requests, ramp, start_at)
-            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-            return await run_fixed(client, cfg, model, requests)
-
-    return asyncio.run(go())
-
-
-class ClientProcesses:
-    """A load's streams split over ``processes`` client processes: one Python process parses ~25k SSE
-    events/s, so at high concurrency it, not the server, would set the pace. Process i of P takes
-    requests[i::P] and its share of the concurrency (of each ramp level), all starting together."""
-
-    def __init__(self, processes: int) -> None:
-        if processes < 1:
-            raise ValueError(f"client processes must be >= 1, got {processes}")
-        self.processes = processes
-        self.pool = None
-        if processes > 1:  # started and ready before any load: a part that starts late has lost its start
-            ctx = multiprocessing.get_context("spawn")
-            ready = ctx.Queue()
-            self.pool = ctx.Pool(processes, initializer=_client_process_ready, initargs=(ready,))
-            for _ in range(processes):
-                ready.get(timeout=120)
-
-    def parts(self, cfg: BenchConfig, requests: list[BenchRequest], ramp: RampSpec | None = None) -> int:
-        """How many processes this load is split over."""
-        streams = max(ramp.levels) if ramp is not None else min(cfg.max_concurrency or len(requests), len(requests))
-        return max(1, min(self.processes, streams))
-
-    def run(self, cfg: BenchConfig, model: str, requests: list[BenchRequest], ramp: RampSpec | None = None,
-            start_at: float | None = None) -> tuple[list[RequestResult], float, float]:
-        """(results, t0, duration): every request's result, its times on this process's perf_counter."""
-        p = self.parts(cfg, requests, ramp)
-        start_at = time.perf_counter() + CLIENT_START_S if start_at is None else start_at
-        if p == 1 or self.pool is None:
-            return _client_part(cfg, model, requests, ramp, start_at)
-        conc = _shares(cfg.max_concurrency, p) if cfg.max_concurrency else [None] * p
-        levels = list(zip(*(_shares(level, p) for level in ramp.levels))) if ramp is not None else [()] * p
-        jobs = [(dataclasses.replace(cfg, max_concurrency=conc[i], request_rate=cfg.request_rate / p,
-                                     seed=cfg.seed + i, disable_tqdm=True),
-                 model, requests[i::p], None if ramp is None else RampSpec(levels[i], ramp.step_duration_s), start_at)
-                for i in range(p)]
-        parts = self.pool.starmap(_client_part, jobs)
-        results = []
-        for i, (part, _, _) in enumerate(parts):
-            for r in part:
-                r.index = r.index * p + i  # part i's j-th request was requests[i + j * p]
-                results.append(r)
-        results.sort(key=lambda r: r.index)
-        t0 = min(t for _, t, _ in parts)
-        return results, t0, max(t + d for _, t, d in parts) - t0
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-            self.pool = None
-
-
-def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
-    return max(0.0, min(a1, b1) - max(a0, b0))
-
-
-def window_series(
-    results: list[RequestResult], t0: float, duration: float, window_s: float,
-    level_at: Callable[[float], int], scraper: _Scraper | None,
-) -> list[dict[str, Any]]:
-    """Per window of [0, duration): output tokens/s, completions, mean requests in flight, the
-    target concurrency at the window's middle and, from /metrics, mean k and accept length."""
-    ok = [r for r in results if r.success]
-    token_events = [(t - t0, n) for r in ok for t, n in r.token_times()]
-    n_windows = max(1, math.ceil(duration / window_s - 1e-6))
-    out = []
-    for w in range(n_windows):
-        a, b = w * window_s, (w + 1) * window_s
-        span = min(b, duration) - a
-        tokens = sum(n for t, n in token_events if a <= t < b)
-        inflight = sum(_overlap(r.start - t0, r.start - t0 + r.latency, a, b) for r in results)
-        server = scraper.between(a, b) if scraper is not None else None
-        out.append({
-            "t_start_s": a,
-            "t_end_s": a + span,
-            "target_concurrency": level_at((a + min(b, duration)) / 2),
-            "mean_inflight": inflight / span if span > 0 else None,
-            "output_tokens": tokens,
-            "output_throughput": tokens / span if span > 0 else None,
-            "completed": sum(1 for r in ok if a <= r.start - t0 + r.latency < b),
-            **_server_fields(server),
-        })
-    return out
-
-
-def _server_fields(server: dict[str, Any] | None) -> dict[str, Any]:
-    keys = ("mean_k", "k0_share", "accept_length", "spec_step_share")
-    return {k: None if server is None else server[k] for k in keys}
-
-
-def ramp_steps(
-    results: list[RequestResult], t0: float, ramp: RampSpec, scraper: _Scraper | None
-) -> list[dict[str, Any]]:
-    """The same numbers per ramp step (one concurrency level each)."""
-    ok = [r for r in results if r.success]
-    out = []
-    for j, level in enumerate(ramp.levels):
-        a, b = j * ramp.step_duration_s, (j + 1) * ramp.step_duration_s
-        tokens = sum(n for r in ok for t, n in r.token_times() if a <= t - t0 < b)
-        tpots = [tp for r in ok if a <= r.start - t0 < b and (tp := r.tpot) is not None]
-        server = scraper.between(a, b) if scraper is not None else None
-        out.append({
-            "concurrency": level,
-            "t_start_s": a,
-            "output_throughput": tokens / (b - a),
-            "requests_started": sum(1 for r in results if a <= r.start - t0 < b),
-            "mean_tpot_ms": float(np.mean(tpots)) * 1e3 if tpots else None,
-            **_server_fields(server),
-        })
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# A whole run
 
 
 async def run_benchmark(
@@ -611,7 +422,7 @@ async def run_benchmark(
         before = await scrape_metrics(client, cfg.base_url) if cfg.scrape_metrics else None
         scraper = None
         if ramp is not None and cfg.scrape_metrics:
-            scraper = _Scraper(client, cfg.base_url, cfg.window_s)
+            scraper = MetricsScraper(client, cfg.base_url, cfg.window_s)
         split = clients if clients is not None and clients.parts(cfg, requests, ramp) > 1 else None
         start_at = time.perf_counter() + (CLIENT_START_S if split is not None else 0.0)
         if scraper is not None:

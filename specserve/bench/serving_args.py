@@ -13,14 +13,15 @@ from typing import Any
 
 import httpx
 
+from specserve.bench.client_processes import ClientProcesses, default_client_processes
 from specserve.bench.datasets import (
     BenchRequest,
     load_jsonl_requests,
     sample_random_requests,
     sample_sharegpt_requests,
 )
-from specserve.bench.serving import (BenchConfig, ClientProcesses, RampSpec, command_line, default_client_processes,
-                                     expand_doubling, parse_int_list, run_benchmark, write_json)
+from specserve.bench.ramp import RampSpec, expand_doubling, parse_int_list
+from specserve.bench.serving import BenchConfig, command_line, run_benchmark, write_json
 from specserve.bench.tokenizer import BenchTokenizer, resolve_tokenizer
 
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import httpx
 
-from specserve.bench.serving import command_line, parse_int_list, run_benchmark, write_json
+from specserve.bench.ramp import parse_int_list
+from specserve.bench.serving import command_line, run_benchmark, write_json
 from specserve.bench.serving_args import (add_dataset_args, add_request_args, client_processes, config_from_args,
                                           headline, ramp_from_args, requests_from_args)
 from specserve.bench.tokenizer import BenchTokenizer, default_model_path, load_tokenizer
