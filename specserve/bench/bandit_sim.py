@@ -17,7 +17,7 @@ Output per scenario and variant: the achieved goodput over the run (tokens / sec
 included) as a share of the best depth's true goodput, over ``--seeds`` seeds (mean, min,
 quartiles), the share of cycles per depth and the switches of the pick. Scenarios are set from
 measured sweeps: the CPU at C = 16 where depth 1 paid only 3 %, C = 1, C = 32 where plain decoding won;
-a GPU at C = 1-256 (``gpu_c*``: fitted to issue 58's H100 table; ``s.seconds=3`` is about one pass of it).
+a GPU at C = 1-256 (``gpu_c*``: fitted to a measured GPU sweep, docs/decisions.md; ``s.seconds=3`` is about one pass of it).
 
     python -m specserve.bench.bandit_sim --seeds 20 --output-file benchmarks/results/bandit_sim.json
     python -m specserve.bench.bandit_sim --scenarios cpu_c16_edge --variant m1:margin=0.01 --output-file ...
@@ -136,10 +136,10 @@ GPU_ALPHA = (0.70, 0.68, 0.66, 0.64, 0.62)
 
 def gpu_scenario(name: str, batch: int, plain_ms: float, fixed_ms: float, depth_ms: float, **kw) -> Scenario:
     """A GPU point whose depth-d cycle takes plain_ms + fixed_ms + d x depth_ms (d >= 1): fixed_ms and depth_ms
-    fitted to issue 58's table (plain_ms from no-spec's tok/s, chain 5's cycle from its tok/s)."""
+    fitted to a measured GPU sweep (plain_ms from no-spec's tok/s, chain 5's cycle from its tok/s)."""
     tpr = [1.0 + sum(math.prod(GPU_ALPHA[:j]) for j in range(1, d + 1)) for d in range(6)]
     ratio = tuple(tpr[d] * plain_ms / (plain_ms + (fixed_ms + d * depth_ms if d else 0.0)) for d in range(6))
-    # a catch-up: ~1.4 ms + 0.5 us a token (an H100's fit at 64-256 requests), here 2 us a token
+    # a catch-up: ~1.4 ms + 0.5 us a token (a GPU's fit at 64-256 requests), here 2 us a token
     return Scenario(name, batch, plain_ms / 1e3, ratio, alpha=GPU_ALPHA, time_cv=0.1, catch_per_token=2e-6,
                     seconds=10.0, **kw)
 

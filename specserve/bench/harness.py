@@ -111,7 +111,7 @@ def run_metadata() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu": cpu_description(),
         "torch_threads": torch.get_num_threads(),
-        "env": {k: v for k, v in os.environ.items()  # (SPECSERVE_*: the A/B knobs a run was under)
+        "env": {k: v for k, v in os.environ.items()  # (SPECSERVE_*: the cache dir a run used)
                 if k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
                 or k.startswith("SPECSERVE_")},
         "load_average_start": load_average(),
