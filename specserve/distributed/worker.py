@@ -100,7 +100,8 @@ def main() -> None:
         run_worker(config)
     except Exception:
         log.exception("tensor-parallel rank %s failed", os.environ.get("RANK"))
-        sys.exit(1)
+        logging.shutdown()
+        os._exit(1)  # sys.exit would run gloo's destructors mid-collective: abort (-6), not 1
 
 
 if __name__ == "__main__":
