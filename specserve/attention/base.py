@@ -129,6 +129,11 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def gather_kv(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``flat[slots]`` ([*slots.shape, KVH, D]) through index_select: on the CPU ~5x faster than indexing."""
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
+
+
 def write_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Store this step's k, v [T, KVH, D] at their flat cache slots; returns both caches viewed

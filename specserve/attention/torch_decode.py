@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from specserve.attention.base import AttentionBackend, AttentionMetadata, gather_kv, write_kv
 from specserve.engine.kv_cache import kv_slot
 
 
@@ -39,8 +39,8 @@ class TorchDecodeAttention(AttentionBackend):
         valid = kj[None, :] < self._seq[:, None]
         kv_slots = torch.where(valid, kv_slots, torch.zeros_like(kv_slots))
         qp = q[:, None].transpose(1, 2)  # [B, H, 1, D]
-        kp = k_flat[kv_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vp = v_flat[kv_slots].transpose(1, 2)
+        kp = gather_kv(k_flat, kv_slots).transpose(1, 2)  # [B, KVH, L, D]
+        vp = gather_kv(v_flat, kv_slots).transpose(1, 2)
         out = F.scaled_dot_product_attention(qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=valid[:, None, None, :],
                                              scale=self.scale, enable_gqa=h != kvh)
         return out.transpose(1, 2).reshape(B, h, d)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, write_kv
+from specserve.attention.base import AttentionBackend, AttentionMetadata, gather_kv, is_fp8, write_kv
 
 
 @dataclass
@@ -151,8 +151,8 @@ class TorchNativeBackend(AttentionBackend):
             slots = g.window_kv_slots if pooled else g.kv_slots
             slots = slots if lo == 0 else slots[:, lo:]
             qp = q_ext[g.q_index].transpose(1, 2)  # [B, H, max_q, D]
-            kp = k_src[slots].view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv - lo, D]
-            vp = v_src[slots].view(v_flat.dtype).transpose(1, 2)
+            kp = gather_kv(k_src, slots).view(k_flat.dtype).transpose(1, 2)  # [B, KVH, max_kv - lo, D]
+            vp = gather_kv(v_src, slots).view(v_flat.dtype).transpose(1, 2)
             out = F.scaled_dot_product_attention(
                 qp, kp.to(qp.dtype), vp.to(qp.dtype), attn_mask=mask, scale=self.scale, enable_gqa=h != kvh
             )
