@@ -18,7 +18,8 @@ from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")  # interpreter
 
 
-def _step(q_lens, ctx_lens, backend_kw, heads=4, kv_heads=1, head_dim=32, block_size=4, num_blocks=48, seed=0):
+def _step(q_lens, ctx_lens, backend_kw, heads=4, kv_heads=1, head_dim=32, block_size=4, num_blocks=48, seed=0,
+          trees=None, windows=(None, 6, 21)):
     g = torch.Generator().manual_seed(seed)
     seq = [c + q for c, q in zip(ctx_lens, q_lens)]
     perm = torch.randperm(num_blocks - 1, generator=g).tolist()
@@ -36,7 +37,8 @@ def _step(q_lens, ctx_lens, backend_kw, heads=4, kv_heads=1, head_dim=32, block_
     q, k, v = (torch.randn(T, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads))
     meta = AttentionMetadata(
         query_lens=list(q_lens), seq_lens=seq, slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=DEVICE))
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=DEVICE),
+        tree_masks={b: m.to(DEVICE) for b, m in trees.items()} if trees else None)
     outs = {}
     for name in ("ref", "tri"):
         caches = [(cache[0].clone().to(DEVICE), cache[1].clone().to(DEVICE))]
@@ -46,8 +48,8 @@ def _step(q_lens, ctx_lens, backend_kw, heads=4, kv_heads=1, head_dim=32, block_
             b = TritonBackend(caches, block_size, head_dim**-0.5, num_heads=heads, max_num_tokens=64, max_num_seqs=8,
                               max_blocks_per_seq=32, block_n=16, **backend_kw)
         b.plan(meta)
-        outs[name] = {w: b.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), window=w).cpu() for w in (None, 6, 21)}
-    outs["merges"] = b._num_merges
+        outs[name] = {w: b.forward(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), window=w).cpu() for w in windows}
+    outs["merges"], outs["exact"] = b._num_merges, b.step_exact
     return outs
 
 
@@ -62,17 +64,34 @@ def test_window_matches_torch_native(backend_kw) -> None:
     assert (outs["ref"][6] - outs["ref"][None]).abs().max().item() > 1e-2  # the window changed something
 
 
-def test_tree_steps_refuse_a_window() -> None:
-    caches = [(torch.zeros(8, 4, 1, 32, device=DEVICE), torch.zeros(8, 4, 1, 32, device=DEVICE))]
-    b = TritonBackend(caches, 4, 1.0, num_heads=2, max_num_tokens=16, max_num_seqs=2, max_blocks_per_seq=4)
-    tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool, device=DEVICE)
-    b.plan(AttentionMetadata(query_lens=[2], seq_lens=[5], slot_mapping=torch.tensor([3, 4], device=DEVICE),
-                             block_tables=torch.tensor([[0, 1]], device=DEVICE), tree_masks={0: tree}))
-    q = torch.zeros(2, 2, 32, device=DEVICE)
-    kv = torch.zeros(2, 1, 32, device=DEVICE)
-    b.forward(0, q, kv, kv)  # a global layer is fine
-    with pytest.raises(ValueError, match="sliding-window attention for tree tokens"):
-        b.forward(0, q, kv, kv, window=4)
+def _tree_mask(parents: list[int]) -> torch.Tensor:
+    m = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+# 20 nodes, depth up to 9: a window of 4 or 8 hides prefix keys and tree ancestors (node 18 at prefix + 9
+# sees its ancestors from depth 2 on with a window of 8); siblings interleave: a key's depth is not its index
+DEEP_TREE = [-1, 0, 1, 0, 2, 4, 3, 5, 6, 7, 8, 9, 1, 10, 12, 13, 11, 14, 16, 15]
+
+
+@pytest.mark.parametrize("backend_kw", [{"split_kv": False}, {"target_programs": 256, "min_split_keys": 16},
+                                        {"exact_trees": False}], ids=["exact", "exact_split", "shared_tiles"])
+def test_tree_tokens_see_the_window_of_their_position(backend_kw) -> None:
+    """A tree token at prefix + depth sees keys within the window of that position, a tree key at its
+    own prefix + depth: the torch backend's mask, with a decode and a chunk in the same step."""
+    tree = _tree_mask(DEEP_TREE)
+    assert int(tree.sum(1).max()) - 1 == 9
+    # (24: the root at 30 sees keys from 7 on, in the key range [0, 16) that split tiles share below the tree)
+    outs = _step([20, 1, 9], [30, 40, 14], backend_kw, trees={0: tree}, windows=(4, 8, 24))
+    assert outs["exact"] == ("exact_trees" not in backend_kw)
+    for w in (4, 8, 24):
+        assert (outs["tri"][w] - outs["ref"][w]).abs().max().item() < 1e-4, w
+    assert (outs["ref"][8][:20] - outs["ref"][24][:20]).abs().max().item() > 1e-2  # the window cut the tree rows
 
 
 def test_tiny_gemma3_on_triton_equals_torch(tmp_path) -> None:

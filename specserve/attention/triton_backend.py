@@ -15,11 +15,12 @@ Masking is per query token, from three numbers the plan writes:
   ``kv_limit``   keys at positions >= kv_limit are never seen (causal: own position + 1),
   ``tree_start`` keys below it are the committed prefix, always visible,
   ``tree_bits``  bit i set: the token sees the request's i-th new token (key tree_start + i).
-A causal token has tree_start = kv_limit, so its bits are never consulted. A sliding-window
-layer's launch (``window``) also hides keys below kv_limit - window (a causal token's kv_limit is its
-position + 1; steps with trees do not take windows). A request with a tree
+A causal token has tree_start = kv_limit, so its bits are never consulted. A request with a tree
 mask has kv_limit = seq_len and tree_start = seq_len - q_len for all its tokens (trees of at most
-64 tokens: the bits are one int64).
+64 tokens: the bits are one int64). A sliding-window layer's launch (``window``) also hides keys at
+positions <= p - window from a query at position p, positions as plain decoding holds them: a causal
+token's is kv_limit - 1; a tree token's tree_start + its depth (its row's set bits - 1), and a tree
+key's tree_start + the rank of its bit in the querying row (its depth: ancestors precede descendants).
 
 Exact trees (``exact_trees``, on by default): each tree token is a tile of its own that reads its keys
 as plain decoding will hold them once its path is committed (the prefix, then its ancestors at
@@ -60,7 +61,6 @@ LARGE_BLOCK_M = 64  # rows per program for larger (prefill-heavy, eager) steps; 
 LARGE_STEP_TOKENS = 512
 SMALL_PLAN_TOKENS = 32  # steps of at most this many tokens are planned in plain Python
 LOG2E = 1.4426950408889634
-NO_WINDOW = 1 << 30  # the kernel's window for layers without one: hides no key
 
 # packed int32 metadata sections: per work item, per split tile (merge), per token
 _ITEM_FIELDS = ("req", "tok", "len", "lo", "hi", "part", "pstride")
@@ -162,7 +162,6 @@ class TritonBackend(AttentionBackend):
         # exact trees: the key ranges below a tree read once by tiles of several of its tokens
         self.share_tree_prefix = share_tree_prefix is not False  # (None: the default, on)
         self._exact_step = False  # the last plan has exact trees: only EXACT launches run it
-        self._tree_step = False  # the last plan has tree masks
         self.capture_exact = False  # set while graphs that replay steps with trees are captured
 
         # capacities: items <= tokens without splits, < 2 * split_tiles with them; exact trees more.
@@ -269,7 +268,6 @@ class TritonBackend(AttentionBackend):
             self.exact_fallbacks += 1
         cols.append([ni, nm])
         self._exact_step = exact
-        self._tree_step = bool(trees)
         window = None if meta.window_block_tables is None else (meta.window_slot_mapping, meta.window_block_tables)
         self._write(cols, trees, q_list, bt, meta.slot_mapping, T, ni, nm, block_m, window)
         if meta.seq_shift is not None:  # lengths known on the device only: every token's limits move
@@ -529,8 +527,6 @@ class TritonBackend(AttentionBackend):
 
     def _attend(self, layer: int, q: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Attention of q [T, H, D] over the cache, this step's K/V already written."""
-        if window is not None and self._tree_step:  # (a tree token's kv_limit is not its position)
-            raise ValueError("the triton backend has no sliding-window attention for tree tokens; use the torch backend")
         k_cache, v_cache = self.kv_caches[layer]
         table = self._window_block_table if window is not None and self._window_slots is not None else self._block_table
         n = q.shape[0]
@@ -552,13 +548,13 @@ class TritonBackend(AttentionBackend):
             q, k_cache, v_cache, out, po, pl,
             it["req"], it["tok"], it["len"], it["lo"], it["hi"], it["part"], it["pstride"],
             self._kv_limit, self._tree_start, self._tree_bits, self._path_tab, self._path_len, self._counts,
-            table, table.stride(0), self.scale * LOG2E, window or NO_WINDOW,
+            table, table.stride(0), self.scale * LOG2E, window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             po.stride(0), po.stride(1),
             G=self.group, BLOCK_M=self._block_m, BLOCK_N=self.block_n,
             HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=exact,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=exact, WINDOWED=window is not None,
             num_warps=self.num_warps, **extra,
         )
         if n_merges:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, is_fp8, kernel_query, write_kv
-from specserve.attention.triton_backend import GRAPH_BLOCK_M, LOG2E, NO_WINDOW, next_pow2
+from specserve.attention.triton_backend import GRAPH_BLOCK_M, LOG2E, next_pow2
 from specserve.attention.triton_kernels import paged_attention_kernel
 
 
@@ -81,13 +81,13 @@ class TritonDecodeAttention(AttentionBackend):
             q, k_cache, v_cache, out, self._dummy, self._dummy,
             self._arange, self._arange, self._ones, self._zeros, seq, self._no_part, self._zeros,
             seq, seq, self._no_bits, self._zeros, self._zeros, self._zeros,  # (path, counts: EXACT variant only)
-            bt, bt.stride(0), self.scale * LOG2E, NO_WINDOW,
+            bt, bt.stride(0), self.scale * LOG2E, 0,  # (window: read by WINDOWED launches only)
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             0, 0,
             G=self.group, BLOCK_M=max(GRAPH_BLOCK_M, next_pow2(self.group)), BLOCK_N=self.block_n,
             HEAD_DIM=self.head_dim, BLOCK_D=block_d, PAGE=self.block_size,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=False,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EXACT=False, WINDOWED=False,
             num_warps=self.num_warps, num_stages=2,
         )
         return out

@@ -15,7 +15,7 @@ def paged_attention_kernel(
     counts,  # [2] int32: the step's work items, merges
     block_table,  # [max_seqs, max_blocks] int32
     bt_stride, qk_scale,  # qk_scale = softmax scale * log2(e)
-    window,  # keys below kv_limit - window are hidden (sliding-window layers; else a huge value)
+    window,  # WINDOWED: a key at position k is hidden from a query at position p when p - k >= window
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,  # K and V caches share their layout
     stride_pi, stride_ph,  # partial outputs: [parts, kv_heads, BLOCK_M, HEAD_DIM]; lse: [parts, kv_heads, BLOCK_M]
@@ -24,6 +24,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EXACT: tl.constexpr,  # steps with exact trees: path tiles, and items looped up to the planned count
+    WINDOWED: tl.constexpr,  # a sliding-window layer's launch (``window`` read)
 ):
     kvh = tl.program_id(1)
     if EXACT:
@@ -33,13 +34,13 @@ def paged_attention_kernel(
                          item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
                          kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-                         stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True)
+                         stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True, WINDOWED)
     else:  # (one item a program: the plain kernel, as fast as before exact trees)
         _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
                      item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
                      kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
                      stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-                     stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False)
+                     stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, False, WINDOWED)
 
 
 @triton.jit
@@ -57,11 +58,25 @@ def path_table_kernel(tree_bits, path_tab, path_len):
 
 
 @triton.jit
-def _key_block(j, hi, q, m_i, l_i, acc, limit, window, tstart, bits, req, kvh, K_cache, V_cache,
+def _popcount(x):
+    """Set bits of each int64 (bit 63 too: the arithmetic shifts' sign bits are masked off)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = x + (x >> 32)
+    return (x & 0x7F).to(tl.int32)
+
+
+@triton.jit
+def _key_block(j, hi, q, m_i, l_i, acc, limit, window, qend, tstart, bits, req, kvh, K_cache, V_cache,
                block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok,
-               path, path_base, path_end, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT: tl.constexpr):
+               path, path_base, path_end, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT: tl.constexpr,
+               WINDOWED: tl.constexpr):
     """One block of keys ``j`` into the online softmax. EXACT: keys in [path_base, path_end) are the
-    tree token's path (virtual key ``path_base + r`` is read at ``path_base + path[r]``)."""
+    tree token's path (virtual key ``path_base + r`` is read at ``path_base + path[r]``). WINDOWED:
+    keys at positions below ``qend - window`` (qend: each row's position + 1) are hidden."""
     j_ok = j < hi
     pos = j
     if EXACT:
@@ -77,7 +92,12 @@ def _key_block(j, hi, q, m_i, l_i, acc, limit, window, tstart, bits, req, kvh, K
     jj = j[None, :]
     shift = tl.minimum(tl.maximum(jj - tstart[:, None], 0), 63).to(tl.int64)
     in_tree = ((bits[:, None] >> shift) & 1) != 0
-    allowed = (jj < limit[:, None]) & (jj >= limit[:, None] - window) & ((jj < tstart[:, None]) | in_tree)
+    allowed = (jj < limit[:, None]) & ((jj < tstart[:, None]) | in_tree)
+    if WINDOWED:  # a tree key's position: tree_start + its depth, the rank of its bit in the row (ancestors
+        # come before their descendants: row 0b1011, key bit 3 -> tree_start + 2)
+        below = bits[:, None] & ((tl.full(shift.shape, 1, tl.int64) << shift) - 1)
+        kpos = tl.where(jj < tstart[:, None], jj, tstart[:, None] + _popcount(below))
+        allowed = allowed & (kpos >= qend[:, None] - window)
     s = tl.where(allowed, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -98,7 +118,7 @@ def _attend_item(
     stride_pi, stride_ph,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     n_q = tl.load(item_len + item)
     req = tl.load(item_req + item).to(tl.int64)
@@ -136,13 +156,16 @@ def _attend_item(
             tstart = limit
             path = path_tab + t0.to(tl.int64) * 64
             path_base = base
-    # key blocks wholly below every row's window are skipped (kept aligned to BLOCK_N)
-    lo = tl.maximum(lo, (tl.min(tl.where(row_ok, limit, hi), axis=0) - window) // BLOCK_N * BLOCK_N)
+    # each row's position + 1: a tree token's is tree_start + its depth + 1, the set bits of its row (an
+    # exact tree's path tile counts its keys at their positions: tree_start = limit = position + 1)
+    qend = tl.where(tstart < limit, tstart + _popcount(bits), limit)
+    if WINDOWED:  # key blocks wholly below every row's window are skipped (kept aligned to BLOCK_N)
+        lo = tl.maximum(lo, (tl.min(tl.where(row_ok, qend, hi), axis=0) - window) // BLOCK_N * BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _key_block(j, hi, q, m_i, l_i, acc, limit, window, tstart, bits, req, kvh, K_cache,
+        m_i, l_i, acc = _key_block(j, hi, q, m_i, l_i, acc, limit, window, qend, tstart, bits, req, kvh, K_cache,
                                    V_cache, block_table, bt_stride, qk_scale, stride_kb, stride_ks, stride_kh,
-                                   d, d_ok, path, path_base, path_end, PAGE, DOT_PRECISION, EXACT)
+                                   d, d_ok, path, path_base, path_end, PAGE, DOT_PRECISION, EXACT, WINDOWED)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
