@@ -24,7 +24,7 @@ from specserve.distributed.driver import RankFailure
 from specserve.distributed.parallel import head_shard, split
 from specserve.loader import load_model_source
 from specserve.server.launch import build_engine, serve_in_thread
-from tiny_model import make_tiny_gemma3, make_tiny_hf_model
+from tiny_model import make_random_head, make_tiny_gemma3, make_tiny_hf_model
 
 KV = dict(device="cpu", num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)  # (gloo, on any machine)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -114,6 +114,29 @@ def test_gemma3_two_ranks(tmp_path) -> None:
         assert _tokens(llm, [prompt]) == [_hf_greedy(hf, prompt, 10)]
     finally:
         llm.engine.close()
+
+
+def test_gemma3_trees_two_ranks_equal_one(tmp_path) -> None:
+    """Tree speculation with a window pool: every rank moves accepted KV in both of its pools (tokens and
+    log-probabilities of one rank's)."""
+    path = str(tmp_path / "gemma3")
+    make_tiny_gemma3(path, layers=2, vocab=8, window=4)
+    spec = dict(TREES, speculative_draft_model_path=make_random_head(path, str(tmp_path / "head"), constant=True,
+                                                                      drafts=[6, 2]))
+    prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6], [2, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    one = LLM(model=path, **KV, **spec).generate(prompts, sp)
+    llm = LLM(model=path, tensor_parallel_size=2, **KV, **spec)
+    try:
+        assert llm.engine.scheduler.window is not None
+        two = llm.generate(prompts, sp)
+    finally:
+        llm.engine.close()
+    assert sum(o.metrics.spec_accepted_tokens for o in two) > 0
+    for a, b in zip(two, one):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp = torch.tensor([list(d.values()) for d in a.outputs[0].logprobs])
+        assert torch.allclose(lp, torch.tensor([list(d.values()) for d in b.outputs[0].logprobs]), atol=1e-4)
 
 
 def test_a_rank_that_raises_ends_the_engine(tiny_qwen3) -> None:

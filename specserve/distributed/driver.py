@@ -101,10 +101,9 @@ class TPDriver:
         return DriverModel(model, self), PlanRecorder(attn)
 
     def compact_tree_kv(self, tables: torch.Tensor, nc: torch.Tensor, accepted: torch.Tensor, path: torch.Tensor,
-                        live: torch.Tensor, block_size: int, scratch_slot: int) -> None:
-        """The other ranks' share of a tree compaction (speculative.accept.compact_tree_kv)."""
-        self.send("kv_compact", {"block_size": block_size, "scratch_slot": scratch_slot},
-                  [tables, nc, accepted, path, live])
+                        live: torch.Tensor, window_tables: torch.Tensor | None) -> None:
+        """The other ranks' share of a tree compaction (ModelRunner.compact_tree_kv: each rank's pools)."""
+        self.send("kv_compact", {}, [tables, nc, accepted, path, live] + ([] if window_tables is None else [window_tables]))
 
     # -- failures ----------------------------------------------------------------------------
     @contextlib.contextmanager

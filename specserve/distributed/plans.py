@@ -7,7 +7,7 @@ An op is a name, a small picklable header and tensors: the header goes over the 
     logits     tensors: hidden [N, H]
     embed      tensors: ids [N]
     aux        header: the layers whose residual stream the forward also returns
-    kv_compact header: block_size, scratch_slot               tensors: tables, starts, lengths, paths, valid
+    kv_compact tensors: tables, starts, lengths, paths, valid(, the window pool's tables)
     init       header: num_blocks
     shutdown
 """

@@ -69,11 +69,8 @@ def run_worker(config: EngineConfig) -> None:
                 model.embed_tokens(t[0])
             elif op == "aux":
                 model.set_aux_hidden_layers(header["ids"])
-            elif op == "kv_compact":
-                from specserve.engine.runner import kv_slab
-                from specserve.speculative.accept import compact_tree_kv
-
-                compact_tree_kv(kv_slab(runner.kv_caches), *t, header["block_size"], header["scratch_slot"])
+            elif op == "kv_compact":  # (tables, starts, lengths, paths, valid(, window tables))
+                runner.compact_tree_kv(*t)
             elif op == "shutdown":
                 break
             else:

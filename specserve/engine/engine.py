@@ -19,8 +19,7 @@ from specserve.distributed.parallel import check_tp_shapes
 from specserve.engine import gc_pauses
 from specserve.engine.kv_cache import BlockManager, WindowBlocks
 from specserve.engine.request import Request, Status
-from specserve.engine.runner import (LaunchedStep, ModelRunner, kv_layout, num_kv_blocks_for,
-                                     resolve_attention_backend)
+from specserve.engine.runner import LaunchedStep, ModelRunner, kv_layout, num_kv_blocks_for
 from specserve.engine.scheduler import CommitResult, Scheduler, StepPlan
 from specserve.engine.stop import streamable_text_end
 from specserve.loader.tokenizer import IncrementalDetokenizer
@@ -135,14 +134,6 @@ class LLMEngine:
         # the budget per layer type: sliding-window layers keep only their window's blocks (a pool of their own)
         layout = kv_layout(config, runner_mc, num_kv_blocks_for(config, runner_mc, self.dtype, self.device),
                            self.dtype, config.max_model_len or ctx)
-        sliding = any(runner_mc.layer_window(i) for i in range(runner_mc.num_hidden_layers))
-        if sliding and config.speculative is not None and config.speculative.eagle_topk > 1 and (
-                resolve_attention_backend(config.attention_backend, self.device) == "triton"
-                or (self.tp is not None and layout.window is not None)):
-            # (the Triton kernel takes no window for tree tokens; the ranks' compaction knows one pool)
-            raise ValueError("tree speculation (speculative_eagle_topk > 1) on a model with sliding-window layers "
-                             "runs on the torch attention backend without tensor parallelism only; use chains "
-                             "(speculative_eagle_topk=1) or attention_backend='torch'")
         if self.tp is not None:
             self.tp.init_workers(layout)
         self.runner = ModelRunner(model, runner_mc, runner_config, layout, self.device, self.dtype,

@@ -27,6 +27,7 @@ from specserve.engine import logits_process, sampler
 from specserve.engine.host_copy import host_buffer, host_to_device, pinned_copy
 from specserve.engine.kv_cache import kv_slot
 from specserve.engine.scheduler import CommitResult, StepPlan
+from specserve.speculative.accept import compact_tree_kv
 
 if TYPE_CHECKING:
     from specserve.distributed.driver import TPDriver
@@ -401,6 +402,20 @@ class ModelRunner:
         self.attn.plan(inputs.meta)
         with forward_context(self.attn):
             return self.model(inputs.input_ids, inputs.positions)
+
+    def compact_tree_kv(self, tables: torch.Tensor, nc: torch.Tensor, accepted: torch.Tensor, path: torch.Tensor,
+                        live: torch.Tensor, window_tables: torch.Tensor | None = None) -> None:
+        """Accepted tree nodes' KV moved behind their root (speculative.accept.compact_tree_kv) in every
+        pool, the window pool's through ``window_tables``, on every tensor-parallel rank."""
+        if self.driver is not None:  # (the other ranks' KV heads first: the same call there)
+            self.driver.compact_tree_kv(tables, nc, accepted, path, live, window_tables)
+        bs = self.block_size
+        compact_tree_kv(kv_slab(self.pool_caches[0]), tables, nc, accepted, path, live, bs, self.layout.num_blocks * bs)
+        if len(self.pool_caches) > 1:
+            if window_tables is None:
+                raise ValueError("a tree compaction with a window pool needs its window tables")
+            compact_tree_kv(kv_slab(self.pool_caches[1]), window_tables, nc, accepted, path, live, bs,
+                            self.layout.num_window_blocks * bs)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> CommitResult:

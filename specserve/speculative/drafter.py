@@ -15,13 +15,12 @@ from specserve.engine import logits_process, sampler
 from specserve.engine.gc_pauses import clock
 from specserve.engine.host_copy import host_to_device
 from specserve.engine.request import Request, Status
-from specserve.engine.runner import LaunchedStep, allocate_kv_cache, kv_slab
+from specserve.engine.runner import LaunchedStep, allocate_kv_cache
 from specserve.engine.scheduler import CommitResult, StepPlan
 from specserve.models.cpu_packing import pack_for_cpu
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.speculative import profile, static
-from specserve.speculative.accept import (Accepted, accept_chains_sampled, accept_greedy, accept_tree_sampled,
-                                          compact_tree_kv)
+from specserve.speculative.accept import Accepted, accept_chains_sampled, accept_greedy, accept_tree_sampled
 from specserve.speculative.catch_up import CatchUp
 from specserve.speculative.cycle import CycleClock
 from specserve.speculative.features import FeatureStore
@@ -279,7 +278,7 @@ class EagleSpeculator:
         return results  # type: ignore[return-value]
 
     def _compact(self, trees: list[tuple[Any, list[int]]]) -> None:
-        """Accepted tree nodes' target KV to the slots right after each root (compact_tree_kv)."""
+        """Accepted tree nodes' target KV to the slots right after each root (ModelRunner.compact_tree_kv)."""
         trees = [(s, p) for s, p in trees if any(node != m + 1 for m, node in enumerate(p))]
         if not trees:
             return
@@ -294,16 +293,11 @@ class EagleSpeculator:
         t = host_to_device(flat, self.device)
         path = t[2 * B : 2 * B + B * (D + 1)].view(B, D + 1)
         tables = t[2 * B + B * (D + 1) :].view(B, W)
-        args = (tables, t[B : 2 * B], t[:B], path, torch.ones_like(t[:B]), self.engine.config.block_size,
-                self.scratch_slot)
-        if self.runner.driver is not None:  # (the other tensor-parallel ranks' KV heads)
-            self.runner.driver.compact_tree_kv(*args)
-        compact_tree_kv(kv_slab(self.runner.pool_caches[0]), *args)
+        wt = None
         if len(self.runner.pool_caches) > 1:  # the sliding-window layers' pool: the same moves, its tables
             wt = [t + [0] * (W - len(t)) for t in (s.req.kv.window_table for s, _ in trees)]
             wt = host_to_device([b for t in wt for b in t], self.device).view(B, W)
-            compact_tree_kv(kv_slab(self.runner.pool_caches[1]), wt, *args[1:6],
-                            self.runner.layout.num_window_blocks * self.engine.config.block_size)
+        self.runner.compact_tree_kv(tables, t[B : 2 * B], t[:B], path, torch.ones_like(t[:B]), wt)
 
     def _logprobs(self, sampling, results: list[Accepted], kept_rows: list[list[int]], logits) -> list | None:
         if not any(s.req.params.logprobs is not None for s in sampling):

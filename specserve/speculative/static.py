@@ -65,7 +65,7 @@ def build_static_draft(d: Any, graphs: bool, attention: str, fused_launch: bool 
         build_tree_runner(d, triton, chain)
     fused_launch = graphs if fused_launch is None else fused_launch
     tr = prop.tree_runner
-    if fused_launch and tr is not None:
+    if fused_launch and tr is not None and len(d.runner.pool_caches) == 1:  # (a window pool: trees run unfused)
         Bm = min(FUSED_MAX_BATCH, tr.batch_sizes[-1])
         row_attn = decode_attention(d, Bm * (min(tr.depth, tr.num_nodes - 1) + 1), triton)
         pipe.tree_launch = FusedTreeLaunch(tr, row_attn, d.scratch_slot, hc.feature_size, e.dtype, Bm,
