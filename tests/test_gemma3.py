@@ -192,6 +192,52 @@ def test_speculation_past_the_window_is_lossless(tmp_path, topk: int) -> None:
     assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
 
 
+def _run_keeping_window_keys(llm, prompts, sp) -> tuple[list[list[int]], dict]:
+    """Outputs, and the window layer's K at each committed position still in the pool after every step:
+    {(request, position): K} (the sliding layer 0 reads embeddings: K is a function of token and position)."""
+    eng, keys, outs = llm.engine, {}, {}
+    k_cache = eng.runner.pool_caches[1][0][0]  # [blocks, bs, kv heads, head dim]
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, sp)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+        for r in eng.scheduler.running:
+            for pos in range(r.num_computed_tokens):
+                blk = r.kv.window_table[pos // 4]
+                if blk != eng.scheduler.window.null:
+                    keys[(r.request_id, pos)] = k_cache[blk, pos % 4].clone()
+    return [outs[str(i)] for i in range(len(prompts))], keys
+
+
+def test_fused_tree_launch_with_a_window_pool_is_lossless(tmp_path) -> None:
+    """The fused tree launch (acceptance and KV compaction on the device, both pools) and the verify
+    launched before the sync (its window slots computed there): plain decoding's tokens, and its K at
+    every committed position of the window pool."""
+    from specserve import LLM, SamplingParams
+    from tiny_model import make_random_head
+
+    path = str(tmp_path / "gemma")
+    make_tiny_gemma3(path, layers=2, vocab=8, window=4)
+    head = make_random_head(path, str(tmp_path / "head"), constant=True, drafts=[6, 2])
+    prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6], [2, 4], [3, 3, 5, 7, 2, 4, 6, 5, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(model=path, num_kv_blocks=32, block_size=4, max_model_len=64, max_num_seqs=3)
+    plain, plain_keys = _run_keeping_window_keys(LLM(**kw), prompts, sp)
+    llm = LLM(**kw, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static",
+              speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    dr = llm.engine.drafter
+    dr.enable_static_draft(attention="torch", fused_launch=True)
+    dr.pipeline.early_verify = True
+    outs, keys = _run_keeping_window_keys(llm, prompts, sp)
+    assert dr.pipeline.tree_launch.window and dr.path_counts["fused"] > 0 and dr.path_counts["presync_verify"] > 0
+    assert llm.engine.stats.spec_accepted_tokens > 0
+    assert outs == plain
+    common = keys.keys() & plain_keys.keys()
+    assert len(common) > 40
+    assert max((keys[c] - plain_keys[c]).abs().max().item() for c in common) < 1e-5
+
+
 def test_tree_verify_past_the_window_equals_each_path(pair) -> None:
     """A tree's tokens see the window of their own position (prefix + depth), not of their row."""
     hf, ours, config = pair

@@ -184,7 +184,7 @@ class Pipeline:
         key = tl.key(len(reqs))
         trees, _ = reqs[0].spec.device_tree
         tl.write(key, [r.num_computed_tokens for r in reqs], [r.kv.block_table for r in reqs],
-                 [r.spec.device_tree[1] for r in reqs])
+                 [r.spec.device_tree[1] for r in reqs], [r.kv.window_table for r in reqs] if tl.window else ())
         path = tl.run(key, argmax, feats, trees)
         self.path_counts[f"fused_launch:{path}"] += 1
         self._adopt_launched(reqs, [self.max_k] * len(reqs), tl.tree.trees[: len(reqs)])
@@ -288,11 +288,14 @@ class Pipeline:
         N, B = tl.N, len(targets)
         lists = StepLists(self.block_size)
         for r, _, _ in targets:  # (ids, positions and slots: placeholders the device overwrites)
-            lists.add([0] * N, r.num_computed_tokens + tl.L, r.kv.block_table, sample_rows=N)
+            lists.add([0] * N, r.num_computed_tokens + tl.L, r.kv.block_table, sample_rows=N,
+                      window_table=r.kv.window_table)
         inputs = self.runner.upload(lists)
         inputs.input_ids, inputs.positions = tl.next_ids[:B].view(-1), tl.next_pos[:B].view(-1)
         meta = inputs.meta
         meta.slot_mapping, meta.seq_shift = tl.next_slots[:B].view(-1), tl.next_shift[:B]
+        if tl.window:
+            meta.window_slot_mapping = tl.next_window_slots[:B].view(-1)
         meta.tree_masks = {b: toks[b, 3 * N : 4 * N] for b in range(B)}
         rows = host_to_device([b * N + i for b in range(B) for i in range(1, N)], self.device)
         extra = torch.cat([toks[:B, N + 1 : 2 * N], toks[:B, 2 * N + 1 : 3 * N]], 1).reshape(-1)

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from specserve.engine.cuda_graph import capture_sizes
-from specserve.engine.runner import kv_slab
 from specserve.attention.torch_decode import TorchDecodeAttention
 from specserve.speculative.draft_graph import FUSED_MAX_BATCH, CatchUpRunner, ChainDraftRunner, FusedLaunchRunner
 from specserve.speculative.tree_graph import FusedTreeLaunch, TreeDraftRunner, TreeVerifyGraph
@@ -65,11 +64,12 @@ def build_static_draft(d: Any, graphs: bool, attention: str, fused_launch: bool 
         build_tree_runner(d, triton, chain)
     fused_launch = graphs if fused_launch is None else fused_launch
     tr = prop.tree_runner
-    if fused_launch and tr is not None and len(d.runner.pool_caches) == 1:  # (a window pool: trees run unfused)
+    if fused_launch and tr is not None:
         Bm = min(FUSED_MAX_BATCH, tr.batch_sizes[-1])
         row_attn = decode_attention(d, Bm * (min(tr.depth, tr.num_nodes - 1) + 1), triton)
         pipe.tree_launch = FusedTreeLaunch(tr, row_attn, d.scratch_slot, hc.feature_size, e.dtype, Bm,
-                                           target_kv=kv_slab(d.runner.kv_caches), features=d.features.features)
+                                           compact=d.runner.compact_tree_kv, features=d.features.features,
+                                           window=len(d.runner.pool_caches) > 1)
         pipe.tree_verify = TreeVerifyGraph(pipe.tree_launch, d.target, d.runner.attn, d.target.config.vocab_size)
     if triton:
         from specserve.attention.triton_backend import TritonBackend

@@ -16,7 +16,7 @@ from specserve.engine.kv_cache import kv_slot
 from specserve.engine.runner import kv_slab
 from specserve.models.eagle3 import Eagle3DraftModel
 from specserve.speculative.draft_graph import load_rows
-from specserve.speculative.accept import accept_trees, compact_tree_kv
+from specserve.speculative.accept import accept_trees
 from specserve.speculative.tree import select_trees, tree_fields, tree_width
 
 
@@ -159,10 +159,12 @@ class TreeDraftRunner:
 
 class FusedTreeLaunch:
     """From a verify's picks: acceptance, target KV compaction, catch-up over the accepted path, the next
-    expansion and the inputs of the next trees' verify, on the device before the sync; a graph per batch."""
+    expansion and the inputs of the next trees' verify, on the device before the sync; a graph per batch.
+    ``compact``: ModelRunner.compact_tree_kv; ``window``: the target has a window pool (its tables too)."""
 
     def __init__(self, tree: TreeDraftRunner, row_attn: AttentionBackend, scratch_slot: int, feature_size: int,
-                 dtype: torch.dtype, max_batch: int, target_kv: torch.Tensor, features: torch.Tensor) -> None:
+                 dtype: torch.dtype, max_batch: int, compact: Callable[..., None], features: torch.Tensor,
+                 window: bool = False) -> None:
         self.tree = tree
         self.device = tree.device
         self.N, self.D = tree.num_nodes, tree.depth
@@ -172,6 +174,7 @@ class FusedTreeLaunch:
         self.width = tree.block_tables.shape[1]
         self.block_size = tree.block_size
         self.scratch_slot = scratch_slot
+        self.window = window
         dev = self.device
         self.picks = torch.zeros(Bm * self.N, dtype=torch.long, device=dev)
         self.feats = torch.zeros(Bm * self.N, feature_size, dtype=dtype, device=dev)
@@ -180,20 +183,22 @@ class FusedTreeLaunch:
         self.meta = torch.zeros(self.layouts[Bm][-1], dtype=torch.long, device=dev)
         self.row_attn = row_attn  # a decode attention over the draft KV reading its own block tables:
         self.row_tables = row_attn.block_tables  # [Bm * L, width], each catch-up row's (its request's)
-        self.target_kv = target_kv  # kv_slab of the target's caches
+        self.compact = compact
         self.features = features  # the drafter's target features by KV slot: the accepted rows' are kept
         self.next_ids = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
         self.next_pos = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
         self.next_slots = torch.zeros(Bm, self.N, dtype=torch.long, device=dev)
+        self.next_window_slots = torch.zeros(Bm, self.N, dtype=torch.long, device=dev) if window else None
         self.next_shift = torch.zeros(Bm, dtype=torch.int32, device=dev)  # (the attention's limits are int32)
         self.graphs: dict[tuple[int], torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
     def layout(self, Bp: int) -> list[int]:
         """Offsets in ``meta``: pos, slot [Bp x L each], nc [Bp], block tables [Bp x width], live [Bp]
-        (1: a request), and the verified trees' rows in their packed tensor [Bp] (read by ``run``)."""
+        (1: a request), the verified trees' rows in their packed tensor [Bp] (read by ``run``), and the
+        window pool's block tables [Bp x width] (none without one)."""
         n = Bp * self.L
-        return np.cumsum([0, n, n, Bp, Bp * self.width, Bp, Bp]).tolist()
+        return np.cumsum([0, n, n, Bp, Bp * self.width, Bp, Bp, Bp * self.width * self.window]).tolist()
 
     def key(self, B: int) -> tuple[int] | None:
         """(padded batch,) of a step of B requests, or None where not covered."""
@@ -206,9 +211,10 @@ class FusedTreeLaunch:
         o = self.layouts[Bp]
         pos, slot, nc, tab, live = (self.meta[o[i] : o[i + 1]] for i in range(5))  # (and the rows: run)
         tab = tab.view(Bp, self.width)
+        wtab = self.meta[o[6] : o[7]].view(Bp, self.width) if self.window else None
         tok, par, dep, _ = tree_fields(self.trees_in[:Bp], N)
         accepted, path, bonus = accept_trees(tok, par, dep, self.picks[: Bp * N].view(Bp, N), self.D)
-        compact_tree_kv(self.target_kv, tab, nc, accepted, path[:, :L], live, self.block_size, self.scratch_slot)
+        self.compact(tab, nc, accepted, path[:, :L], live, wtab)
         j = torch.arange(L, device=self.device)[None, :]
         acc = accepted[:, None]
         node = torch.where(j <= acc, path[:, :L], path.gather(1, acc))  # [Bp, L]
@@ -234,14 +240,16 @@ class FusedTreeLaunch:
         self.next_ids[:Bp, 1:].copy_(ntok[:, 1:])
         torch.add(ndep, start, out=self.next_pos[:Bp])
         rows = torch.arange(Bp, device=self.device)[:, None]
-        self.next_slots[:Bp].copy_(kv_slot(tab, start + torch.arange(N, device=self.device)[None, :], self.block_size,
-                                           rows, self.width - 1))
+        nodes = start + torch.arange(N, device=self.device)[None, :]
+        self.next_slots[:Bp].copy_(kv_slot(tab, nodes, self.block_size, rows, self.width - 1))
+        if wtab is not None:
+            self.next_window_slots[:Bp].copy_(kv_slot(wtab, nodes, self.block_size, rows, self.width - 1))
         torch.sub(accepted, L - 1, out=self.next_shift[:Bp])
 
     def write(self, key: tuple[int], computed: Sequence[int], tables: Sequence[Sequence[int]],
-              rows: Sequence[int] = ()) -> None:
+              rows: Sequence[int] = (), window_tables: Sequence[Sequence[int]] = ()) -> None:
         """A step's numbers into ``meta`` (one copy): each request's tokens computed before the verify, its
-        block table and its tree's row in the packed tensor ``run`` is given."""
+        block tables and its tree's row in the packed tensor ``run`` is given."""
         Bp = key[0]
         L, bs = self.L, self.block_size
         o = self.layouts[Bp]
@@ -261,6 +269,9 @@ class FusedTreeLaunch:
             h[start : start + len(table)] = table
         h[o[4] : o[4] + B] = 1
         h[o[5] : o[5] + len(rows)] = rows
+        for b, table in enumerate(window_tables):
+            start = o[6] + b * self.width
+            h[start : start + len(table)] = table
         self.meta[: o[-1]].copy_(t, non_blocking=True)
 
     def run(self, key: tuple[int], picks: torch.Tensor, feats: torch.Tensor, trees: torch.Tensor) -> str:
