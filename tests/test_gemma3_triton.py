@@ -203,20 +203,24 @@ def test_chain_speculation_with_a_window_pool_on_triton_equals_torch(tmp_path) -
 
 
 @pytest.mark.gpu  # (CUDA graphs and the static draft paths)
-@pytest.mark.parametrize("spec", [False, True], ids=["plain", "chains"])
-def test_window_pool_under_cuda_graphs_equals_torch(tmp_path, spec: bool) -> None:
+@pytest.mark.parametrize("spec", [None, "chains", "trees"], ids=["plain", "chains", "trees"])
+def test_window_pool_under_cuda_graphs_equals_torch(tmp_path, spec: str | None) -> None:
     """Graph replays read the window pool's persistent tables; with chains also the static draft loop,
-    the fused launches and the early verify (its window slots built before the step is scheduled)."""
+    the fused launches and the early verify (its window slots built before the step is scheduled); with
+    trees the tree verify's graphs (the kernel's windows by tree positions), then without log-probs the
+    fused tree launch and the verify before the sync (window slots computed on the device)."""
     from specserve import LLM, SamplingParams
     from tiny_model import make_random_head, make_tiny_gemma3
 
     path = str(tmp_path / "gemma")
-    make_tiny_gemma3(path, vocab=8)
+    make_tiny_gemma3(path, vocab=8, window=4 if spec == "trees" else 8)  # (trees of depth 5: cut by the window)
     kw = dict(model=path, max_num_batched_tokens=32, num_kv_blocks=64, block_size=4, max_model_len=256,
               max_num_seqs=4, device="cuda", dtype="float32")
     if spec:
-        kw.update(speculative_algorithm="EAGLE3", speculative_policy="static", speculative_num_steps=3,
-                  speculative_num_draft_tokens=4, speculative_draft_model_path=make_random_head(
+        kw.update(speculative_algorithm="EAGLE3", speculative_policy="static",
+                  speculative_num_steps=3 if spec == "chains" else 5,
+                  speculative_num_draft_tokens=4 if spec == "chains" else 6,
+                  speculative_eagle_topk=1 if spec == "chains" else 2, speculative_draft_model_path=make_random_head(
                       path, str(tmp_path / "head"), constant=True, drafts=[6, 2]))
     prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6] * 3, [2, 4], [3, 3, 5, 7, 2, 4, 6, 5, 4]]
     sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=0)
@@ -231,3 +235,7 @@ def test_window_pool_under_cuda_graphs_equals_torch(tmp_path, spec: bool) -> Non
         assert torch.allclose(lp, torch.tensor([list(d.values()) for d in b.outputs[0].logprobs]), atol=1e-3)
     if spec:
         assert sum(o.metrics.spec_accepted_tokens for o in tri) > 0
+    if spec == "trees":
+        fused = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+        assert llm.engine.drafter.path_counts["fused"] > 0
+        assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in ref]
