@@ -34,7 +34,8 @@ def paged_attention_kernel(
                          item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,
                          kv_limit, tree_start, tree_bits, path_tab, path_len, block_table, bt_stride, qk_scale, window,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-                         stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True, WINDOWED)
+                         stride_pi, stride_ph, G, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, PAGE, DOT_PRECISION, True,
+                         WINDOWED)
     else:  # (one item a program: the plain kernel, as fast as before exact trees)
         _attend_item(tl.program_id(0), kvh, Q, K_cache, V_cache, O, PartO, PartLse,
                      item_req, item_tok, item_len, item_lo, item_hi, item_part, item_pstride,

@@ -103,7 +103,8 @@ class TPDriver:
     def compact_tree_kv(self, tables: torch.Tensor, nc: torch.Tensor, accepted: torch.Tensor, path: torch.Tensor,
                         live: torch.Tensor, window_tables: torch.Tensor | None) -> None:
         """The other ranks' share of a tree compaction (ModelRunner.compact_tree_kv: each rank's pools)."""
-        self.send("kv_compact", {}, [tables, nc, accepted, path, live] + ([] if window_tables is None else [window_tables]))
+        windows = [] if window_tables is None else [window_tables]
+        self.send("kv_compact", {}, [tables, nc, accepted, path, live] + windows)
 
     # -- failures ----------------------------------------------------------------------------
     @contextlib.contextmanager
