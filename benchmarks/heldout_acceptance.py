@@ -136,7 +136,7 @@ def engine_tasks(args: argparse.Namespace) -> dict[str, Any]:
             llm = LLM(**common, speculative_draft_model_path=path, **CONFIGS[name])
             if ids is None:
                 tok = llm.tokenizer
-                ids = [tok.apply_chat_template(m, add_generation_prompt=True) for _, _, m in items]
+                ids = [D.render_ids(tok, m, add_generation_prompt=True) for _, _, m in items]
                 tasks = [t for t, _, _ in items]
                 if args.chat:
                     ids += chat_prompt_ids(tok, args.chat, seed=0)

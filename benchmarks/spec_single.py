@@ -1,4 +1,4 @@
-"""Concurrency-1 speed and accept length of EAGLE-3 speculation on SmolLM2-135M-Instruct (fp32, CPU).
+"""Concurrency-1 speed and accept length of EAGLE-3 speculation on SmolLM2-135M-Instruct (or --model; fp32, CPU).
 
 One engine per configuration, all in this process, all on the same target weights and draft head:
 
@@ -155,6 +155,8 @@ def stats_delta(after: Any, before: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="target: GGUF file or HF directory (default: SmolLM2; another "
+                    "needs --draft); a model without a chat template gets the prompts as completions")
     ap.add_argument("--draft", default=None, help="EAGLE-3 head directory (default: the shipped head, else random)")
     ap.add_argument("--random-head", action="store_true", help="use a random head even when the shipped one exists")
     ap.add_argument("--num-prompts", type=int, default=10)
@@ -189,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tmp = None
     if args.draft and args.random_head:
         raise SystemExit("--draft and --random-head exclude each other")
+    if args.model and not args.draft:
+        raise SystemExit("--model needs --draft (the shipped and random heads are the default model's)")
     if args.draft:
         head, head_kind = os.path.abspath(args.draft), "given"
     elif os.path.isfile(os.path.join(DEFAULT_HEAD, "config.json")) and not args.random_head:
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["draft_head"] = {"path": head, "kind": head_kind, **head_provenance(head)}
     print(f"draft head: {head} ({head_kind})", flush=True)
 
-    base = {"kv_cache_memory_gb": args.kv_cache_memory_gb, "dtype": args.dtype,
+    base = {"model": args.model, "kv_cache_memory_gb": args.kv_cache_memory_gb, "dtype": args.dtype,
             "cpu_weight_packing": args.cpu_weight_packing}
     engines: dict[str, LLM] = {}
     engine_args: dict[str, dict[str, Any]] = {}

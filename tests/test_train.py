@@ -361,6 +361,59 @@ def test_resumed_prepare_extends_distilled_conversations_to_more_turns(tmp_path)
     assert "distill_extended_turns" not in facts2
 
 
+def tiny_base_tokenizer():
+    """The tiny vocabulary as a base model's: no chat template, BOS added by the post-processor."""
+    from tokenizers.processors import TemplateProcessing
+
+    from specserve.loader.tokenizer import Tokenizer
+
+    backend = tiny_tokenizer().backend
+    backend.add_special_tokens(["<bos>"])
+    backend.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", backend.token_to_id("<bos>"))])
+    return Tokenizer(backend, bos_token="<bos>", eos_token="<|im_end|>")
+
+
+def test_template_less_model_trains_on_completion_text(tmp_path) -> None:
+    """A base model (no chat template): the user turn is the prompt as /v1/completions encodes it
+    (BOS added), the reply its continuation; distillation and the held-out replies continue it."""
+    from specserve.train.distill import distill
+    from specserve.train.eagle3 import heldout_examples
+    from specserve.train.generate import simple_greedy
+
+    tok = tiny_base_tokenizer()
+    target = tiny_target(tok)
+    conv = [{"role": "user", "content": "say stone cloud"}, {"role": "assistant", "content": " stone cloud."}]
+    prompt = tok.encode("say stone cloud", add_special_tokens=True)
+    assert prompt[0] == tok.bos_token_id
+    ex = D.tokenize_conversation(tok, conv, target.stop_ids, max_len=128)
+    assert ex.ids == prompt + tok.encode(" stone cloud.")
+    assert tok.decode([i for i, m in zip(ex.ids, ex.mask) if m]) == " stone cloud."
+    # batched tokenization takes the same path
+    assert [e.ids for e in D.tokenize_all(tok, [(0, conv)], target.stop_ids, 128)] == [ex.ids]
+
+    cfg = TrainConfig(output_dir=str(tmp_path), self_distill=True, distill_backend="simple", distill_max_tokens=6,
+                      max_len=128, batch_tokens=512)
+    want = simple_greedy(target, [prompt], 6)[0]
+    [(_, got)] = distill(cfg, target, [(0, conv)])
+    assert got[0] == conv[0] and got[1]["content"] == tok.decode([t for t in want if t not in target.stop_ids])
+    [held] = heldout_examples(target, [(0, conv)], 1, 6, 128, "simple", 4)
+    assert held.ids == prompt + want and held.mask == [False] * len(prompt) + [True] * len(want)
+
+
+def test_dense_causal_backend_applies_a_sliding_window() -> None:
+    """The target's feature pass on a sliding-window layer (Gemma 3): a query sees its last ``window`` keys."""
+    from specserve.train.attention import DenseCausalBackend
+
+    torch.manual_seed(0)
+    L, window = 7, 3
+    q, k, v = torch.randn(L, 2, 8), torch.randn(L, 1, 8), torch.randn(L, 1, 8)
+    out = DenseCausalBackend(1, L, scale=0.5).forward(0, q, k, v, window=window)
+    for p in range(L):
+        lo = max(0, p - window + 1)
+        w = torch.softmax((q[p] @ k[lo : p + 1, 0].T) * 0.5, dim=-1)  # [heads, keys]
+        torch.testing.assert_close(out[p], w @ v[lo : p + 1, 0])
+
+
 def test_device_name_reads_the_cuda_device_name(monkeypatch) -> None:
     from specserve.train.checkpoint import device_name
 

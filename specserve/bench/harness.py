@@ -120,7 +120,8 @@ def run_metadata() -> dict[str, Any]:
 
 def chat_prompt_ids(tokenizer: Any, num: int, seed: int = 0, max_chars: int | None = 1200,
                     start: int = 0) -> list[list[int]]:
-    """Token ids of ``num`` ShareGPT first turns under the model's chat template (fixed by ``seed``).
+    """Token ids of ``num`` ShareGPT first turns under the model's chat template (fixed by ``seed``);
+    for a model without one (a base model), the turn as a completion prompt (BOS added).
 
     ``start`` skips that many prompts of the same seeded order, so disjoint sets can be drawn.
     """
@@ -134,8 +135,9 @@ def chat_prompt_ids(tokenizer: Any, num: int, seed: int = 0, max_chars: int | No
         texts = [s.prompt for s in sharegpt_prompts(start + num, seed=seed, max_chars=max_chars)[start:]]
     if len(texts) < num:
         raise ValueError(f"ShareGPT gave {len(texts)} prompts, {num} asked for")
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-            for t in texts]
+    from specserve.train.data import render_ids
+
+    return [render_ids(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
 
 
 SAVED_PROMPTS = os.path.join(REPO, "benchmarks", "data", "sharegpt_prompts_seed0.json")

@@ -1,6 +1,6 @@
 """Attention backends for training: no paged cache, one padded [B, L] batch flattened to [B*L].
 
-- ``DenseCausalBackend``: plain causal prefill (the target's feature pass).
+- ``DenseCausalBackend``: plain causal prefill (the target's feature pass), sliding windows applied.
 - ``TTTBackend``: EAGLE-3's training-time test. Step 0 is causal over the real features; at step
   i > 0 the query at position t attends to step-0 keys 0..t plus the keys of steps 1..i at the
   same position t (what the draft KV cache holds when drafting i steps ahead from t).
@@ -35,11 +35,20 @@ class DenseCausalBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:  # nothing to plan: the shape is fixed
         pass
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         qb, kb, vb = (_to_bhld(t, self.B, self.L) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), is_causal=True,
-                                             scale=self.scale, enable_gqa=qb.shape[1] != kb.shape[1])
+        mask = None if window is None or self.L <= window else window_causal_mask(self.L, window, q.device)
+        out = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask,
+                                             is_causal=mask is None, scale=self.scale,
+                                             enable_gqa=qb.shape[1] != kb.shape[1])
         return _from_bhld(out)
+
+
+def window_causal_mask(L: int, window: int, device: torch.device) -> torch.Tensor:
+    """[L, L] bool: query p sees key j when 0 <= p - j < window (a sliding-window layer)."""
+    d = torch.arange(L, device=device)[:, None] - torch.arange(L, device=device)[None, :]
+    return (d >= 0) & (d < window)
 
 
 class TTTBackend(AttentionBackend):

@@ -1,5 +1,8 @@
 """Training data for the draft head: conversations -> token ids + assistant-token loss mask.
 
+A model without a chat template (a base model) gets its conversations as plain completion text
+(``plain_ids``): each reply is the continuation of the messages before it.
+
 The loss mask comes from the chat template itself: each assistant turn's span is where the
 rendering of the conversation up to and including that turn extends the rendering of the
 conversation before it with the generation prompt added. Nothing here knows a template's markers;
@@ -111,8 +114,15 @@ def first_exchange(conv: Conversation, turns: int = 1) -> Conversation:
 # ---- tokenisation with the template's own assistant spans ------------------------------------
 
 
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def render_ids(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> list[int]:
-    """Token ids of the chat-template rendering (works for our tokenizer and HF ones)."""
+    """Token ids of the chat-template rendering (works for our tokenizer and HF ones); for a model
+    without a template (a base model) the plain completion text of ``plain_ids``."""
+    if not has_chat_template(tokenizer):
+        return plain_ids(tokenizer, messages)
     out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
     if isinstance(out, str):
         return list(encode(tokenizer, out))
@@ -122,6 +132,21 @@ def render_ids(tokenizer: Any, messages: Sequence[Message], add_generation_promp
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     return [int(i) for i in ids]
+
+
+def plain_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
+    """A conversation as completion text, for a model without a chat template: the message contents
+    back to back, the first encoded as /v1/completions encodes a prompt (BOS added), each later one
+    on its own so that every prefix of messages renders to a prefix of the ids.
+    # [user "The sky is", assistant " blue."] -> [<bos>, The, ▁sky, ▁is, ▁blue, .]"""
+    texts = [m["content"] for m in messages] or [""]
+    try:
+        ids = list(tokenizer.encode(texts[0], add_special_tokens=True))
+    except TypeError:
+        ids = list(tokenizer.encode(texts[0]))
+    for t in texts[1:]:
+        ids += encode(tokenizer, t)
+    return ids
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -199,7 +224,8 @@ def tokenize_all(tokenizer: Any, convs: Iterable[tuple[int, Conversation]], stop
     """Examples of many conversations. With our Tokenizer the template texts are encoded in
     batches (the tokenizer library runs those on all cores)."""
     convs = list(convs)
-    batched = hasattr(tokenizer, "apply_chat_template_text") and hasattr(tokenizer, "backend")
+    batched = (has_chat_template(tokenizer) and hasattr(tokenizer, "apply_chat_template_text")
+               and hasattr(tokenizer, "backend"))
     out = []
     for c0 in range(0, len(convs), chunk):
         part = convs[c0 : c0 + chunk]

@@ -26,6 +26,7 @@ import torch
 
 from specserve.attention.base import forward_context
 from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from specserve.models.layers import OffsetRMSNorm
 from specserve.train import data as D
 from specserve.train.attention import TTTBackend
 from specserve.train.checkpoint import device_name, load_init_head, save_checkpoint, write_model_card
@@ -158,10 +159,11 @@ def ttt_loss(head: Eagle3DraftModel, target: Target, batch: D.Batch, steps: int,
     counts: list[int] = []
 
     def on_step(i: int, out: torch.Tensor) -> None:
-        if i < 0:
-            z, ok = target_labels(target, out, draft_ids, head.t2d)
-            state["z"] = z
-            state["ok"] = (next_is_target.reshape(-1) & ok).view(B, L)
+        if i < 0:  # labels only where a reply token is predicted (the full-vocab logits dominate a CPU step)
+            sel = torch.nonzero(next_is_target.reshape(-1), as_tuple=False).flatten()
+            z_sel, ok_sel = target_labels(target, out[sel], draft_ids, head.t2d)
+            state["z"] = z_sel.new_zeros(B * L, z_sel.shape[1]).index_copy_(0, sel, z_sel)
+            state["ok"] = torch.zeros(B * L, dtype=torch.bool, device=dev).index_copy_(0, sel, ok_sel).view(B, L)
             return
         ok = state["ok"]
         m = torch.zeros(B, L, dtype=torch.bool, device=dev)
@@ -336,7 +338,9 @@ def init_head(head: Eagle3DraftModel, target: Target, from_target: bool, seed: i
             w = target.model.lm_head_weight
             head.lm_head.weight.copy_(w[_draft_ids(head).to(w.device)].float())
             norm = getattr(getattr(target.model, "model", None), "norm", None)
-            if norm is not None:
+            # a Gemma final norm's scale (1 + weight, up to 301 in Gemma 3 270M) blows a fresh head's
+            # logits up (first loss 547, not 32): that head's norm starts at one
+            if norm is not None and not isinstance(norm, OffsetRMSNorm):
                 head.norm.weight.copy_(norm.weight.float())
 
 

@@ -3,7 +3,7 @@
 ``engine`` (default) runs our engine batched (continuous batching), greedy or sampled at a
 temperature with a seed per reply. ``simple`` is a small static-batch greedy loop over a dense KV
 cache, kept for when the engine is not usable on a device; both use the target's own chat
-template and stop at its end-of-turn ids.
+template (plain completion text for a model without one) and stop at its end-of-turn ids.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from specserve.train.attention import window_causal_mask
 from specserve.train.data import Conversation, render_ids
 from specserve.train.target import Target
 
@@ -201,15 +202,17 @@ class _DenseKVBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> None:
         pass
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                window: int | None = None) -> torch.Tensor:
         B = self.B
         if self.prefill_len:
             L = self.prefill_len
             qb, kb, vb = (t.view(B, L, t.shape[1], t.shape[2]) for t in (q, k, v))
             self.k[layer, :, :L] = kb
             self.v[layer, :, :L] = vb
+            wmask = None if window is None or L <= window else window_causal_mask(L, window, q.device)
             out = F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
-                                                 is_causal=True, scale=self.scale,
+                                                 attn_mask=wmask, is_causal=wmask is None, scale=self.scale,
                                                  enable_gqa=qb.shape[2] != kb.shape[2])
             return out.transpose(1, 2).reshape(B * L, q.shape[1], q.shape[2])
         rows = torch.arange(B, device=q.device)
@@ -218,7 +221,11 @@ class _DenseKVBackend(AttentionBackend):
         n = int(self._kv_len)
         kk = self.k[layer, :, :n].transpose(1, 2)
         vv = self.v[layer, :, :n].transpose(1, 2)
-        mask = (torch.arange(n, device=q.device)[None, :] <= self.lens[:, None])[:, None, None, :]
+        key_pos = torch.arange(n, device=q.device)[None, :]
+        mask = key_pos <= self.lens[:, None]
+        if window is not None:
+            mask &= key_pos > self.lens[:, None] - window
+        mask = mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=mask, scale=self.scale,
                                              enable_gqa=q.shape[1] != kk.shape[1])
         return out[:, :, 0, :]
