@@ -9,6 +9,8 @@
 - ``_cost_profiles`` (autouse): adaptive engines' start-up cost profiles measured at most once a
   session (SmolLM2's read from tests/golden/cost_profiles.json where it holds them).
 - TRITON_INTERPRET=1 only in modules with ``triton_tests_device``; os.environ restored after each test.
+- A garbage collection after each test (engines' cycles freed at once) walks only what the test's module made:
+  at each module's end everything is collected, and what is still alive (imports, session fixtures) frozen.
 
 ``make test`` runs everything; ``-m "not slow"`` leaves out the benchmark smoke tests.
 """
@@ -54,6 +56,26 @@ def pytest_unconfigure(config):
         else:
             os.environ[k] = v
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+def pytest_collection_finish(session):
+    _collect_all_and_freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if getattr(nextitem, "module", None) is not item.module:  # (the module's fixtures are torn down by now)
+        _collect_all_and_freeze()
+
+
+def _collect_all_and_freeze():
+    """A full collection of everything, then what is alive frozen out of the collector's generations (modules,
+    session fixtures): until the next module starts, the collection after each test walks only what its
+    module made (~0.2-0.4 s less per test; the heap of imports is ~200k objects)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
