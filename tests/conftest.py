@@ -9,8 +9,8 @@
 - ``_cost_profiles`` (autouse): adaptive engines' start-up cost profiles measured at most once a
   session (SmolLM2's read from tests/golden/cost_profiles.json where it holds them).
 - TRITON_INTERPRET=1 only in modules with ``triton_tests_device``; os.environ restored after each test.
-- A garbage collection after each test (engines' cycles freed at once) walks only what the test's module made:
-  at each module's end everything is collected, and what is still alive (imports, session fixtures) frozen.
+- A garbage collection after each test (engines' cycles freed at once) walks only what the test made: what
+  is alive after it is frozen; at each module's end everything is collected, frozen objects included.
 
 ``make test`` runs everything; ``-m "not slow"`` leaves out the benchmark smoke tests.
 """
@@ -70,9 +70,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def _collect_all_and_freeze():
-    """A full collection of everything, then what is alive frozen out of the collector's generations (modules,
-    session fixtures): until the next module starts, the collection after each test walks only what its
-    module made (~0.2-0.4 s less per test; the heap of imports is ~200k objects)."""
+    """A full collection of everything, frozen objects included, then what is alive frozen out of the
+    collector's generations (imports, session fixtures; the heap of imports alone is ~200k objects)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
@@ -213,6 +212,9 @@ def chat_prompts():
 @pytest.fixture(autouse=True)
 def _free_engines():
     """Engines hold a drafter that points back at them: collect such cycles (and their weights and
-    KV caches) after every test instead of whenever the garbage collector next runs."""
+    KV caches) after every test instead of whenever the garbage collector next runs. What is still
+    alive then (module and session fixtures, imports) is frozen until the module's end, so the next
+    test's collection walks only what that test made."""
     yield
     gc.collect()
+    gc.freeze()
