@@ -9,6 +9,8 @@
 - ``_cost_profiles`` (autouse): adaptive engines' start-up cost profiles measured at most once a
   session (SmolLM2's read from tests/golden/cost_profiles.json where it holds them).
 - TRITON_INTERPRET=1 only in modules with ``triton_tests_device``; os.environ restored after each test.
+- A garbage collection after each test (engines' cycles freed at once) walks only what the test made: what
+  is alive after it is frozen; at each module's end everything is collected, frozen objects included.
 
 ``make test`` runs everything; ``-m "not slow"`` leaves out the benchmark smoke tests.
 """
@@ -54,6 +56,25 @@ def pytest_unconfigure(config):
         else:
             os.environ[k] = v
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+def pytest_collection_finish(session):
+    _collect_all_and_freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if getattr(nextitem, "module", None) is not item.module:  # (the module's fixtures are torn down by now)
+        _collect_all_and_freeze()
+
+
+def _collect_all_and_freeze():
+    """A full collection of everything, frozen objects included, then what is alive frozen out of the
+    collector's generations (imports, session fixtures; the heap of imports alone is ~200k objects)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -191,6 +212,9 @@ def chat_prompts():
 @pytest.fixture(autouse=True)
 def _free_engines():
     """Engines hold a drafter that points back at them: collect such cycles (and their weights and
-    KV caches) after every test instead of whenever the garbage collector next runs."""
+    KV caches) after every test instead of whenever the garbage collector next runs. What is still
+    alive then (module and session fixtures, imports) is frozen until the module's end, so the next
+    test's collection walks only what that test made."""
     yield
     gc.collect()
+    gc.freeze()

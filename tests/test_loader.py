@@ -53,9 +53,10 @@ def timed_sources(tmp_path_factory):
     t2 = time.perf_counter()
     n = sum(t.numel() for _, t in warm.weights())
     t3 = time.perf_counter()
+    cached = gguf.is_cached(warm.path)  # (in this fixture's cache dir)
     mp.undo()
     print(f"\nGGUF cold load {t1 - t0:.2f}s; cached load {t2 - t1:.3f}s (+{t3 - t2:.3f}s reading {n} weights)")
-    return cold, warm
+    return cold, warm, cached
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +96,9 @@ def _prefill_logits(model, config, ids: list[int]) -> torch.Tensor:
 
 
 def test_cold_and_cached_load_agree(timed_sources) -> None:
-    cold, warm = timed_sources
+    cold, warm, cached = timed_sources
     assert cold.format == warm.format == "gguf"
-    assert cold.model_dir == warm.model_dir and gguf.is_cached(warm.path)
+    assert cold.model_dir == warm.model_dir and cached
     assert warm.hf_config == cold.hf_config
     c = warm.config
     assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.num_attention_heads) == ("LlamaForCausalLM", 30, 576, 9)

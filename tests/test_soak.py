@@ -28,11 +28,11 @@ class LeakyEngine(FakeEngine):
         return super().blocks_used() + getattr(self, "leaked", 0)
 
 
-def _cfg(url: str) -> SoakConfig:
+def _cfg(url: str, drain_timeout_s: float = 10) -> SoakConfig:
     # the whole test process is the front-end here (uvicorn in a thread): a loose RSS bound
     return SoakConfig(url=url, num_requests=80, concurrency=12, disconnect_fraction=0.15, malformed_fraction=0.15,
                       structured_fraction=0.1, max_tokens=24, max_request_bytes=LIMIT, check_json=False,
-                      max_rss_growth_mb=256, drain_timeout_s=10)
+                      max_rss_growth_mb=256, drain_timeout_s=drain_timeout_s)
 
 
 def test_plans_have_the_asked_mix() -> None:
@@ -54,7 +54,11 @@ def test_soak_against_the_fake_server_passes_every_check() -> None:
 
 
 def test_soak_catches_kv_blocks_left_behind() -> None:
+    # leaked blocks never drain: the soak waits out its drain timeout (2 s: the fake server's requests are
+    # done in milliseconds), and what is left then is blocks alone, no request
     with serve_in_thread(partial(LeakyEngine, step_delay=0.002, max_num_seqs=16), max_request_bytes=LIMIT) as server:
-        result = asyncio.run(run_soak(_cfg(server.url)))
+        result = asyncio.run(run_soak(_cfg(server.url, drain_timeout_s=2)))
     assert not result["checks"]["kv_all_free"] and not result["passed"]
+    final = result["final_server_state"]
+    assert final["num_running"] == 0 and final["num_waiting"] == 0 and final["kv_usage"] > 0
     assert result["checks"]["no_5xx"] and result["checks"]["valid_all_completed"]

@@ -163,11 +163,26 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def convert_gguf(path: str, out_dir: str) -> None:
-    """Write config.json, generation_config.json, tokenizer files and fp32 safetensors to out_dir."""
+def _reader(path: str) -> Any:
+    """gguf's GGUFReader over a plain ndarray view of its memmap: the metadata's per-item reads (~10^5
+    strings of a vocabulary) skip np.memmap's Python slicing hooks (same fields and tensors)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    class Reader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._data = mapped.view(np.ndarray)
+
+    return Reader(path)
+
+
+def convert_gguf(path: str, out_dir: str) -> None:
+    """Write config.json, generation_config.json, tokenizer files and fp32 safetensors to out_dir."""
+    reader = _reader(path)
     meta = _Meta(reader)
     if meta.arch not in _ARCHITECTURES:
         raise ValueError(
@@ -358,8 +373,14 @@ def _write_tokenizer(meta: _Meta, path: str, out_dir: str, hf_config: dict[str, 
         backend.save(os.path.join(out_dir, "tokenizer.json"))
     elif kind == "llama":  # SentencePiece vocab: let transformers' converter build it
         from transformers import AutoTokenizer
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-        hf_tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        # the class named by the model type where transformers names one: AutoTokenizer would first
+        # read the GGUF's config through transformers' slower reader
+        model_type = hf_config["model_type"]
+        named = model_type if TOKENIZER_MAPPING_NAMES.get(model_type) else None
+        hf_tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
+                                               tokenizer_type=named)
         hf_tok.backend_tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     else:
         raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
