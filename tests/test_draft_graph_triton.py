@@ -67,7 +67,7 @@ def test_triton_static_draft_path_same_drafts(tiny):
     from test_draft_graph import PROMPTS, assert_same_drafts, mixed_k_params, run
 
     model, head = tiny
-    params = mixed_k_params(3, max_tokens=14)
+    params = mixed_k_params(3, max_tokens=10)
     eng = dict(max_num_seqs=4, speculative_num_steps=3)
     ref_out, ref_log, _ = run(model, head, None, PROMPTS[:3], params, **eng)
     out, log, paths = run(model, head, "triton", PROMPTS[:3], params, **eng)
