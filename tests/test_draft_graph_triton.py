@@ -96,7 +96,7 @@ def test_cost_profile_times_the_static_draft_path(tiny, monkeypatch):
     # one call a point and round (not the median of three): each is a loop of interpreted kernels
     monkeypatch.setattr(profile, "measure", functools.partial(profile.measure, repeats=1))
     model, head = tiny
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = []
     for profile in (False, True):
         llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
