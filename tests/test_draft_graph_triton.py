@@ -23,6 +23,16 @@ CPU = dict(device="cpu", kv_cache_memory_gb=0.05)  # a small KV (the default 2 G
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """test_draft_graph's pair, made once: a head close enough to the target that some drafts are accepted."""
+    from tiny_model import make_random_head, make_tiny_model
+
+    d = tmp_path_factory.mktemp("draft_graph_triton")
+    model = make_tiny_model(str(d / "model"), vocab=64, logit_scale=3.0)
+    return model, make_random_head(model, str(d / "head"), std=0.3)
+
+
 def test_triton_decode_attention_matches_torch():
     g = torch.Generator().manual_seed(0)
     nb, bs, kvh, d, h = 40, 4, 2, 32, 4
@@ -51,15 +61,13 @@ def test_triton_decode_attention_matches_torch():
 
 
 @pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; on the GPU test_draft_graph's gpu tests cover it")
-def test_triton_static_draft_path_same_drafts(tmp_path):
+def test_triton_static_draft_path_same_drafts(tiny):
     """Catch-up through a Triton backend and the loop through Triton decode attention (eagerly):
     the drafts of the eager torch-native loop, step for step."""
     from test_draft_graph import PROMPTS, assert_same_drafts, mixed_k_params, run
-    from tiny_model import make_random_head, make_tiny_model
 
-    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
-    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
-    params = mixed_k_params(3, max_tokens=14)
+    model, head = tiny
+    params = mixed_k_params(3, max_tokens=10)
     eng = dict(max_num_seqs=4, speculative_num_steps=3)
     ref_out, ref_log, _ = run(model, head, None, PROMPTS[:3], params, **eng)
     out, log, paths = run(model, head, "triton", PROMPTS[:3], params, **eng)
@@ -76,11 +84,10 @@ def test_triton_static_draft_path_same_drafts(tmp_path):
 
 
 @pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; the GPU runs it in every adaptive start-up")
-def test_cost_profile_times_the_static_draft_path(tmp_path, monkeypatch):
+def test_cost_profile_times_the_static_draft_path(tiny, monkeypatch):
     """Where greedy chains draft through the static runners, the start-up profile times that path
     (catch-up + loop, per draft step), and leaves the engine's drafts as they were."""
     from test_draft_graph import PROMPTS, record_drafts
-    from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM, SamplingParams
     from specserve.speculative import profile
@@ -88,9 +95,8 @@ def test_cost_profile_times_the_static_draft_path(tmp_path, monkeypatch):
 
     # one call a point and round (not the median of three): each is a loop of interpreted kernels
     monkeypatch.setattr(profile, "measure", functools.partial(profile.measure, repeats=1))
-    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
-    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    model, head = tiny
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = []
     for profile in (False, True):
         llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
@@ -116,21 +122,19 @@ def test_cost_profile_times_the_static_draft_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; test_draft_graph's gpu tests replay its graphs")
-def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
+def test_fused_launch_as_one_body_same_drafts(tiny, monkeypatch):
     """The fused launch as one body (FusedLaunchRunner: acceptance, catch-up, chain over static buffers;
     its graphs on the GPU) gives the eager loop's drafts, with one request and three (padded to four),
     and with three where the graphs stop at two (the launch step by step until one ends), k mixed 1..3. Drafts are rewritten two right then one wrong
     after each draft step, so accepted counts vary (the body computes them on the device)."""
     from test_draft_graph import PROMPTS, mixed_k_params, record_drafts
-    from tiny_model import make_random_head, make_tiny_model
 
     from specserve import LLM
     from specserve.speculative import draft_graph
     from specserve.speculative.state import PENDING
 
-    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
-    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
-    params = mixed_k_params(3, max_tokens=24)[::-1]  # drafts up to 3, 2, 1
+    model, head = tiny
+    params = mixed_k_params(3, max_tokens=15)[::-1]  # drafts up to 3, 2, 1 (at 16 tokens a last draft is capped short)
     plain = LLM(model=model, **CPU, max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], params)]
 
@@ -178,20 +182,19 @@ def test_fused_launch_as_one_body_same_drafts(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="CPU check of the Triton path; test_draft_graph's gpu tests replay its graphs")
-def test_tree_lanes_and_fused_tree_launch_triton_same_trees(tmp_path):
+def test_tree_lanes_and_fused_tree_launch_triton_same_trees(tiny):
     """The tree expansion with each frontier slot a query of the Triton decode attention over its lane,
     and the tree's fused launch (FusedTreeLaunch) with the Triton row attention, pick the trees the
     PyTorch decode attention picks, and give plain decoding's outputs."""
-    from test_draft_graph import PROMPTS, TREE, record_trees
-    from tiny_model import make_random_head, make_tiny_model
+    from test_draft_graph import TREE, record_trees
 
     from specserve import LLM, SamplingParams
 
-    model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
-    head = make_random_head(model, str(tmp_path / "head"), std=0.3)
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    model, head = tiny
+    prompts = [[52, 62], [53, 61, 27, 38, 18]]  # (drafts accepted from the first trees: few tokens suffice)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     plain = LLM(model=model, **CPU, max_num_seqs=4)
-    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], sp)]
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
     runs = []
     for attention in ("torch", "triton"):
         llm = LLM(model=model, **CPU, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
@@ -199,7 +202,7 @@ def test_tree_lanes_and_fused_tree_launch_triton_same_trees(tmp_path):
         dr = llm.engine.drafter
         dr.enable_static_draft(attention=attention, fused_launch=True)
         log = record_trees(llm)
-        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], sp)]
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         st = llm.engine.stats
         runs.append((out, log, st.spec_accepted_tokens, dict(dr.path_counts)))
     (o0, l0, a0, p0), (o1, l1, a1, p1) = runs

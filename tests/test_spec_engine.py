@@ -143,8 +143,8 @@ def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prom
     """Prompts served while speculation is off leave cached blocks without draft KV. The same
     prompts again, still off, reuse them (and those requests never draft); an engine that drafts
     gets its blocks' draft KV from the catch-up and reuses them while drafting."""
-    prompts, reference = chat_prompts[:10], reference[:10]  # more than max_num_seqs: some wait for others
-    off = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
+    prompts, reference = chat_prompts[:5], reference[:5]  # more than max_num_seqs: some wait for others
+    off = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
               speculative_policy="threshold", speculative_disable_batch_threshold=0, **SMALL_KV)
     assert [o.outputs[0].token_ids for o in off.chat(prompts, SP)] == reference
     again = off.chat(prompts, SP)
@@ -152,7 +152,7 @@ def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prom
     assert all(o.metrics.num_cached_tokens > 0 for o in again)  # before: 0, the blocks lacked draft KV
     assert off.engine.get_stats().spec_draft_tokens == 0
 
-    on = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
+    on = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
              speculative_policy="static", **SMALL_KV)
     on.chat(prompts, SP)
     again = on.chat(prompts, SP)
