@@ -159,8 +159,9 @@ def _attend_item(
             path_base = base
     # each row's position + 1: a tree token's is tree_start + its depth + 1, the set bits of its row (an
     # exact tree's path tile counts its keys at their positions: tree_start = limit = position + 1)
-    qend = tl.where(tstart < limit, tstart + _popcount(bits), limit)
+    qend = limit  # (read by WINDOWED launches only)
     if WINDOWED:  # key blocks wholly below every row's window are skipped (kept aligned to BLOCK_N)
+        qend = tl.where(tstart < limit, tstart + _popcount(bits), limit)
         lo = tl.maximum(lo, (tl.min(tl.where(row_ok, qend, hi), axis=0) - window) // BLOCK_N * BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
