@@ -453,3 +453,32 @@ def test_offline_side_runs_its_engine_in_a_process_of_its_own() -> None:
     finally:
         side.stop()
     assert side.proc.exitcode == 0
+
+
+def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:
+    """Configuration names map to speculative settings (bad ones are refused), and per concurrency the
+    adaptive engine is compared with the fastest fixed configuration of that side."""
+    from specserve.bench.served_vs_offline import spec_for, versus_best, versus_best_table
+
+    assert spec_for("no-spec") is None
+    assert spec_for("adaptive") == {"policy": "adaptive"}
+    assert spec_for("chain7") == {"num_steps": 7, "eagle_topk": 1, "policy": "static"}
+    assert spec_for("tree") == {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 16, "policy": "static"}
+    assert spec_for("tree8")["num_draft_tokens"] == 8
+    for bad in ("chain", "chain0", "chainx", "spec", "tree-2"):
+        with pytest.raises(ValueError, match="unknown config"):
+            spec_for(bad)
+
+    def run(name: str, c: int, tok_s: float) -> dict:
+        return {"config": name, "concurrency": c, "offline": {"output_throughput": tok_s}}
+
+    runs = [run("no-spec", 1, 100.0), run("chain5", 1, 200.0), run("adaptive", 1, 190.0),
+            run("no-spec", 64, 400.0), run("chain5", 64, 300.0), run("adaptive", 64, 404.0)]
+    vb = versus_best(runs, "offline")
+    assert [(v["concurrency"], v["best_fixed"]) for v in vb] == [(1, "chain5"), (64, "no-spec")]
+    assert vb[0]["adaptive_over_best"] == pytest.approx(0.95) and vb[1]["adaptive_over_best"] == pytest.approx(1.01)
+    assert vb[0]["over_no_spec"]["chain5"] == pytest.approx(2.0)
+    table = versus_best_table({"sides": ["offline"], "configs": ["no-spec", "chain5", "adaptive"], "runs": runs,
+                               "versus_best": {"offline": vb}})
+    assert "| 1 | 100 (1.00x) | 200 (2.00x) | 190 (1.90x) | 0.950 (chain5) |" in table
+    assert versus_best(runs[:2], "offline") == []  # no adaptive engine: nothing to compare

@@ -13,6 +13,10 @@ added when one finishes, as `LLM.chat` with max_num_seqs=C); which side goes fir
 C and round (--rounds). Metric definitions are the serving client's (metrics.py): offline, a
 "chunk" is what a request gained in one engine step. The offline side also reports its mean step
 time at the steady batch, next to the served TPOT. Writes served_vs_offline.json and .png.
+
+With fixed configurations beside ``adaptive`` (``--configs no-spec,chain3,chain5,chain7,tree,adaptive``) the
+result also holds, per side and concurrency, the adaptive engine's tok/s over the best fixed one's
+(``versus_best``); ``--sides offline`` skips the server.
 """
 
 from __future__ import annotations
@@ -49,11 +53,40 @@ from specserve.bench.serving import (
     write_json,
 )
 
-CONFIGS = {
-    "no-spec": None,
-    "chain5": dict(num_steps=5, eagle_topk=1, policy="static"),  # a static chain of 5 drafts
-    "adaptive": dict(policy="adaptive"),  # the default policy
-}
+CONFIG_NAMES = "no-spec, chain<k> (a static chain of k drafts), tree (static, 5 steps x top-4, 16 tokens), " \
+    "tree<n> (the same with n tokens), adaptive (the default policy and shape)"
+SIDES = ("offline", "served")
+
+
+def spec_for(name: str) -> dict[str, Any] | None:
+    """SpeculativeConfig fields of a configuration name (None: no speculation); ValueError for others."""
+    if name == "no-spec":
+        return None
+    if name == "adaptive":
+        return dict(policy="adaptive")
+    for prefix, build in (("chain", lambda n: dict(num_steps=n, eagle_topk=1, policy="static")),
+                          ("tree", lambda n: dict(num_steps=5, eagle_topk=4, num_draft_tokens=n, policy="static"))):
+        if name.startswith(prefix):
+            rest = name[len(prefix):] or ("16" if prefix == "tree" else "")
+            if rest.isdigit() and int(rest) >= 1:
+                return build(int(rest))
+    raise ValueError(f"unknown config {name!r}; one of: {CONFIG_NAMES}")
+
+
+def versus_best(runs: list[dict[str, Any]], side: str) -> list[dict[str, Any]]:
+    """Per concurrency: the best fixed configuration's tok/s on ``side`` and the adaptive engine's over it."""
+    out = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        tok = {r["config"]: r[side]["output_throughput"] for r in runs
+               if r["concurrency"] == c and side in r and r[side]["output_throughput"]}
+        fixed = {n: v for n, v in tok.items() if n != "adaptive"}
+        if "adaptive" not in tok or not fixed:
+            continue
+        best = max(fixed, key=fixed.__getitem__)
+        out.append({"concurrency": c, "best_fixed": best, "best_fixed_tok_s": fixed[best],
+                    "adaptive_tok_s": tok["adaptive"], "adaptive_over_best": tok["adaptive"] / fixed[best],
+                    "over_no_spec": {n: v / tok["no-spec"] for n, v in tok.items()} if "no-spec" in tok else None})
+    return out
 
 
 def load_requests(args: Any, tokenizer: Any) -> list[BenchRequest]:
@@ -80,7 +113,7 @@ def load_requests(args: Any, tokenizer: Any) -> list[BenchRequest]:
 def engine_config(base: Any, name: str, draft_path: str | None) -> Any:
     from specserve.config import SpeculativeConfig, replace
 
-    spec = CONFIGS[name]
+    spec = spec_for(name)
     if spec is None:
         return replace(base, speculative=None)
     if draft_path is None:
@@ -186,12 +219,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     concurrencies = parse_int_list(args.concurrency)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+    try:
+        specs = {n: spec_for(n) for n in names}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    if not sides or any(x not in SIDES for x in sides) or len(set(sides)) < len(sides):
+        raise SystemExit(f"--sides takes offline, served or both (comma-separated), got {args.sides!r}")
     base = engine_config_from_args(args, default_speculative=False)
     draft_path = args.speculative_draft_model_path
-    if draft_path is None and args.model is None and any(CONFIGS[n] for n in names):
+    if draft_path is None and args.model is None and any(specs.values()):
         from specserve.config import default_draft_path
 
         draft_path = default_draft_path()
@@ -205,13 +242,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "command": command_line(getattr(args, "argv", None)),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "concurrency": concurrencies, "configs": names, "num_prompts": args.num_prompts,
+        "concurrency": concurrencies, "configs": names, "sides": sides, "num_prompts": args.num_prompts,
         "output_len": args.output_len, "ignore_eos": args.ignore_eos, "api_server_count": args.api_server_count,
         "stream_interval": args.stream_interval, "num_kv_blocks": num_blocks, "start_up": {}, "runs": [],
     }
-    procs = args.client_processes or default_client_processes(max(concurrencies))
+    served = "served" in sides
+    procs = (args.client_processes or default_client_processes(max(concurrencies))) if served else 0
     result["client_processes"] = procs
-    clients = ClientProcesses(procs)
+    clients = ClientProcesses(procs) if served else None
     requests: list[BenchRequest] | None = None
     for name in names:
         config = engine_config(base, name, draft_path)
@@ -223,56 +261,85 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         try:
             info = offline.wait_ready()
             t_offline = time.monotonic()
-            server = ServerProcess(config, args.api_server_count, args.stream_interval)
             if requests is None:
                 requests = load_requests(args, info["tokenizer"])
                 result.update(device=info["device"], dtype=info["dtype"], model=info["model"], torch=info["torch"])
-            server.wait_ready()
-            result["start_up"][name] = {"offline_s": t_offline - t_start, "served_s": time.monotonic() - t_offline,
-                                        "offline_pid": info["pid"], "offline_cpu_threads": info["cpu_threads"]}
+            start_up = {"offline_s": t_offline - t_start, "offline_pid": info["pid"],
+                        "offline_cpu_threads": info["cpu_threads"]}
             warm = requests[: args.warmup]
             if warm:
                 offline.run([r.prompt for r in warm], [8] * len(warm), len(warm))
-            model = warm_up_server(server.url, warm)
+            if served:
+                server = ServerProcess(config, args.api_server_count, args.stream_interval)
+                server.wait_ready()
+                start_up["served_s"] = time.monotonic() - t_offline
+                model = warm_up_server(server.url, warm)
+            result["start_up"][name] = start_up
             for ci, c in enumerate(concurrencies):
                 n = prompts_for(c, args)
                 parts = [[i % len(requests) for i in range(n)[r :: args.rounds]] for r in range(args.rounds)]
-                sides: dict[str, list] = {"offline": [[], 0.0], "served": [[], 0.0]}
+                got: dict[str, list] = {side: [[], 0.0] for side in sides}
                 steps: list[StepStats] = []
                 for ri, part in enumerate(parts):  # rounds alternate which side goes first
                     reqs = [requests[i] for i in part]
-                    order = ("offline", "served") if (ci + ri) % 2 == 0 else ("served", "offline")
-                    for side in order:
+                    for side in sides if (ci + ri) % 2 == 0 else sides[::-1]:
                         if side == "offline":
                             res, duration, st = offline.run([r.prompt for r in reqs], [r.output_len for r in reqs],
                                                             c, args.ignore_eos)
                             steps.append(st)
                         else:
                             res, _, duration = clients.run(served_config(server.url, c, args.ignore_eos), model, reqs)
-                        sides[side][0] += res
-                        sides[side][1] += duration
+                        got[side][0] += res
+                        got[side][1] += duration
                 run: dict[str, Any] = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds}
-                for side, (res, duration) in sides.items():
+                for side, (res, duration) in got.items():
                     run[side] = _headline(summarize(res, duration, args.ignore_eos))
                 run["offline"].update(_offline_steps(steps))
-                off, srv = run["offline"]["output_throughput"], run["served"]["output_throughput"]
-                run["served_over_offline"] = srv / off if off and srv else None
-                step_ms, tpot = run["offline"]["mean_step_ms"], run["served"]["mean_tpot_ms"]
-                run["served_tpot_over_offline_step"] = tpot / step_ms if tpot and step_ms else None
+                off = run["offline"]["output_throughput"]
+                line = f"{name:>9} C={c:<4} offline {off or 0:9.1f} tok/s"
+                if served:
+                    srv = run["served"]["output_throughput"]
+                    run["served_over_offline"] = srv / off if off and srv else None
+                    step_ms, tpot = run["offline"]["mean_step_ms"], run["served"]["mean_tpot_ms"]
+                    run["served_tpot_over_offline_step"] = tpot / step_ms if tpot and step_ms else None
+                    line += (f"  served {srv or 0:9.1f} tok/s  ratio {run['served_over_offline'] or 0:.3f}  "
+                             f"offline step {step_ms or 0:.2f} ms  served TPOT {tpot or 0:.2f} ms")
                 result["runs"].append(run)
-                print(f"{name:>9} C={c:<4} offline {off or 0:9.1f} tok/s  served {srv or 0:9.1f} tok/s  "
-                      f"ratio {run['served_over_offline'] or 0:.3f}  offline step {step_ms or 0:.2f} ms  "
-                      f"served TPOT {tpot or 0:.2f} ms", flush=True)
+                print(line, flush=True)
                 write_json(out_dir / "served_vs_offline.json", result)
         finally:
             if server is not None:
                 server.stop()
             offline.stop()
-    clients.close()
+    if clients is not None:
+        clients.close()
+    result["versus_best"] = {side: versus_best(result["runs"], side) for side in sides}
     write_json(out_dir / "served_vs_offline.json", result)
+    print(versus_best_table(result))
     plot(result, out_dir / "served_vs_offline.png")
     print(f"wrote {out_dir / 'served_vs_offline.json'} and {out_dir / 'served_vs_offline.png'}")
     return result
+
+
+def versus_best_table(result: dict[str, Any]) -> str:
+    """Markdown: output tok/s per configuration and concurrency (x no-spec), the adaptive engine over the best
+    fixed configuration, per side."""
+    lines = []
+    for side in result.get("sides", SIDES):
+        rows = {v["concurrency"]: v for v in result.get("versus_best", {}).get(side, [])}
+        if not rows:
+            continue
+        names = result["configs"]
+        lines += [f"{side}, output tok/s (x no-spec):", "",
+                  "| C | " + " | ".join(names) + " | adaptive / best fixed (best) |",
+                  "|--:|" + "--:|" * len(names) + "--:|"]
+        for c, v in sorted(rows.items()):
+            tok = {r["config"]: r[side]["output_throughput"] for r in result["runs"] if r["concurrency"] == c}
+            x = v["over_no_spec"] or {}
+            cells = [f"{tok[n]:,.0f}" + (f" ({x[n]:.2f}x)" if n in x else "") if tok.get(n) else "-" for n in names]
+            lines.append(f"| {c} | " + " | ".join(cells) + f" | {v['adaptive_over_best']:.3f} ({v['best_fixed']}) |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -281,9 +348,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("output_throughput", "output tok/s"), (None, "served / offline tok/s"),
-              ("median_ttft_ms", "median TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"),
-              ("median_itl_ms", "median ITL (ms)")]
+    sides = result.get("sides", SIDES)
+    panels = [("output_throughput", "output tok/s")] + ([(None, "served / offline tok/s")] if "served" in sides else [])
+    panels += [("median_ttft_ms", "median TTFT (ms)"), ("mean_tpot_ms", "mean TPOT (ms)"), ("median_itl_ms", "median ITL (ms)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ci, name in enumerate(result["configs"]):
@@ -295,14 +362,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ax.plot(cs, [r["served_over_offline"] for r in runs], "o-", color=color, label=name)
                 ax.axhline(1.0, color="grey", lw=0.8)
             else:
-                ax.plot(cs, [r["offline"][key] for r in runs], "o--", color=color, label=f"{name} offline")
-                ax.plot(cs, [r["served"][key] for r in runs], "s-", color=color, label=f"{name} served")
+                for side, style in (("offline", "o--"), ("served", "s-")):
+                    if side in sides:
+                        ax.plot(cs, [r[side][key] for r in runs], style, color=color, label=f"{name} {side}")
             ax.set_title(label)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency")
     axes[0].legend(fontsize=7)
-    axes[1].legend(fontsize=7)
-    fig.suptitle(f"served vs offline: {result.get('model')} {result.get('dtype')} on {result.get('device')}")
+    fig.suptitle(f"{' vs '.join(sides)}: {result.get('model')} {result.get('dtype')} on {result.get('device')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -314,7 +381,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     g = p.add_argument_group("served vs offline")
     g.add_argument("--concurrency", default="1,16,64,256", help="comma-separated concurrencies")
-    g.add_argument("--configs", default="no-spec,chain5,adaptive", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    g.add_argument("--configs", default="no-spec,chain5,adaptive", help=f"comma-separated, of: {CONFIG_NAMES}")
+    g.add_argument("--sides", default="offline,served",
+                   help="offline, served or both (comma-separated; offline alone starts no server)")
     g.add_argument("--num-prompts", type=int, default=480, help="ShareGPT chat prompts (the most a run takes)")
     g.add_argument("--prompts-file", default=None,
                    help="JSON list of prompts instead of ShareGPT (e.g. benchmarks/data/sharegpt_prompts_seed0.json)")
