@@ -482,3 +482,55 @@ def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:
                                "versus_best": {"offline": vb}})
     assert "| 1 | 100 (1.00x) | 200 (2.00x) | 190 (1.90x) | 0.950 (chain5) |" in table
     assert versus_best(runs[:2], "offline") == []  # no adaptive engine: nothing to compare
+
+
+def test_offline_only_runs_every_configuration_in_turn_the_order_rotating(tmp_path: Path, monkeypatch) -> None:
+    """--sides offline: each configuration's engine is started once, then every round of every concurrency runs
+    all of them in turn, the first one rotating; each configuration's tok/s comes from its own runs only."""
+    import argparse
+
+    from specserve.bench import served_vs_offline as svo
+    from specserve.bench.offline import StepStats
+
+    calls: list[tuple[str, int, int]] = []
+    speed = {"no-spec": 100.0, "chain5": 180.0, "adaptive": 171.0}  # tokens per second of each engine
+
+    class FakeSide:
+        def __init__(self, config, reserved_cores):
+            self.name = config
+            self.started = True
+
+        def wait_ready(self):
+            return {"pid": 1, "device": "cpu", "dtype": "float32", "model": "m", "torch": "t", "cpu_threads": 1,
+                    "tokenizer": type("Tok", (), {"encode": staticmethod(lambda t: t.split())})()}
+
+        def run(self, prompts, max_tokens, concurrency, ignore_eos=False):
+            calls.append((self.name, concurrency, len(prompts)))
+            results = []
+            for i, n in enumerate(max_tokens):
+                r = RequestResult(index=i, expected_output_len=n, client_prompt_len=2, success=True,
+                                  start=0.0, ttft=0.01, latency=n / speed[self.name])
+                r.chunk_times, r.chunk_tokens = [0.01 * (j + 1) for j in range(n)], [1] * n
+                r.usage = {"prompt_tokens": 2, "completion_tokens": n}
+                results.append(r)
+            return results, sum(max_tokens) / speed[self.name] / concurrency, StepStats(len(max_tokens), 0, None)
+
+        def stop(self):
+            self.started = False
+
+    monkeypatch.setattr(svo, "OfflineProcess", FakeSide)
+    monkeypatch.setattr(svo, "load_requests", lambda args, tok: [BenchRequest(f"p {i}", 10, 2) for i in range(8)])
+    args = argparse.Namespace(api_server_count=1, warmup=0, rounds=2, ignore_eos=True, prompts_per_concurrency=2,
+                              min_prompts=4, max_requests=64)
+    result = {"start_up": {}, "runs": [], "sides": ["offline"], "configs": list(speed)}
+    svo.interleaved_offline(args, {n: n for n in speed}, [1, 4], result, tmp_path)
+    assert calls == [("no-spec", 1, 2), ("chain5", 1, 2), ("adaptive", 1, 2),  # C = 1, round 0
+                     ("chain5", 1, 2), ("adaptive", 1, 2), ("no-spec", 1, 2),  # round 1: the next one first
+                     ("chain5", 4, 4), ("adaptive", 4, 4), ("no-spec", 4, 4),
+                     ("adaptive", 4, 4), ("no-spec", 4, 4), ("chain5", 4, 4)]
+    tok = {(r["config"], r["concurrency"]): r["offline"]["output_throughput"] for r in result["runs"]}
+    assert tok[("chain5", 4)] == pytest.approx(4 * 180.0) and tok[("no-spec", 1)] == pytest.approx(100.0)
+    vb = svo.versus_best(result["runs"], "offline")
+    assert [v["best_fixed"] for v in vb] == ["chain5", "chain5"]
+    assert vb[0]["adaptive_over_best"] == pytest.approx(0.95)
+    assert (tmp_path / "served_vs_offline.json").exists()

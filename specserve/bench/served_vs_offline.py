@@ -16,7 +16,9 @@ time at the steady batch, next to the served TPOT. Writes served_vs_offline.json
 
 With fixed configurations beside ``adaptive`` (``--configs no-spec,chain3,chain5,chain7,tree,adaptive``) the
 result also holds, per side and concurrency, the adaptive engine's tok/s over the best fixed one's
-(``versus_best``); ``--sides offline`` skips the server.
+(``versus_best``). ``--sides offline`` starts no server: every configuration's offline process is started
+first (one at a time), then at each concurrency every round runs the configurations in turn, the order
+rotating, so that drift hits them alike while each engine keeps a process of its own.
 """
 
 from __future__ import annotations
@@ -224,8 +226,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     sides = [x.strip() for x in args.sides.split(",") if x.strip()]
-    if not sides or any(x not in SIDES for x in sides) or len(set(sides)) < len(sides):
-        raise SystemExit(f"--sides takes offline, served or both (comma-separated), got {args.sides!r}")
+    if "offline" not in sides or any(x not in SIDES for x in sides) or len(set(sides)) < len(sides):
+        raise SystemExit(f"--sides takes offline or offline,served (the served side is measured against the "
+                         f"offline one), got {args.sides!r}")
     base = engine_config_from_args(args, default_speculative=False)
     draft_path = args.speculative_draft_model_path
     if draft_path is None and args.model is None and any(specs.values()):
@@ -249,10 +252,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     served = "served" in sides
     procs = (args.client_processes or default_client_processes(max(concurrencies))) if served else 0
     result["client_processes"] = procs
-    clients = ClientProcesses(procs) if served else None
+    configs = {name: engine_config(base, name, draft_path) for name in names}
+    if not served:
+        interleaved_offline(args, configs, concurrencies, result, out_dir)
+        return finish(result, out_dir)
+    clients = ClientProcesses(procs)
     requests: list[BenchRequest] | None = None
-    for name in names:
-        config = engine_config(base, name, draft_path)
+    for name, config in configs.items():
         # the offline engine first, then the server's: two starting at once would time their start-up cost
         # profiles against each other (now the second reuses the profile the first cached)
         t_start = time.monotonic()
@@ -269,11 +275,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             warm = requests[: args.warmup]
             if warm:
                 offline.run([r.prompt for r in warm], [8] * len(warm), len(warm))
-            if served:
-                server = ServerProcess(config, args.api_server_count, args.stream_interval)
-                server.wait_ready()
-                start_up["served_s"] = time.monotonic() - t_offline
-                model = warm_up_server(server.url, warm)
+            server = ServerProcess(config, args.api_server_count, args.stream_interval)
+            server.wait_ready()
+            start_up["served_s"] = time.monotonic() - t_offline
+            model = warm_up_server(server.url, warm)
             result["start_up"][name] = start_up
             for ci, c in enumerate(concurrencies):
                 n = prompts_for(c, args)
@@ -295,25 +300,71 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 for side, (res, duration) in got.items():
                     run[side] = _headline(summarize(res, duration, args.ignore_eos))
                 run["offline"].update(_offline_steps(steps))
-                off = run["offline"]["output_throughput"]
-                line = f"{name:>9} C={c:<4} offline {off or 0:9.1f} tok/s"
-                if served:
-                    srv = run["served"]["output_throughput"]
-                    run["served_over_offline"] = srv / off if off and srv else None
-                    step_ms, tpot = run["offline"]["mean_step_ms"], run["served"]["mean_tpot_ms"]
-                    run["served_tpot_over_offline_step"] = tpot / step_ms if tpot and step_ms else None
-                    line += (f"  served {srv or 0:9.1f} tok/s  ratio {run['served_over_offline'] or 0:.3f}  "
-                             f"offline step {step_ms or 0:.2f} ms  served TPOT {tpot or 0:.2f} ms")
+                off, srv = run["offline"]["output_throughput"], run["served"]["output_throughput"]
+                run["served_over_offline"] = srv / off if off and srv else None
+                step_ms, tpot = run["offline"]["mean_step_ms"], run["served"]["mean_tpot_ms"]
+                run["served_tpot_over_offline_step"] = tpot / step_ms if tpot and step_ms else None
                 result["runs"].append(run)
-                print(line, flush=True)
+                print(f"{name:>9} C={c:<4} offline {off or 0:9.1f} tok/s  served {srv or 0:9.1f} tok/s  "
+                      f"ratio {run['served_over_offline'] or 0:.3f}  offline step {step_ms or 0:.2f} ms  "
+                      f"served TPOT {tpot or 0:.2f} ms", flush=True)
                 write_json(out_dir / "served_vs_offline.json", result)
         finally:
             if server is not None:
                 server.stop()
             offline.stop()
-    if clients is not None:
-        clients.close()
-    result["versus_best"] = {side: versus_best(result["runs"], side) for side in sides}
+    clients.close()
+    return finish(result, out_dir)
+
+
+def interleaved_offline(args: argparse.Namespace, configs: dict[str, Any], concurrencies: list[int],
+                        result: dict[str, Any], out_dir: Path) -> None:
+    """The offline side alone: every configuration's engine in a process of its own, all started first (one at a
+    time), then at each concurrency each round runs every configuration in turn, the order rotating."""
+    names = list(configs)
+    procs: dict[str, OfflineProcess] = {}
+    requests: list[BenchRequest] = []
+    try:
+        for name, config in configs.items():
+            t_start = time.monotonic()
+            procs[name] = side = OfflineProcess(config, reserved_cores=args.api_server_count)
+            info = side.wait_ready()
+            if not requests:
+                requests = load_requests(args, info["tokenizer"])
+                result.update(device=info["device"], dtype=info["dtype"], model=info["model"], torch=info["torch"])
+            result["start_up"][name] = {"offline_s": time.monotonic() - t_start, "offline_pid": info["pid"],
+                                        "offline_cpu_threads": info["cpu_threads"]}
+            warm = requests[: args.warmup]
+            if warm:
+                side.run([r.prompt for r in warm], [8] * len(warm), len(warm))
+        for ci, c in enumerate(concurrencies):
+            n = prompts_for(c, args)
+            got: dict[str, tuple[list, float, list[StepStats]]] = {name: ([], 0.0, []) for name in names}
+            for ri in range(args.rounds):
+                reqs = [requests[i % len(requests)] for i in range(n)[ri :: args.rounds]]
+                k = (ci + ri) % len(names)
+                for name in names[k:] + names[:k]:
+                    res, duration, st = procs[name].run([r.prompt for r in reqs], [r.output_len for r in reqs], c,
+                                                        args.ignore_eos)
+                    got[name][0].extend(res)
+                    got[name][2].append(st)
+                    got[name] = (got[name][0], got[name][1] + duration, got[name][2])
+            for name in names:
+                res, duration, steps = got[name]
+                run = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds,
+                       "offline": _headline(summarize(res, duration, args.ignore_eos))}
+                run["offline"].update(_offline_steps(steps))
+                result["runs"].append(run)
+                print(f"{name:>9} C={c:<4} offline {run['offline']['output_throughput'] or 0:9.1f} tok/s", flush=True)
+            write_json(out_dir / "served_vs_offline.json", result)
+    finally:
+        for side in procs.values():
+            side.stop()
+
+
+def finish(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """The adaptive engine against the best fixed configuration; the JSON, the table and the plot written."""
+    result["versus_best"] = {side: versus_best(result["runs"], side) for side in result["sides"]}
     write_json(out_dir / "served_vs_offline.json", result)
     print(versus_best_table(result))
     plot(result, out_dir / "served_vs_offline.png")
@@ -383,7 +434,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default="1,16,64,256", help="comma-separated concurrencies")
     g.add_argument("--configs", default="no-spec,chain5,adaptive", help=f"comma-separated, of: {CONFIG_NAMES}")
     g.add_argument("--sides", default="offline,served",
-                   help="offline, served or both (comma-separated; offline alone starts no server)")
+                   help="offline,served, or offline alone: no server, every configuration's engine started first "
+                        "and the configurations run in turn at each concurrency and round, the order rotating")
     g.add_argument("--num-prompts", type=int, default=480, help="ShareGPT chat prompts (the most a run takes)")
     g.add_argument("--prompts-file", default=None,
                    help="JSON list of prompts instead of ShareGPT (e.g. benchmarks/data/sharegpt_prompts_seed0.json)")
