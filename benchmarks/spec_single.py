@@ -17,8 +17,9 @@ Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration
 order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens (or up to it and
 the natural end of turn with ``--natural-stop``), policy
 ``static`` (always draft), or the adaptive policy for a name ending in ``+adaptive`` (``tree8+adaptive``;
-``default`` is adaptive as the engine's default is). Per configuration: tokens/s end to end (prefill
-included) and over the decode part only (after the first token), accept length from RequestOutput.metrics
+``default`` is adaptive as the engine's default is); ``@float32`` sets the head's own dtype. Per
+configuration: tokens/s end to end (prefill included) and over the decode part only (after the first
+token), accept length from RequestOutput.metrics
 ((accepted + verify steps) / verify steps, SGLang's count), per-position acceptance from
 engine.get_stats(), and whether the output tokens equal the no-spec ones (greedy is lossless).
 
@@ -84,14 +85,18 @@ NAMES = [*CONFIGS, "default"]
 
 
 def config_args(name: str) -> dict[str, Any]:
-    """Engine args of a configuration name: ``tree8`` (static policy), ``tree8+adaptive``, ``default``."""
+    """Engine args of a configuration name: ``tree8`` (static policy), ``tree8+adaptive``, ``default``,
+    each optionally with the head's own dtype: ``tree8@float32``."""
+    name, _, draft_dtype = name.partition("@")
     shape, _, policy = name.partition("+")
-    if shape not in NAMES or (policy and policy not in POLICIES) or (shape == "nospec" and policy):
-        raise ValueError(f"unknown configuration {name!r}: one of {NAMES}, optionally +adaptive")
+    if (shape not in NAMES or (policy and policy not in POLICIES) or (shape == "nospec" and (policy or draft_dtype))
+            or draft_dtype not in ("", "float32", "bfloat16")):
+        raise ValueError(f"unknown configuration {name!r}: one of {NAMES}, optionally +adaptive and @float32")
     if shape == "nospec":
         return {}
     return {**CONFIGS.get(shape, {}), "speculative_algorithm": "EAGLE3",
-            "speculative_policy": policy or ("adaptive" if shape == "default" else "static")}
+            "speculative_policy": policy or ("adaptive" if shape == "default" else "static"),
+            **({"speculative_draft_dtype": draft_dtype} if draft_dtype else {})}
 
 
 _ids = itertools.count()
@@ -189,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="stop at the model's end of turn as a chat user would see it (default: ignore_eos, "
                          "exactly --output-len tokens, text past the natural end included)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help=f"comma-separated subset of {NAMES}, each optionally +adaptive (adaptive policy)")
+                    help=f"comma-separated subset of {NAMES}, each optionally +adaptive (adaptive policy) and "
+                         "@float32 (the head's dtype)")
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
     ap.add_argument("--prompt-offset", type=int, default=0,
@@ -205,10 +211,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-file", default="benchmarks/results/spec_single.json")
     args = ap.parse_args(argv)
     names = args.configs.split(",")
-    bad = [n for n in names if n.partition("+")[0] not in NAMES or n.partition("+")[2] not in ("", *POLICIES)]
-    if bad or "nospec" not in names:
-        raise SystemExit(f"--configs: unknown {bad}; must include nospec (the baseline); known: {NAMES}, "
-                         "each optionally +adaptive")
+    try:
+        for n in names:
+            config_args(n)
+    except ValueError as e:
+        raise SystemExit(f"--configs: {e}") from None
+    if "nospec" not in names:
+        raise SystemExit("--configs must include nospec (the baseline)")
     if args.num_prompts < 1 or args.output_len < 2:
         raise SystemExit("need --num-prompts >= 1 and --output-len >= 2")
     torch.set_num_threads(args.threads)

@@ -29,10 +29,10 @@ def test_tokenizer_flag_reaches_the_config(tmp_path):
 def test_the_engine_uses_the_tokenizer_it_is_given(tmp_path):
     model = make_tiny_model(str(tmp_path / "model"), vocab=64)
     other = make_tiny_model(str(tmp_path / "other"), vocab=8)  # its words: t0..t7 (t20 is unknown: t0)
-    own = LLM(model=model, device="cpu", kv_cache_memory_gb=0.01)
-    given = LLM(model=model, tokenizer=other, device="cpu", kv_cache_memory_gb=0.01)
+    own = LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.01)
+    given = LLM(dtype="float32", model=model, tokenizer=other, device="cpu", kv_cache_memory_gb=0.01)
     assert own.tokenizer.encode("t20") == [20]
     assert given.tokenizer.encode("t20") == [0]
-    unpacked = LLM(model=model, device="cpu", kv_cache_memory_gb=0.01, cpu_weight_packing=False)
+    unpacked = LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.01, cpu_weight_packing=False)
     available = cpu_packing_available(own.engine.device, own.engine.dtype)
     assert bool(own.engine.packed_linears) == available and unpacked.engine.packed_linears == 0

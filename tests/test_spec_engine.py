@@ -12,7 +12,8 @@ TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_d
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # KV for ~5k tokens (the default 2 GB, ~45k, costs 1-3 s of zeroing per engine) where a test's
 # prompts need far less (no test here evicts from it)
-SMALL_KV = dict(kv_cache_memory_gb=0.25)
+SMALL_KV = dict(dtype="float32", kv_cache_memory_gb=0.25)
+CHAIN5 = dict(speculative_num_steps=5)  # a chain (the CPU's default shape is a tree)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_greedy_lossless_batch8_with_preemption(random_head, reference, chat_pro
     # the last 10 prompts (32-106 tokens) in 40 blocks of 4: 3-8 preemptions per head and shape,
     # as many as all 20 gave in 68 blocks (the 252-token prompt 9 needs 68 blocks to itself), at half the work
     for head in heads(random_head):
-        llm = LLM(max_num_seqs=8, num_kv_blocks=40, block_size=4, speculative_algorithm="EAGLE3",
+        llm = LLM(dtype="float32", max_num_seqs=8, num_kv_blocks=40, block_size=4, speculative_algorithm="EAGLE3",
                   speculative_draft_model_path=head, speculative_policy="static", **shape)
         out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts[10:], SP)]
         assert llm.engine.scheduler.num_preemptions > 0
@@ -74,7 +75,8 @@ def test_shipped_head_is_the_default_and_accepts(chat_prompts):
 
 
 def test_adaptive_turns_a_useless_head_off(random_head, reference, chat_prompts):
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV,
+              **CHAIN5)
     out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts, SP)]
     assert out == reference
     # a random head is never accepted: once the controller has measured its depths (the first
@@ -98,7 +100,8 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
     from specserve.engine import gc_pauses
 
     # (max_num_seqs as the module's other adaptive engines: one start-up cost profile for all)
-    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV)
+    llm = LLM(max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, **SMALL_KV,
+              **CHAIN5)
     ctl, runner = llm.engine.drafter.controller, llm.engine.runner
     forward, finish_cycle = runner.forward, ctl.finish_cycle
     calls, paused, timed = [0], [], []
@@ -133,7 +136,7 @@ def test_a_garbage_collection_pause_is_left_out_of_the_cycle_it_lands_in(random_
 
 def test_per_request_cap_disables_speculation(random_head, chat_prompts):
     llm = LLM(speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head, speculative_policy="static",
-              **SMALL_KV)
+              **SMALL_KV, **CHAIN5)
     sp = SamplingParams(temperature=0, max_tokens=8, max_spec_tokens=0)
     m = llm.chat(chat_prompts[:1], sp)[0].metrics
     assert m.spec_verify_steps == 0 and m.spec_draft_tokens == 0
@@ -145,7 +148,7 @@ def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prom
     gets its blocks' draft KV from the catch-up and reuses them while drafting."""
     prompts, reference = chat_prompts[:5], reference[:5]  # more than max_num_seqs: some wait for others
     off = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
-              speculative_policy="threshold", speculative_disable_batch_threshold=0, **SMALL_KV)
+              speculative_policy="threshold", speculative_disable_batch_threshold=0, **SMALL_KV, **CHAIN5)
     assert [o.outputs[0].token_ids for o in off.chat(prompts, SP)] == reference
     again = off.chat(prompts, SP)
     assert [o.outputs[0].token_ids for o in again] == reference
@@ -153,7 +156,7 @@ def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prom
     assert off.engine.get_stats().spec_draft_tokens == 0
 
     on = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
-             speculative_policy="static", **SMALL_KV)
+             speculative_policy="static", **SMALL_KV, **CHAIN5)
     on.chat(prompts, SP)
     again = on.chat(prompts, SP)
     assert [o.outputs[0].token_ids for o in again] == reference
