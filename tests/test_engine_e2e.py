@@ -178,9 +178,11 @@ def test_fp8_kv_cache_holds_four_times_the_tokens_and_stays_on_the_models_path(c
     """--kv-cache-dtype fp8 (e4m3, scale 1.0): a quarter of a float32 cache's bytes a token, so the same
     budget holds 4x the blocks; greedy tokens stay the float32 model's pick but for near-ties (3 mantissa
     bits: ~95 % of 192 tokens here; K/V written 2x / 0.5x off their values gives ~36 %), always in its top
-    5; the prefix cache serves fp8 blocks. With EAGLE-3 the target verifies over the same 8-bit K/V."""
+    5; the prefix cache serves fp8 blocks. With EAGLE-3 (a tree) the target verifies over the same 8-bit K/V,
+    and the accepted nodes' 8-bit K/V move behind their root."""
     # static: an adaptive engine would measure a start-up cost profile (~50 s cold)
-    kw = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static"} if spec else {}
+    kw = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static", "speculative_num_steps": 3,
+          "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6} if spec else {}
     llm = LLM(dtype="float32", max_num_batched_tokens=512, kv_cache_memory_gb=0.25, kv_cache_dtype="fp8", **kw)
     eng = llm.engine
     assert eng.runner.kv_dtype == torch.float8_e4m3fn and eng.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn

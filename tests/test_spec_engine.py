@@ -69,6 +69,9 @@ def test_greedy_lossless_batch1(random_head, reference, chat_prompts, shape):
 @pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree yet")
 def test_shipped_head_is_the_default_and_accepts(chat_prompts):
     llm = LLM(speculative_algorithm="EAGLE3", speculative_policy="static", **SMALL_KV)
+    sc = llm.engine.config.speculative  # no shape given: the device's (the CPU's: a tree of 6 x 4, 10 tokens)
+    assert (sc.num_steps, sc.eagle_topk, sc.num_draft_tokens) == ((6, 4, 10) if llm.engine.device.type == "cpu"
+                                                                   else (5, 1, None))
     outs = llm.chat(chat_prompts[:4], SamplingParams(temperature=0, max_tokens=32))
     st = llm.engine.get_stats()
     assert st.avg_accept_length is not None and st.avg_accept_length > 1.5
