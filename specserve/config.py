@@ -158,22 +158,15 @@ SpecAlgorithm = Literal["EAGLE", "EAGLE3"]
 SpecPolicy = Literal["static", "threshold", "adaptive"]
 
 
-# (num_steps, eagle_topk, num_draft_tokens) where none is given (docs/decisions.md, "Default
-# speculation on the CPU"): CUDA a chain of 5; elsewhere a tree of 6 steps x top-4, 10 tokens
-DEFAULT_SHAPES: dict[str, tuple[int, int, int | None]] = {"cuda": (5, 1, None), "cpu": (6, 4, 10)}
-
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """EAGLE drafting settings, named like SGLang's --speculative-* flags."""
 
     algorithm: SpecAlgorithm = "EAGLE3"
     draft_model_path: str | None = None
-    # the shape: none of the three given -> the device's (DEFAULT_SHAPES, set by for_device); otherwise
-    # steps 5 and topk 1 where not given, and num_draft_tokens steps + 1
-    num_steps: int | None = None
-    eagle_topk: int | None = None
-    num_draft_tokens: int | None = None
+    num_steps: int = 5
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None  # None: steps + 1 for a chain
     policy: SpecPolicy = "adaptive"
     disable_batch_threshold: int | None = None
     # adaptive: time engine steps of every depth on scratch requests at start-up, per batch size
@@ -196,20 +189,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.algorithm not in ("EAGLE", "EAGLE3"):
             raise ValueError(f"speculative_algorithm must be EAGLE or EAGLE3, got {self.algorithm!r}")
-        if self.policy not in ("static", "threshold", "adaptive"):
-            raise ValueError(f"speculative_policy must be static, threshold or adaptive, got {self.policy!r}")
-        if self.policy == "threshold" and self.disable_batch_threshold is None:
-            raise ValueError("speculative_policy=threshold needs speculative_disable_batch_threshold")
-        if not self.has_shape:  # the device's default shape, set by for_device
-            return
-        if self.num_steps is None:
-            object.__setattr__(self, "num_steps", 5)
-        if self.eagle_topk is None:
-            object.__setattr__(self, "eagle_topk", 1)
         if self.num_steps < 1:
             raise ValueError(f"speculative_num_steps must be >= 1, got {self.num_steps}")
         if self.eagle_topk < 1:
             raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
+        if self.policy not in ("static", "threshold", "adaptive"):
+            raise ValueError(f"speculative_policy must be static, threshold or adaptive, got {self.policy!r}")
+        if self.policy == "threshold" and self.disable_batch_threshold is None:
+            raise ValueError("speculative_policy=threshold needs speculative_disable_batch_threshold")
         n = self.resolved_num_draft_tokens
         if self.eagle_topk == 1 and n != self.num_steps + 1:
             raise ValueError(
@@ -224,30 +211,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_num_draft_tokens={n} must be in [2, {max_nodes}] for these steps/topk")
 
     @property
-    def has_shape(self) -> bool:
-        """Whether steps, topk or draft tokens were given (else for_device sets the device's default)."""
-        return (self.num_steps, self.eagle_topk, self.num_draft_tokens) != (None, None, None)
-
-    def for_device(self, device_type: str) -> "SpeculativeConfig":
-        """This config with the device's default shape where no shape was given (DEFAULT_SHAPES)."""
-        if self.has_shape:
-            return self
-        steps, topk, tokens = DEFAULT_SHAPES["cuda" if device_type == "cuda" else "cpu"]
-        return dataclasses.replace(self, num_steps=steps, eagle_topk=topk, num_draft_tokens=tokens)
-
-    @property
     def resolved_num_draft_tokens(self) -> int:
-        self._check_resolved()
         return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
 
     @property
     def is_chain(self) -> bool:
-        self._check_resolved()
         return self.eagle_topk == 1
-
-    def _check_resolved(self) -> None:
-        if self.num_steps is None:
-            raise ValueError("the speculative shape is the device's default: resolve it with for_device first")
 
 
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-eagle3"  # shipped for the default model
@@ -366,4 +335,4 @@ def replace(cfg: Any, **changes: Any) -> Any:
     return dataclasses.replace(cfg, **changes)
 
 
-__all__ = ["ModelConfig", "AdaptivePolicyConfig", "DEFAULT_SHAPES", "SpeculativeConfig", "EngineConfig", "replace", "field"]
+__all__ = ["ModelConfig", "AdaptivePolicyConfig", "SpeculativeConfig", "EngineConfig", "replace", "field"]

@@ -1,5 +1,5 @@
-"""Engine flags reach what they configure: --no-cpu-weight-packing and --tokenizer (LLM(tokenizer=...)); the
-defaults that depend on the device (dtype auto, the speculative shape)."""
+"""Engine flags reach what they configure: --no-cpu-weight-packing and --tokenizer (LLM(tokenizer=...)); dtype
+auto by the CPU's features."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from specserve import LLM
-from specserve.config import SpeculativeConfig
 from specserve.engine.engine import resolve_dtype
 from specserve.engine.args import add_engine_args, engine_config_from_args
 from specserve.models.cpu_packing import cpu_packing_available
@@ -42,21 +41,6 @@ def test_the_engine_uses_the_tokenizer_it_is_given(tmp_path):
     unpacked = LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.01, cpu_weight_packing=False)
     available = cpu_packing_available(own.engine.device, own.engine.dtype)
     assert bool(own.engine.packed_linears) == available and unpacked.engine.packed_linears == 0
-
-
-def test_the_speculative_shape_is_the_devices_where_no_shape_flag_is_given():
-    spec = parse().speculative  # the default model: speculation on, no shape flag
-    assert spec is not None and not spec.has_shape
-    with pytest.raises(ValueError, match="for_device"):
-        spec.is_chain
-    cpu, cuda = spec.for_device("cpu"), spec.for_device("cuda")
-    assert (cpu.num_steps, cpu.eagle_topk, cpu.resolved_num_draft_tokens) == (6, 4, 10)
-    assert (cuda.num_steps, cuda.eagle_topk, cuda.resolved_num_draft_tokens) == (5, 1, 6) and cuda.is_chain
-    # one shape flag: the others default as before, on every device
-    steps = parse("--speculative-num-steps", "3").speculative.for_device("cpu")
-    assert (steps.num_steps, steps.eagle_topk, steps.resolved_num_draft_tokens) == (3, 1, 4)
-    topk = SpeculativeConfig(eagle_topk=4, num_draft_tokens=8).for_device("cpu")
-    assert (topk.num_steps, topk.eagle_topk, topk.resolved_num_draft_tokens) == (5, 4, 8)
 
 
 @pytest.mark.parametrize("caps,want", [({"avx512_bf16": True}, torch.bfloat16), ({"amx_bf16": True}, torch.bfloat16),

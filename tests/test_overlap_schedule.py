@@ -104,8 +104,7 @@ def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts)
     params = [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(6)]
     base = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25).chat(convs, params)
     llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, overlap_schedule="on",
-              speculative_algorithm="EAGLE3", speculative_policy="threshold", speculative_disable_batch_threshold=2,
-              speculative_num_steps=5)
+              speculative_algorithm="EAGLE3", speculative_policy="threshold", speculative_disable_batch_threshold=2)
     outs = llm.chat(convs, params)
     for a, b in zip(base, outs):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids

@@ -379,8 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "one engine per --variant, names distinct)")
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--tree", nargs="?", const="5x4x16", default=None, metavar="STEPSxTOPKxTOKENS",
-                    help="also a static tree (without a value: 5 steps x top-4, 16 nodes; the CPU's default "
-                         "shape is 6x4x10)")
+                    help="also a static tree (without a value: 5 steps x top-4, 16 nodes)")
     ap.add_argument("--natural-stops", action="store_true",
                     help="requests stop at EOS or --output-len tokens (default: ignore_eos, lengths spread over "
                          "[0.5, 1.5] x --output-len)")

@@ -65,8 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group(
         "speculative decoding (named like SGLang's flags)",
         "On by default: the default model speculates with its shipped EAGLE-3 head under the adaptive policy "
-        "(drafting depth per batch size, plain decoding where drafting does not pay): a chain of 5 on CUDA, "
-        "a tree of 6 steps x top-4, 10 tokens on a CPU (drafted whole or not at all). Another --model "
+        "(drafting depth per batch size, plain decoding where drafting does not pay). Another --model "
         "speculates only with --speculative-algorithm and --speculative-draft-model-path.")
     s.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NONE"],
                    help="EAGLE3 or EAGLE; NONE turns speculation off (default: EAGLE3 with the default model's "
@@ -74,14 +73,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-draft-model-path", default=None,
                    help="the draft head's directory (default: the head shipped for the default model)")
     s.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="draft steps per verify: the deepest draft (default: 5 on CUDA; on a CPU, with no "
-                        "shape flag given, 6 with --speculative-eagle-topk 4 and 10 draft tokens)")
+                   help="draft steps per verify: the deepest draft (default: 5)")
     s.add_argument("--speculative-eagle-topk", type=int, default=None,
-                   help="children per tree node; 1 drafts a chain (default: 1 on CUDA or with another shape "
-                        "flag; 4 on a CPU)")
+                   help="children per tree node; 1 drafts a chain (default: 1)")
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="tokens per verify, the root included (default: num-steps + 1; 10 for the CPU's "
-                        "default tree)")
+                   help="tokens per verify, the root included (default: num-steps + 1, a chain)")
     s.add_argument("--speculative-policy", default=None, choices=["static", "threshold", "adaptive"],
                    help="how many tokens each step drafts: static (always num-steps), threshold (off above "
                         "--speculative-disable-batch-threshold requests) or adaptive (measured goodput per "

@@ -113,10 +113,8 @@ class LLMEngine:
         from specserve.loader import load_model_source
 
         t0 = time.perf_counter()
-        self.device = resolve_device(config.device)
-        if config.speculative is not None:  # the device's default shape where none was given
-            config = dataclasses.replace(config, speculative=config.speculative.for_device(self.device.type))
         self.config = config
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         src = load_model_source(config.model, tokenizer_path=config.tokenizer,
                                 require_weights=config.load_format != "dummy")
