@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     max_b = max(batches)
     # a step budget that fits the largest batch's prompts: step 1 = prefill, later steps = pure decode
-    engine_args = {"max_num_batched_tokens": 16384, "max_num_seqs": max(256, max_b)}
+    # float32 as transformers runs here (dtype auto is bf16 on a CPU with bf16 units)
+    engine_args = {"dtype": "float32", "max_num_batched_tokens": 16384, "max_num_seqs": max(256, max_b)}
     if not args.skip_load:
         wait_for_quiet(args.quiet_threshold, args.max_wait)
         probe = OtherCpu()

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     g.add_argument("--per-task", type=int, default=None, help="the first N prompts of each task")
     g.add_argument("--chat", type=int, default=0, help="add the chat benchmarks' first N ShareGPT prompts")
     g.add_argument("--configs", default="chain5,tree", help=f"comma-separated, of {list(CONFIGS)}")
-    g.add_argument("--dtype", default="auto", help="engine dtype (auto: bf16 on a GPU, fp32 on the CPU)")
+    g.add_argument("--dtype", default="auto", help="engine dtype (auto: the engine's: bf16 on a GPU and a CPU with bf16 units)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     args = ap.parse_args(argv)
     if args.tasks:

@@ -1,4 +1,4 @@
-"""Concurrency-1 speed and accept length of EAGLE-3 speculation on SmolLM2-135M-Instruct (or --model; fp32, CPU).
+"""Concurrency-1 speed and accept length of EAGLE-3 speculation on SmolLM2-135M-Instruct (or --model; CPU).
 
 One engine per configuration, all in this process, all on the same target weights and draft head:
 
@@ -7,15 +7,19 @@ One engine per configuration, all in this process, all on the same target weight
     tree             steps 5, topk 4, 16 draft tokens (EAGLE-2 dynamic tree)
     tree8, tree12    the same tree with 8 or 12 draft tokens (a cheaper verify)
     tree6x10, tree4x8  6 steps x top-4 x 10 tokens, 4 steps x top-4 x 8 tokens
+    tree6x8, tree7x10, tree7x12, tree8x12  deeper small trees (steps x top-4 x draft tokens)
     tree24, tree32   5 steps x top-4 with 24 or 32 draft tokens
     tree6x24, tree6x32, tree7x32, tree7x48, tree8x64  deeper trees (steps x top-4 x draft tokens)
     tree48, tree64, tree5x6x32, tree5x6x48, tree5x8x64  more nodes, wider frontiers (steps x top-k x tokens)
+    default          the engine's own speculation defaults (what `specserve serve` drafts)
 
 Each ShareGPT chat prompt runs alone (concurrency 1) through every configuration in turn, the
 order rotating from prompt to prompt; greedy, exactly ``--output-len`` new tokens (or up to it and
 the natural end of turn with ``--natural-stop``), policy
-``static`` (always draft). Per configuration: tokens/s end to end (prefill included) and over the
-decode part only (after the first token), accept length from RequestOutput.metrics
+``static`` (always draft), or the adaptive policy for a name ending in ``+adaptive`` (``tree8+adaptive``;
+``default`` is adaptive as the engine's default is); ``@float32`` sets the head's own dtype. Per
+configuration: tokens/s end to end (prefill included) and over the decode part only (after the first
+token), accept length from RequestOutput.metrics
 ((accepted + verify steps) / verify steps, SGLang's count), per-position acceptance from
 engine.get_stats(), and whether the output tokens equal the no-spec ones (greedy is lossless).
 
@@ -70,7 +74,31 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tree12": {"speculative_num_steps": 5, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
     "tree6x10": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 10},
     "tree4x8": {"speculative_num_steps": 4, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
+    # deeper small trees: on two CPU cores a verify's cost grows with its tokens, the head's with its depth
+    "tree6x8": {"speculative_num_steps": 6, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8},
+    "tree7x10": {"speculative_num_steps": 7, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 10},
+    "tree7x12": {"speculative_num_steps": 7, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
+    "tree8x12": {"speculative_num_steps": 8, "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 12},
 }
+POLICIES = ("static", "adaptive")
+NAMES = [*CONFIGS, "default"]
+
+
+def config_args(name: str) -> dict[str, Any]:
+    """Engine args of a configuration name: ``tree8`` (static policy), ``tree8+adaptive``, ``default``,
+    each optionally with the head's own dtype: ``tree8@float32``."""
+    name, _, draft_dtype = name.partition("@")
+    shape, _, policy = name.partition("+")
+    if (shape not in NAMES or (policy and policy not in POLICIES) or (shape == "nospec" and (policy or draft_dtype))
+            or draft_dtype not in ("", "float32", "bfloat16")):
+        raise ValueError(f"unknown configuration {name!r}: one of {NAMES}, optionally +adaptive and @float32")
+    if shape == "nospec":
+        return {}
+    return {**CONFIGS.get(shape, {}), "speculative_algorithm": "EAGLE3",
+            "speculative_policy": policy or ("adaptive" if shape == "default" else "static"),
+            **({"speculative_draft_dtype": draft_dtype} if draft_dtype else {})}
+
+
 _ids = itertools.count()
 
 
@@ -165,11 +193,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--natural-stop", action="store_true",
                     help="stop at the model's end of turn as a chat user would see it (default: ignore_eos, "
                          "exactly --output-len tokens, text past the natural end included)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated subset of {NAMES}, each optionally +adaptive (adaptive policy) and "
+                         "@float32 (the head's dtype)")
     ap.add_argument("--max-prompt-chars", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    ap.add_argument("--prompt-offset", type=int, default=0,
+                    help="skip this many prompts of the seeded order (a set disjoint from the first ones)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on CPU)")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (default: the engine's)")
     ap.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                     help="plain F.linear instead of oneDNN-packed weights")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="KV budget per engine (all engines alike)")
@@ -179,9 +211,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-file", default="benchmarks/results/spec_single.json")
     args = ap.parse_args(argv)
     names = args.configs.split(",")
-    bad = [n for n in names if n not in CONFIGS]
-    if bad or "nospec" not in names:
-        raise SystemExit(f"--configs: unknown {bad}; must include nospec (the baseline); known: {list(CONFIGS)}")
+    try:
+        for n in names:
+            config_args(n)
+    except ValueError as e:
+        raise SystemExit(f"--configs: {e}") from None
+    if "nospec" not in names:
+        raise SystemExit("--configs must include nospec (the baseline)")
     if args.num_prompts < 1 or args.output_len < 2:
         raise SystemExit("need --num-prompts >= 1 and --output-len >= 2")
     torch.set_num_threads(args.threads)
@@ -208,20 +244,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engines: dict[str, LLM] = {}
     engine_args: dict[str, dict[str, Any]] = {}
     for name in names:
-        spec = dict(CONFIGS[name])
+        spec = config_args(name)
         if spec:
-            spec.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                        speculative_policy="static")
+            spec["speculative_draft_model_path"] = head
         engine_args[name] = {**base, **spec}
         engines[name] = LLM(**engine_args[name])
     result["engine_args"] = engine_args
     result["settings"] = {"num_prompts": args.num_prompts, "output_len": args.output_len, "seed": args.seed,
+                          "prompt_offset": args.prompt_offset,
                           "quiet_threshold": args.quiet_threshold,
                           "max_prompt_chars": args.max_prompt_chars, "greedy": True, "concurrency": 1,
                           "natural_stop": args.natural_stop}
 
     tok = engines["nospec"].tokenizer
-    prompts = chat_prompt_ids(tok, args.num_prompts + 1, seed=args.seed, max_chars=args.max_prompt_chars)
+    prompts = chat_prompt_ids(tok, args.num_prompts + 1, seed=args.seed, max_chars=args.max_prompt_chars,
+                              start=args.prompt_offset)
     warm, prompts = prompts[0], prompts[1:]
     before = {}
     for name, llm in engines.items():
@@ -265,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tokens = sum(r["output_tokens"] for r in mine)
         row = {
             "config": name,
-            **{k.replace("speculative_", ""): v for k, v in CONFIGS[name].items()},
+            **{k.replace("speculative_", ""): v for k, v in config_args(name).items() if k != "speculative_algorithm"},
             "tok_s": tokens / sum(r["total_s"] for r in mine),
             "decode_tok_s_median": median([r["decode_tok_s"] for r in mine]),
             "decode_ms_per_step_median": median([r["decode_ms_per_step"] for r in mine]),
@@ -292,11 +329,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["summary"] = summary
     write_json(args.output_file, result)
 
-    print(f"\n{'config':>8} {'tok/s':>7} {'decode tok/s':>13} {'ms/step':>8} {'x nospec step':>14} {'speed-up':>9} "
+    print(f"\n{'config':>14} {'tok/s':>7} {'decode tok/s':>13} {'ms/step':>8} {'x nospec step':>14} {'speed-up':>9} "
           f"{'accept len':>11} {'same':>6}")
     for row in summary:
         al = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
-        print(f"{row['config']:>8} {row['tok_s']:>7.2f} {row['decode_tok_s_median']:>13.2f} "
+        print(f"{row['config']:>14} {row['tok_s']:>7.2f} {row['decode_tok_s_median']:>13.2f} "
               f"{row['decode_ms_per_step_median']:>8.1f} {row['step_cost_vs_nospec_step']:>14.2f} "
               f"{row['speedup_vs_nospec_median']:>8.2f}x {al:>11} {row['same_tokens_as_nospec']:>6}")
     if tmp is not None:

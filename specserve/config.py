@@ -238,7 +238,7 @@ class EngineConfig:
 
     model: str | None = None  # GGUF file or HF model directory; None = default model
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on a CPU with bf16 units (AVX512-BF16, AMX), else float32
     device: str = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
     seed: int = 0

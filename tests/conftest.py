@@ -6,6 +6,8 @@
 - ``_small_kv_budgets`` (autouse): a CPU engine built with the default 2 GB KV budget fails its test;
   pass ``num_kv_blocks`` or ``kv_cache_memory_gb`` (0.05 GB: ~100k tokens of tests/tiny_model.py's
   models, ~1k of SmolLM2).
+- ``_explicit_cpu_dtype`` (autouse): a CPU engine built with dtype "auto" (bf16 or fp32 by the CPU's
+  features) fails its test; pass ``dtype``.
 - ``_cost_profiles`` (autouse): adaptive engines' start-up cost profiles measured at most once a
   session (SmolLM2's read from tests/golden/cost_profiles.json where it holds them).
 - TRITON_INTERPRET=1 only in modules with ``triton_tests_device``; os.environ restored after each test.
@@ -135,6 +137,27 @@ def _small_kv_budgets():
     mp.undo()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _explicit_cpu_dtype():
+    """An engine built in this process on the CPU with dtype "auto" fails its test: "auto" is bfloat16 on a
+    CPU with bf16 units and float32 on others, so what the test sees would depend on the machine. Pass
+    ``dtype`` (float32 where outputs are compared with transformers or with plain decoding)."""
+    from specserve.engine import engine
+
+    resolve = engine.resolve_dtype
+
+    def checked(name, device):
+        if name == "auto" and device.type == "cpu":
+            pytest.fail("a test engine with dtype auto on the CPU: pass dtype (tests/conftest.py: "
+                        "_explicit_cpu_dtype)", pytrace=False)
+        return resolve(name, device)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(engine, "resolve_dtype", checked)
+    yield
+    mp.undo()
+
+
 COST_PROFILES = Path(__file__).parent / "golden" / "cost_profiles.json"
 
 
@@ -198,7 +221,7 @@ def smollm2():
     left in it and nothing of it replaced. 4,096 tokens of KV, prefill steps of up to 512 tokens."""
     from specserve import LLM
 
-    return LLM(max_num_batched_tokens=512, num_kv_blocks=256)
+    return LLM(dtype="float32", max_num_batched_tokens=512, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="session")

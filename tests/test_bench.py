@@ -434,7 +434,7 @@ def test_offline_side_runs_its_engine_in_a_process_of_its_own() -> None:
     from specserve.bench.offline import OfflineProcess
     from specserve.config import EngineConfig
 
-    side = OfflineProcess(EngineConfig(max_model_len=256, num_kv_blocks=48, max_num_seqs=2), reserved_cores=1)
+    side = OfflineProcess(EngineConfig(dtype="float32", max_model_len=256, num_kv_blocks=48, max_num_seqs=2), reserved_cores=1)
     try:
         info = side.wait_ready()
         assert info["pid"] == side.proc.pid != os.getpid()

@@ -24,7 +24,7 @@ def server_url() -> Iterator[str]:
 
     from specserve.config import EngineConfig
 
-    config = EngineConfig(max_model_len=512, num_kv_blocks=96, max_num_seqs=8)
+    config = EngineConfig(dtype="float32", max_model_len=512, num_kv_blocks=96, max_num_seqs=8)
     with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
         yield server.url
 

@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 def engine(tiny, calibrate: bool) -> LLM:
     model, head = tiny
-    return LLM(model=model, device="cpu", kv_cache_memory_gb=0.05, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    return LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.05, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                speculative_policy="adaptive", speculative_num_steps=2, max_num_seqs=4,
                speculative_calibrate=calibrate)
 

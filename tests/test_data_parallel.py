@@ -35,8 +35,8 @@ def test_merge_stats_sums_counts_and_averages_kv_usage() -> None:
 def test_two_replicas_share_requests_and_match_one_engine(tmp_path) -> None:
     path = str(tmp_path / "qwen3")
     make_tiny_hf_model(path, "qwen3", vocab=63)
-    config = EngineConfig(model=path, device="cpu", num_kv_blocks=16, max_model_len=64, max_num_seqs=4)
-    llm = LLM(model=path, device="cpu", num_kv_blocks=16, max_model_len=64)
+    config = EngineConfig(model=path, device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64, max_num_seqs=4)
+    llm = LLM(dtype="float32", model=path, device="cpu", num_kv_blocks=16, max_model_len=64)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy)]
     with serve_in_thread(partial(build_engine, config), data_parallel_size=2, gpus_per_replica=0) as server:

@@ -20,7 +20,7 @@ SHIPPED = (DEFAULT_HEAD / "config.json").exists()
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20], [5, 9, 33, 2, 41, 17]]
 TREE = dict(speculative_num_steps=4, speculative_eagle_topk=3, speculative_num_draft_tokens=9)
 KV_GB = 0.05  # KV for ~100k tokens of the tiny model (the default 2 GB: seconds of zeroing per engine)
-CPU = dict(device="cpu", kv_cache_memory_gb=KV_GB)
+CPU = dict(device="cpu", dtype="float32", kv_cache_memory_gb=KV_GB)
 
 
 @pytest.fixture(scope="module")
@@ -223,9 +223,10 @@ def test_static_draft_with_preemption_matches_no_spec(tiny, shape):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = PROMPTS * 2
     blocks = 60 if shape == "chain" else 70
-    plain = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=blocks, block_size=4)
+    plain = LLM(dtype="float32", model=model, device="cpu", max_num_seqs=8, num_kv_blocks=blocks, block_size=4)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    llm = LLM(model=model, device="cpu", max_num_seqs=8, num_kv_blocks=blocks, block_size=4, speculative_algorithm="EAGLE3",
+    llm = LLM(model=model, device="cpu", dtype="float32", max_num_seqs=8, num_kv_blocks=blocks, block_size=4,
+              speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static",
               **(dict(speculative_num_steps=4) if shape == "chain" else TREE))
     llm.engine.drafter.enable_static_draft(fused_launch=shape == "tree")
@@ -441,7 +442,7 @@ def test_sampled_requests_keep_the_eager_loop(tiny):
 
 
 def run_tree(model, head, static: bool, prompts, params, device: str = "cpu", graphs: bool = True, **engine):
-    kw = dict(dtype="float32", num_kv_blocks=256) if device == "cuda" else dict(kv_cache_memory_gb=KV_GB)
+    kw = dict(dtype="float32", num_kv_blocks=256) if device == "cuda" else dict(dtype="float32", kv_cache_memory_gb=KV_GB)
     llm = LLM(model=model, device=device, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", **TREE, **kw, **engine)
     dr = llm.engine.drafter
@@ -644,8 +645,8 @@ def test_draft_head_in_its_own_dtype(tiny, static):
     know is refused."""
     model, head = tiny
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(model=model, **CPU, dtype="bfloat16").generate(PROMPTS[:3], sp)]
-    llm = LLM(model=model, **CPU, dtype="bfloat16", speculative_algorithm="EAGLE3",
+    ref = [o.outputs[0].token_ids for o in LLM(model=model, **{**CPU, "dtype": "bfloat16"}).generate(PROMPTS[:3], sp)]
+    llm = LLM(model=model, **{**CPU, "dtype": "bfloat16"}, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", speculative_num_steps=3,
               speculative_draft_dtype="float32")
     dr = llm.engine.drafter

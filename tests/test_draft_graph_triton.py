@@ -18,7 +18,7 @@ CUDA = DEVICE.type == "cuda"
 from specserve.attention.triton_decode import TritonDecodeAttention  # noqa: E402
 from specserve.attention.torch_decode import TorchDecodeAttention  # noqa: E402
 
-CPU = dict(device="cpu", kv_cache_memory_gb=0.05)  # a small KV (the default 2 GB: seconds of zeroing per engine)
+CPU = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.05)  # a small KV (the default 2 GB: seconds of zeroing per engine)
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 

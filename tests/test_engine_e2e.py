@@ -42,7 +42,7 @@ def test_batch_invariance_chunked_prefill_and_preemption(chat_prompts):
     convs = chat_prompts[5:13]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # a KV budget too small for 8 requests at once, and a token budget that chunks every prompt
-    small = LLM(max_num_batched_tokens=48, num_kv_blocks=40, block_size=16, enable_prefix_caching=False)
+    small = LLM(dtype="float32", max_num_batched_tokens=48, num_kv_blocks=40, block_size=16, enable_prefix_caching=False)
     batched = small.chat(convs, sp)
     assert small.engine.scheduler.num_preemptions > 0
     alone = [small.chat([c], sp)[0] for c in convs[:3]]
@@ -86,7 +86,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llm):
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[10**9]], SamplingParams())
     with pytest.raises(FileNotFoundError):
-        LLM(model="/nonexistent/model.gguf")
+        LLM(dtype="float32", model="/nonexistent/model.gguf")
     eng.add_request("dup", "hi", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="already in use"):
         eng.add_request("dup", "hi", SamplingParams(max_tokens=2))
@@ -148,7 +148,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
 
 
 def test_queue_full_error():
-    eng = LLM(max_waiting_requests=1, num_kv_blocks=16).engine
+    eng = LLM(dtype="float32", max_waiting_requests=1, num_kv_blocks=16).engine
     eng.add_request("x", "hi", SamplingParams(max_tokens=1))
     with pytest.raises(QueueFullError):
         eng.add_request("y", "hi", SamplingParams(max_tokens=1))
@@ -178,10 +178,12 @@ def test_fp8_kv_cache_holds_four_times_the_tokens_and_stays_on_the_models_path(c
     """--kv-cache-dtype fp8 (e4m3, scale 1.0): a quarter of a float32 cache's bytes a token, so the same
     budget holds 4x the blocks; greedy tokens stay the float32 model's pick but for near-ties (3 mantissa
     bits: ~95 % of 192 tokens here; K/V written 2x / 0.5x off their values gives ~36 %), always in its top
-    5; the prefix cache serves fp8 blocks. With EAGLE-3 the target verifies over the same 8-bit K/V."""
+    5; the prefix cache serves fp8 blocks. With EAGLE-3 (a tree) the target verifies over the same 8-bit K/V,
+    and the accepted nodes' 8-bit K/V move behind their root."""
     # static: an adaptive engine would measure a start-up cost profile (~50 s cold)
-    kw = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static"} if spec else {}
-    llm = LLM(max_num_batched_tokens=512, kv_cache_memory_gb=0.25, kv_cache_dtype="fp8", **kw)
+    kw = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static", "speculative_num_steps": 3,
+          "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6} if spec else {}
+    llm = LLM(dtype="float32", max_num_batched_tokens=512, kv_cache_memory_gb=0.25, kv_cache_dtype="fp8", **kw)
     eng = llm.engine
     assert eng.runner.kv_dtype == torch.float8_e4m3fn and eng.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     if not spec:

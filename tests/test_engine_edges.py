@@ -118,7 +118,7 @@ def test_prefill_without_chunking_waits_for_a_whole_budget():
     sp = SamplingParams(max_tokens=6, **GREEDY)
 
     def run(chunked: bool) -> tuple[tuple[int, int], list[list[int]], list[int]]:
-        llm = LLM(max_num_batched_tokens=64, num_kv_blocks=48, enable_chunked_prefill=chunked)
+        llm = LLM(dtype="float32", max_num_batched_tokens=64, num_kv_blocks=48, enable_chunked_prefill=chunked)
         eng, tok = llm.engine, llm.tokenizer
         for i in range(2):
             eng.add_request(f"s{i}", tok.encode(f"List {i}: " + text)[:40], sp)  # 40 + 40 tokens > 64
@@ -139,7 +139,7 @@ def test_prefill_without_chunking_waits_for_a_whole_budget():
 def test_prefix_cache_evicts_the_least_recent_prompt_and_recomputes_it():
     """16 blocks of 16 tokens: a 56-token prompt's 3 full blocks are served from the cache on its second run; a request
     that needs every block evicts it, and the third run recomputes it with the same output."""
-    llm = LLM(max_num_batched_tokens=256, num_kv_blocks=16, block_size=16)
+    llm = LLM(dtype="float32", max_num_batched_tokens=256, num_kv_blocks=16, block_size=16)
     eng = llm.engine
     tok = llm.tokenizer
     text = " ".join(f"item {i}," for i in range(200))
@@ -160,7 +160,7 @@ def test_prefix_cache_evicts_the_least_recent_prompt_and_recomputes_it():
 def test_a_request_larger_than_the_kv_cache_is_refused():
     """max_model_len is capped at what the KV cache holds (2 blocks: 32 tokens): a longer request gets a
     clear error when it is added, and the engine keeps serving the ones that fit."""
-    llm = LLM(num_kv_blocks=2, block_size=16, max_model_len=1024)
+    llm = LLM(dtype="float32", num_kv_blocks=2, block_size=16, max_model_len=1024)
     assert llm.engine.max_model_len == 32
     with pytest.raises(ValueError, match="maximum context length is 32"):
         llm.generate([list(range(100, 130))], SamplingParams(max_tokens=3))

@@ -12,7 +12,7 @@ from tiny_model import make_tiny_model
 CHAIN = dict(speculative_num_steps=3)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 STATIC = dict(speculative_algorithm="EAGLE3", speculative_policy="static")
-KV = dict(num_kv_blocks=128)  # 2,048 tokens: no test here evicts or preempts from it
+KV = dict(dtype="float32", num_kv_blocks=128)  # 2,048 tokens: no test here evicts or preempts from it
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
@@ -131,7 +131,7 @@ def test_preemption_under_sampled_speculation(chat_prompts):
     """6 sampled requests (top-k 5) in a KV cache too small for all: requests are preempted and
     recomputed mid-speculation; every request finishes whole, each token within its top 5, and
     every block comes back (trees: the adaptive test below)."""
-    llm = LLM(num_kv_blocks=16, max_num_seqs=6, **STATIC, **CHAIN)
+    llm = LLM(dtype="float32", num_kv_blocks=16, max_num_seqs=6, **STATIC, **CHAIN)
     sps = [SamplingParams(temperature=0.9, top_k=5, seed=i, max_tokens=24, logprobs=5, ignore_eos=True)
            for i in range(6)]
     outs = llm.chat(chat_prompts[14:20], sps)  # 18 blocks of prompt alone, 16 in the cache
@@ -146,7 +146,8 @@ def test_adaptive_policy_with_trees_under_preemption(plain, chat_prompts):
     """The adaptive policy over a tree shape, in a KV cache that preempts: greedy output is the plain
     engine's token for token, sampled top-k requests stay in their top k, the policy chose depths."""
     # (a step budget of 128 tokens and 4 requests: the start-up cost profile measures fewer points)
-    llm = LLM(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=128, speculative_algorithm="EAGLE3", **TREE)
+    llm = LLM(dtype="float32", num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=128, speculative_algorithm="EAGLE3",
+              **TREE)
     assert llm.engine.config.speculative.policy == "adaptive"
     convs = chat_prompts[10:14]  # 269 prompt tokens + 4 x 24 in 256 slots
     sp = SamplingParams(max_tokens=24, **GREEDY)
@@ -195,7 +196,7 @@ def test_eagle1_end_to_end(plain, chat_prompts, tmp_path):
         assert _ids(llm.chat(convs, sp)) == ref
         assert llm.engine.get_stats().spec_draft_tokens > 0
     tiny = make_tiny_model(str(tmp_path / "tiny"), constant=True)
-    llm = LLM(model=tiny, kv_cache_memory_gb=0.01, speculative_algorithm="EAGLE",
+    llm = LLM(model=tiny, dtype="float32", kv_cache_memory_gb=0.01, speculative_algorithm="EAGLE",
               speculative_draft_model_path=_eagle1_head(tiny, str(tmp_path / "const"), constant=True),
               speculative_policy="static", **CHAIN)
     out = llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=17, **GREEDY))

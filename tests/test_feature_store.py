@@ -27,7 +27,7 @@ KV_GB = 0.05
 
 
 def spec_llm(model: str, head: str, **kw) -> LLM:
-    return LLM(model=model, device="cpu", max_num_seqs=4, block_size=4, speculative_algorithm="EAGLE3",
+    return LLM(model=model, device="cpu", dtype="float32", max_num_seqs=4, block_size=4, speculative_algorithm="EAGLE3",
                speculative_draft_model_path=head, speculative_num_steps=3, kv_cache_memory_gb=KV_GB, **kw)
 
 
@@ -62,7 +62,7 @@ def test_kept_features_are_the_targets_at_each_position(tiny, policy, in_forward
     llm = spec_llm(model, head, **kw)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
     sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    plain = LLM(model=model, device="cpu", max_num_seqs=4, block_size=4, kv_cache_memory_gb=KV_GB)
+    plain = LLM(dtype="float32", model=model, device="cpu", max_num_seqs=4, block_size=4, kv_cache_memory_gb=KV_GB)
     future = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, sp))}
     d = llm.engine.drafter
     fs = d.features

@@ -106,7 +106,7 @@ def test_engine_greedy_matches_transformers_with_chunks_and_prefix_cache(tmp_pat
 
     path = str(tmp_path / "gemma")
     hf = make_tiny_gemma3(path)
-    llm = LLM(model=path, max_num_batched_tokens=16, num_kv_blocks=96, block_size=4, max_model_len=128)
+    llm = LLM(dtype="float32", model=path, max_num_batched_tokens=16, num_kv_blocks=96, block_size=4, max_model_len=128)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 17, 26, 40)]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -141,7 +141,7 @@ def test_window_pool_frees_blocks_fits_more_tokens_and_survives_preemption(tmp_p
 
     path = str(tmp_path / "gemma")
     hf = make_tiny_gemma3(path)
-    llm = LLM(model=path, max_num_batched_tokens=16, num_kv_blocks=24, block_size=4, max_model_len=128,
+    llm = LLM(dtype="float32", model=path, max_num_batched_tokens=16, num_kv_blocks=24, block_size=4, max_model_len=128,
               max_num_seqs=2)
     eng = llm.engine
     win = eng.scheduler.window
@@ -177,7 +177,7 @@ def test_speculation_past_the_window_is_lossless(tmp_path, topk: int) -> None:
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(2, 8, (n,), generator=g).tolist() for n in (30, 17, 45)]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
-    kw = dict(model=path, max_num_batched_tokens=16, num_kv_blocks=32, block_size=4, max_model_len=128, max_num_seqs=3)
+    kw = dict(model=path, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=32, block_size=4, max_model_len=128, max_num_seqs=3)
     plain = LLM(**kw).generate(prompts, sp)
     llm = LLM(**kw, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static",
               speculative_num_steps=3, speculative_eagle_topk=topk,
@@ -222,7 +222,7 @@ def test_fused_tree_launch_with_a_window_pool_is_lossless(tmp_path) -> None:
     head = make_random_head(path, str(tmp_path / "head"), constant=True, drafts=[6, 2])
     prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6], [2, 4], [3, 3, 5, 7, 2, 4, 6, 5, 4]]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kw = dict(model=path, num_kv_blocks=32, block_size=4, max_model_len=64, max_num_seqs=3)
+    kw = dict(model=path, dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64, max_num_seqs=3)
     plain, plain_keys = _run_keeping_window_keys(LLM(**kw), prompts, sp)
     llm = LLM(**kw, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static",
               speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
@@ -289,7 +289,7 @@ def test_speculation_without_a_head_for_gemma_is_a_clear_error(tmp_path) -> None
     make_tiny_gemma3(path)
     # the default head is SmolLM2's: its vocabulary is not this model's
     with pytest.raises((ValueError, FileNotFoundError), match="draft head vocab|no draft head"):
-        LLM(model=path, num_kv_blocks=16, block_size=4, max_model_len=64, speculative_algorithm="EAGLE3")
+        LLM(dtype="float32", model=path, num_kv_blocks=16, block_size=4, max_model_len=64, speculative_algorithm="EAGLE3")
 
 
 def test_offset_norm_is_transformers_in_bf16() -> None:

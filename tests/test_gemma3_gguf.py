@@ -27,7 +27,7 @@ def gemma_path() -> str:
 
 @pytest.fixture(scope="module")
 def llm(gemma_path):
-    return LLM(model=gemma_path, max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=1024)
+    return LLM(dtype="float32", model=gemma_path, max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

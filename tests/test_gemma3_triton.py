@@ -103,7 +103,7 @@ def test_tiny_gemma3_on_triton_equals_torch(tmp_path) -> None:
     prompts = [[5, 17, 33, 2, 9, 120, 44, 7, 8, 91, 3, 12], [200, 4]]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     kw = dict(model=path, max_num_batched_tokens=8, num_kv_blocks=24, block_size=4, max_model_len=64,
-              max_num_seqs=2, device=str(DEVICE))
+              max_num_seqs=2, device=str(DEVICE), dtype="float32")
     ref = LLM(attention_backend="torch", **kw).generate(prompts, sp)
     llm = LLM(attention_backend="triton", enforce_eager=True, **kw)
     assert llm.engine.scheduler.window is not None  # the window layer's K/V in a pool of its own
@@ -191,7 +191,7 @@ def test_chain_speculation_with_a_window_pool_on_triton_equals_torch(tmp_path) -
     prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6], [2, 4]]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     kw = dict(model=path, max_num_batched_tokens=8, num_kv_blocks=24, block_size=4, max_model_len=64, max_num_seqs=2,
-              device=str(DEVICE), speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              device=str(DEVICE), dtype="float32", speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_policy="static", speculative_num_steps=3, speculative_num_draft_tokens=4)
     ref = LLM(attention_backend="torch", **kw).generate(prompts, sp)
     tri = LLM(attention_backend="triton", enforce_eager=True, **kw).generate(prompts, sp)

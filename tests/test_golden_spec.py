@@ -82,7 +82,7 @@ def run_case(model: str, head: str, shape: str, policy: str, prompts, max_tokens
         sim.now += HEAD_S + HEAD_PER_TOKEN_S * embeds.shape[0]
         return h_fwd(self, embeds, *a, **kw)
 
-    kw = dict(model=model, device="cpu", max_num_seqs=4, max_num_batched_tokens=256, block_size=4,
+    kw = dict(model=model, device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, block_size=4,
               speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_calibrate=False,
               **SHAPES[shape], **POLICIES[policy], **engine_kw)
     K = 5 if shape == "tree" else 3

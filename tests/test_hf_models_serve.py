@@ -38,7 +38,7 @@ def test_served_from_hf_directory(kind: str, tmp_path) -> None:
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", path, "--port", str(port),
-           "--num-kv-blocks", "64", "--max-model-len", "128"]
+           "--num-kv-blocks", "64", "--max-model-len", "128", "--dtype", "float32"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)

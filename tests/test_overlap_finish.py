@@ -8,7 +8,7 @@ from specserve.sampling_params import RequestOutputKind
 
 
 def test_no_output_after_a_request_finished():
-    llm = LLM(num_kv_blocks=512, max_num_seqs=16, speculative_algorithm="EAGLE3", speculative_policy="adaptive",
+    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_seqs=16, speculative_algorithm="EAGLE3", speculative_policy="adaptive",
               overlap_schedule="on")
     eng, rng = llm.engine, random.Random(0)
     prompts = ["Tell me about cats.", "Write a poem about the sea.", "What is 2+2?", "List three colors.",

@@ -24,7 +24,7 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(chat_prompts, overlap: str, **kw):
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, overlap_schedule=overlap, **kw)
+    llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, overlap_schedule=overlap, **kw)
     outs = llm.chat(chat_prompts[:8], _params())
     eng = llm.engine
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # nothing leaked
@@ -57,7 +57,7 @@ def test_overlapped_steps_give_what_step_by_step_decoding_gives(chat_prompts, kv
 
 
 def test_an_abort_while_the_next_step_is_on_the_device(chat_prompts):
-    llm = LLM(kv_cache_memory_gb=0.25, overlap_schedule="on")
+    llm = LLM(dtype="float32", kv_cache_memory_gb=0.25, overlap_schedule="on")
     eng = llm.engine
     eng.add_request("a", "Tell me a long story about a dragon.", SamplingParams(max_tokens=200, ignore_eos=True))
     eng.add_request("b", "Count to ten.", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -93,7 +93,7 @@ def test_overlap_schedule_flag():
     assert engine_config_from_args(p.parse_args(["--disable-overlap-schedule"])).overlap_schedule == "off"
     assert engine_config_from_args(p.parse_args(["--overlap-schedule", "on"])).overlap_schedule == "on"
     # auto: off on the CPU (nothing to overlap there)
-    assert not LLM(kv_cache_memory_gb=0.05).engine.overlap
+    assert not LLM(dtype="float32", kv_cache_memory_gb=0.05).engine.overlap
 
 
 def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts):
@@ -102,8 +102,8 @@ def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts)
     sync; drafting resumes as requests finish. Greedy tokens are plain decoding's."""
     convs = chat_prompts[:6]
     params = [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(6)]
-    base = LLM(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25).chat(convs, params)
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, overlap_schedule="on",
+    base = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25).chat(convs, params)
+    llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, overlap_schedule="on",
               speculative_algorithm="EAGLE3", speculative_policy="threshold", speculative_disable_batch_threshold=2)
     outs = llm.chat(convs, params)
     for a, b in zip(base, outs):
@@ -119,8 +119,8 @@ def _plain_and_adaptive(chat_prompts):
     (depths 0-2, no start-up calibration) for a test to stub and run."""
     convs = chat_prompts[:3]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in convs]
-    base = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
+    base = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
+    llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
               speculative_algorithm="EAGLE3", speculative_policy="adaptive", speculative_num_steps=2,
               speculative_calibrate=False)
     return convs, params, base, llm

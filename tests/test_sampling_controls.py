@@ -8,7 +8,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 
-KV = dict(num_kv_blocks=128)  # 2,048 tokens: 17 short requests at once
+KV = dict(dtype="float32", num_kv_blocks=128)  # 2,048 tokens: 17 short requests at once
 CHAIN = dict(speculative_num_steps=3)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 STATIC = dict(speculative_algorithm="EAGLE3", speculative_policy="static")

@@ -86,7 +86,8 @@ def test_processed_distributions(tiny, next_logits, spec):
     model, head = tiny
     kw = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static",
               speculative_num_steps=3) if spec else {}
-    llm = LLM(model=model, max_num_seqs=4096, max_num_batched_tokens=16384, seed=5, kv_cache_memory_gb=0.05, **kw)
+    llm = LLM(model=model, dtype="float32", max_num_seqs=4096, max_num_batched_tokens=16384, seed=5, kv_cache_memory_gb=0.05,
+              **kw)
     names = list(CASES)
     sps = [SamplingParams(max_tokens=K + 1, ignore_eos=True, **CASES[c]) for c in names for _ in range(N)]
     outs = llm.generate([PROMPT] * len(sps), sps, use_tqdm=False)

@@ -48,7 +48,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
-    config = EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, max_num_seqs=8)
+    config = EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, max_num_seqs=8)
     with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
         yield Live(server)
 
@@ -237,7 +237,7 @@ def spec_live(tmp_path_factory) -> Iterator[Live]:
     head_dir = tmp_path_factory.mktemp("random-eagle3")
     Eagle3DraftModel(Eagle3Config.from_target(target, draft_vocab_size=target.vocab_size)).save_pretrained(head_dir)
     spec = SpeculativeConfig(draft_model_path=str(head_dir), num_steps=3, policy="static")
-    config = EngineConfig(max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, speculative=spec)
+    config = EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, speculative=spec)
     with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
         yield Live(server)
 

@@ -29,7 +29,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
-    config = EngineConfig.from_kwargs(max_model_len=1024, num_kv_blocks=64, max_num_seqs=4,
+    config = EngineConfig.from_kwargs(dtype="float32", max_model_len=1024, num_kv_blocks=64, max_num_seqs=4,
                                       speculative_algorithm="EAGLE3", speculative_policy="static",
                                       speculative_num_steps=3)
     with serve_in_thread(partial(build_engine, config), startup_timeout=300) as server:

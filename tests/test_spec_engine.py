@@ -12,7 +12,7 @@ TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_d
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # KV for ~5k tokens (the default 2 GB, ~45k, costs 1-3 s of zeroing per engine) where a test's
 # prompts need far less (no test here evicts from it)
-SMALL_KV = dict(kv_cache_memory_gb=0.25)
+SMALL_KV = dict(dtype="float32", kv_cache_memory_gb=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_greedy_lossless_batch8_with_preemption(random_head, reference, chat_pro
     # the last 10 prompts (32-106 tokens) in 40 blocks of 4: 3-8 preemptions per head and shape,
     # as many as all 20 gave in 68 blocks (the 252-token prompt 9 needs 68 blocks to itself), at half the work
     for head in heads(random_head):
-        llm = LLM(max_num_seqs=8, num_kv_blocks=40, block_size=4, speculative_algorithm="EAGLE3",
+        llm = LLM(dtype="float32", max_num_seqs=8, num_kv_blocks=40, block_size=4, speculative_algorithm="EAGLE3",
                   speculative_draft_model_path=head, speculative_policy="static", **shape)
         out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts[10:], SP)]
         assert llm.engine.scheduler.num_preemptions > 0

@@ -60,7 +60,7 @@ def test_sampling_distribution_is_unchanged(tiny, joint, spec):
     model, head = tiny
     prompt, k, n = [3, 5, 1], 3, 10_000
     p = joint.reshape(-1)
-    llm = LLM(model=model, max_num_seqs=2048, max_num_batched_tokens=16384, seed=7, kv_cache_memory_gb=KV_GB,
+    llm = LLM(model=model, dtype="float32", max_num_seqs=2048, max_num_batched_tokens=16384, seed=7, kv_cache_memory_gb=KV_GB,
               speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static", **spec)
     outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=k + 1, ignore_eos=True),
                         use_tqdm=False)
@@ -81,8 +81,8 @@ def test_greedy_tiny_model_token_for_token(tiny, spec):
     model, head = tiny
     prompts = [[i % 8, (3 * i) % 8, (5 * i + 1) % 8] for i in range(16)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(model=model, kv_cache_memory_gb=KV_GB).generate(prompts, sp)]
-    llm = LLM(model=model, num_kv_blocks=12, block_size=4, max_num_seqs=8, speculative_algorithm="EAGLE3",
+    ref = [o.outputs[0].token_ids for o in LLM(dtype="float32", model=model, kv_cache_memory_gb=KV_GB).generate(prompts, sp)]
+    llm = LLM(model=model, dtype="float32", num_kv_blocks=12, block_size=4, max_num_seqs=8, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head, speculative_policy="static", **spec)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     st = llm.engine.get_stats()

@@ -42,7 +42,7 @@ def engine() -> Iterator:
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
 
-    yield LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=96, max_num_seqs=32))
+    yield LLMEngine(EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=96, max_num_seqs=32))
 
 
 def _run(engine, prompt_ids: list[int], runs: dict[str, tuple[RequestOutputKind, dict]]) -> dict[str, list[str]]:

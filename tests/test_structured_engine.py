@@ -10,7 +10,7 @@ pytest.importorskip("xgrammar")
 
 from specserve import LLM, SamplingParams  # noqa: E402
 
-KV = dict(num_kv_blocks=96, max_model_len=1024)
+KV = dict(dtype="float32", num_kv_blocks=96, max_model_len=1024)
 STATIC = dict(speculative_algorithm="EAGLE3", speculative_policy="static", speculative_num_steps=3)
 TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 REVIEW = {"type": "object", "properties": {

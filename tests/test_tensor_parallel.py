@@ -26,7 +26,7 @@ from specserve.loader import load_model_source
 from specserve.server.launch import build_engine, serve_in_thread
 from tiny_model import make_random_head, make_tiny_gemma3, make_tiny_hf_model
 
-KV = dict(device="cpu", num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)  # (gloo, on any machine)
+KV = dict(device="cpu", dtype="float32", num_kv_blocks=24, max_model_len=192, max_num_batched_tokens=256)  # (gloo, on any machine)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 TREES = dict(speculative_algorithm="EAGLE3", speculative_policy="static", speculative_num_steps=3,
              speculative_eagle_topk=2, speculative_num_draft_tokens=6)
@@ -189,7 +189,7 @@ def _rank1_pid(engine) -> int:
 def test_server_answers_503_once_a_rank_dies(tiny_qwen3) -> None:
     """The engine core goes within seconds of its rank 1 (it was idle: no step had to fail first)."""
     path, hf = tiny_qwen3
-    config = EngineConfig(model=path, device="cpu", tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64)
+    config = EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=2, num_kv_blocks=16, max_model_len=64)
     with serve_in_thread(partial(build_engine, config)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 

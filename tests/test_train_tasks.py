@@ -149,7 +149,7 @@ def test_heldout_acceptance_reports_each_task(tiny, tmp_path) -> None:
     path.write_text(json.dumps(tasks))
     ha = _bench("heldout_acceptance")
     res = ha.main(["--tasks", str(path), "--heads", head, "--model", model, "--configs", "chain2,chain3",
-                   "--max-tokens", "12", "--device", "cpu", "--kv-cache-memory-gb", "0.05"])
+                   "--max-tokens", "12", "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-gb", "0.05"])
     assert res["settings"]["prompts_per_task"] == {"qa": 2, "math": 2}
     for name, steps in (("chain2", 2), ("chain3", 3)):
         rows = res["heads"][head][name]

@@ -421,7 +421,7 @@ def test_a_spec_engine_on_this_backend_keeps_the_features_its_forward_wrote(tmp_
 
     model = make_tiny_model(str(tmp_path / "model"), vocab=64, logit_scale=3.0)
     head = make_random_head(model, str(tmp_path / "head"), std=0.3)
-    kw = dict(device=DEVICE.type, max_num_seqs=4, block_size=4, num_kv_blocks=128, attention_backend="triton")
+    kw = dict(device=DEVICE.type, dtype="float32", max_num_seqs=4, block_size=4, num_kv_blocks=128, attention_backend="triton")
     llm = LLM(model=model, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
               speculative_num_steps=3, speculative_policy="static", **kw)
     assert llm.engine.runner.backend_name == "triton"

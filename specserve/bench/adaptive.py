@@ -1,6 +1,6 @@
 """Load-adaptive speculation vs. no speculation, static chains and the batch threshold (CPU or GPU).
 
-Every configuration is an engine in this one process (SmolLM2-135M-Instruct fp32, the shipped
+Every configuration is an engine in this one process (SmolLM2-135M-Instruct in the engine's dtype, the shipped
 EAGLE-3 head, greedy, ShareGPT first turns <= --max-input-len tokens under the chat template,
 output lengths spread over [0.5, 1.5] x --output-len with ignore_eos, the same list for every
 configuration). Per concurrency C, all configurations run side by side, one engine step each in
@@ -69,9 +69,10 @@ def configs(args: argparse.Namespace, variants: dict[str, AdaptivePolicyConfig] 
     out: dict[str, dict[str, Any]] = {"none": {}}
     for k in args.static_steps:
         out[f"chain{k}"] = {**STATIC, "speculative_num_steps": k}
-    if args.tree:  # the default tree: 5 steps x top-4, 16 nodes
-        out["tree"] = {**STATIC, "speculative_num_steps": 5, "speculative_eagle_topk": 4,
-                       "speculative_num_draft_tokens": 16}
+    if args.tree:  # "STEPSxTOPKxTOKENS" (True: 5 steps x top-4, 16 nodes)
+        steps, topk, tokens = (int(x) for x in ("5x4x16" if args.tree is True else args.tree).split("x"))
+        out["tree"] = {**STATIC, "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                       "speculative_num_draft_tokens": tokens}
     out[f"threshold{args.threshold_n}"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "threshold",
                                            "speculative_disable_batch_threshold": args.threshold_n,
                                            "speculative_num_steps": args.threshold_steps}
@@ -377,7 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "m1:margin=0.01,explore_every=8: an A/B in the same run, reported beside adaptive (repeatable: "
                          "one engine per --variant, names distinct)")
     ap.add_argument("--static-steps", default="1,2,3")
-    ap.add_argument("--tree", action="store_true", help="also the default tree (5 steps x top-4, 16 nodes), static")
+    ap.add_argument("--tree", nargs="?", const="5x4x16", default=None, metavar="STEPSxTOPKxTOKENS",
+                    help="also a static tree (without a value: 5 steps x top-4, 16 nodes)")
     ap.add_argument("--natural-stops", action="store_true",
                     help="requests stop at EOS or --output-len tokens (default: ignore_eos, lengths spread over "
                          "[0.5, 1.5] x --output-len)")

@@ -15,7 +15,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--tokenizer", default=None, help="HF directory with tokenizer.json (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' and activations' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                   help="weights' and activations' dtype (auto: bfloat16 on CUDA and on a CPU with bf16 units "
+                        "(AVX512-BF16, AMX), else float32)")
     g.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape (benchmarks without a checkpoint)")

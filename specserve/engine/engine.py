@@ -80,9 +80,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA and on a CPU with bf16 units, else float32 (docs/decisions.md)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()) else torch.float32
     return getattr(torch, name)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (AVX512-BF16 or AMX), not by converting to fp32."""
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
 def load_target(src: "ModelSource", config: EngineConfig, device: torch.device, dtype: torch.dtype,

@@ -208,7 +208,8 @@ def kv_slab(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     slab = k0._base
     if slab is None or slab.shape[:2] != (len(kv_caches), 2):
         raise ValueError("KV caches not from allocate_kv_cache: no slab under them")
-    return slab.view(2 * len(kv_caches), -1, *k0.shape[2:])
+    slab = slab.view(2 * len(kv_caches), -1, *k0.shape[2:])
+    return slab.view(torch.uint8) if is_fp8(slab.dtype) else slab
 
 
 def num_kv_blocks_for(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
