@@ -339,21 +339,22 @@ def interleaved_offline(args: argparse.Namespace, configs: dict[str, Any], concu
                 side.run([r.prompt for r in warm], [8] * len(warm), len(warm))
         for ci, c in enumerate(concurrencies):
             n = prompts_for(c, args)
-            got: dict[str, tuple[list, float, list[StepStats]]] = {name: ([], 0.0, []) for name in names}
+            results: dict[str, list] = {name: [] for name in names}
+            seconds = dict.fromkeys(names, 0.0)
+            steps: dict[str, list[StepStats]] = {name: [] for name in names}
             for ri in range(args.rounds):
                 reqs = [requests[i % len(requests)] for i in range(n)[ri :: args.rounds]]
                 k = (ci + ri) % len(names)
                 for name in names[k:] + names[:k]:
                     res, duration, st = procs[name].run([r.prompt for r in reqs], [r.output_len for r in reqs], c,
                                                         args.ignore_eos)
-                    got[name][0].extend(res)
-                    got[name][2].append(st)
-                    got[name] = (got[name][0], got[name][1] + duration, got[name][2])
+                    results[name] += res
+                    seconds[name] += duration
+                    steps[name].append(st)
             for name in names:
-                res, duration, steps = got[name]
                 run = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds,
-                       "offline": _headline(summarize(res, duration, args.ignore_eos))}
-                run["offline"].update(_offline_steps(steps))
+                       "offline": _headline(summarize(results[name], seconds[name], args.ignore_eos))}
+                run["offline"].update(_offline_steps(steps[name]))
                 result["runs"].append(run)
                 print(f"{name:>9} C={c:<4} offline {run['offline']['output_throughput'] or 0:9.1f} tok/s", flush=True)
             write_json(out_dir / "served_vs_offline.json", result)
