@@ -214,6 +214,28 @@ def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
             "mean_step_ms": total_ms / steady if steady else None}
 
 
+def start_offline(name: str, config: Any, args: argparse.Namespace, result: dict[str, Any],
+                  requests: list[BenchRequest]) -> tuple[OfflineProcess, list[BenchRequest]]:
+    """``config``'s offline engine started and warmed up; its start-up in ``result``; the requests (loaded with
+    its tokenizer if not yet)."""
+    t_start = time.monotonic()
+    side = OfflineProcess(config, reserved_cores=args.api_server_count)
+    try:
+        info = side.wait_ready()
+        if not requests:
+            requests = load_requests(args, info["tokenizer"])
+            result.update(device=info["device"], dtype=info["dtype"], model=info["model"], torch=info["torch"])
+        result["start_up"][name] = {"offline_s": time.monotonic() - t_start, "offline_pid": info["pid"],
+                                    "offline_cpu_threads": info["cpu_threads"]}
+        warm = requests[: args.warmup]
+        if warm:
+            side.run([r.prompt for r in warm], [8] * len(warm), len(warm))
+    except BaseException:
+        side.stop()
+        raise
+    return side, requests
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from specserve.config import replace
     from specserve.engine.args import engine_config_from_args
@@ -257,29 +279,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         interleaved_offline(args, configs, concurrencies, result, out_dir)
         return finish(result, out_dir)
     clients = ClientProcesses(procs)
-    requests: list[BenchRequest] | None = None
+    requests: list[BenchRequest] = []
     for name, config in configs.items():
         # the offline engine first, then the server's: two starting at once would time their start-up cost
         # profiles against each other (now the second reuses the profile the first cached)
-        t_start = time.monotonic()
-        offline = OfflineProcess(config, reserved_cores=args.api_server_count)
+        offline, requests = start_offline(name, config, args, result, requests)
         server = None
         try:
-            info = offline.wait_ready()
-            t_offline = time.monotonic()
-            if requests is None:
-                requests = load_requests(args, info["tokenizer"])
-                result.update(device=info["device"], dtype=info["dtype"], model=info["model"], torch=info["torch"])
-            start_up = {"offline_s": t_offline - t_start, "offline_pid": info["pid"],
-                        "offline_cpu_threads": info["cpu_threads"]}
-            warm = requests[: args.warmup]
-            if warm:
-                offline.run([r.prompt for r in warm], [8] * len(warm), len(warm))
+            t_served = time.monotonic()
             server = ServerProcess(config, args.api_server_count, args.stream_interval)
             server.wait_ready()
-            start_up["served_s"] = time.monotonic() - t_offline
-            model = warm_up_server(server.url, warm)
-            result["start_up"][name] = start_up
+            result["start_up"][name]["served_s"] = time.monotonic() - t_served
+            model = warm_up_server(server.url, requests[: args.warmup])
             for ci, c in enumerate(concurrencies):
                 n = prompts_for(c, args)
                 parts = [[i % len(requests) for i in range(n)[r :: args.rounds]] for r in range(args.rounds)]
@@ -326,17 +337,7 @@ def interleaved_offline(args: argparse.Namespace, configs: dict[str, Any], concu
     requests: list[BenchRequest] = []
     try:
         for name, config in configs.items():
-            t_start = time.monotonic()
-            procs[name] = side = OfflineProcess(config, reserved_cores=args.api_server_count)
-            info = side.wait_ready()
-            if not requests:
-                requests = load_requests(args, info["tokenizer"])
-                result.update(device=info["device"], dtype=info["dtype"], model=info["model"], torch=info["torch"])
-            result["start_up"][name] = {"offline_s": time.monotonic() - t_start, "offline_pid": info["pid"],
-                                        "offline_cpu_threads": info["cpu_threads"]}
-            warm = requests[: args.warmup]
-            if warm:
-                side.run([r.prompt for r in warm], [8] * len(warm), len(warm))
+            procs[name], requests = start_offline(name, config, args, result, requests)
         for ci, c in enumerate(concurrencies):
             n = prompts_for(c, args)
             results: dict[str, list] = {name: [] for name in names}
