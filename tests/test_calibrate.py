@@ -27,7 +27,9 @@ def tiny(tmp_path_factory):
 
 def engine(tiny, calibrate: bool) -> LLM:
     model, head = tiny
-    return LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.05, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    # max_model_len: a scratch request lasts through two batch sizes of the four, then a new set starts
+    return LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.05, max_model_len=256,
+               speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                speculative_policy="adaptive", speculative_num_steps=2, max_num_seqs=4,
                speculative_calibrate=calibrate)
 
@@ -39,6 +41,8 @@ def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny)
     cal = d.calibration
     assert sorted(cal["ms"]) == [1, 2, 3, 4]
     assert all(sorted(per) == [0, 1, 2] and min(per.values()) > 0 for per in cal["ms"].values())
+    assert cal["requests"] == 4 + 2  # a set of 4 for batches 4 and 3, then one of 2 for batches 2 and 1
+    assert all(per[0] <= per[1] <= per[2] for per in cal["ms"].values())  # a deeper draft is never cheaper
     ctl = d.controller
     for b in (1, 2, 3, 4):  # seeded: every arm of every bucket holds its pseudo-cycles, time only
         arms = ctl.bandit.stats[batch_key(b)]

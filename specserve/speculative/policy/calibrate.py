@@ -1,12 +1,11 @@
 """Start-up calibration: scratch requests stepped through the engine at every (batch bucket, depth), the
-median step time seeding the bandit (time only); everything else the steps touched is put back."""
+mean time of consecutive steps seeding the bandit (time only); everything else the steps touched is put back."""
 
 from __future__ import annotations
 
 import copy
 import logging
 import time
-from statistics import median
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,9 +26,9 @@ def bucket_batches(max_batch: int) -> list[int]:
     return sorted({max_batch} | {b for b in sizes if b <= max_batch}, reverse=True)
 
 
-def calibrate(drafter: EagleSpeculator, steps: int = 3, warm: int = 1, prompt_len: int = 64,
+def calibrate(drafter: EagleSpeculator, steps: int = 8, warm: int = 2, prompt_len: int = 64,
               max_seconds: float = 60.0, seed: int = 0) -> dict[str, Any]:
-    """Time ``steps`` engine steps (after ``warm`` untimed ones) per (batch, depth); seed the bandit.
+    """Time ``steps`` consecutive engine steps (after ``warm`` untimed ones) per (batch, depth); seed the bandit.
     Returns what was measured ({batch: {depth: seconds}}) and how long it took."""
     e = drafter.engine
     ctl = drafter.controller
@@ -40,6 +39,8 @@ def calibrate(drafter: EagleSpeculator, steps: int = 3, warm: int = 1, prompt_le
     saved_stats = copy.deepcopy(e.stats)
     saved_paths = copy.deepcopy(drafter.path_counts)
     saved_preempt = e.scheduler.num_preemptions
+    # a pipelined step's time lands partly in the next one: the window opens and closes on an idle device
+    sync = torch.cuda.synchronize if drafter.device.type == "cuda" else (lambda: None)
     arms = ctl.arms()
     K = drafter.max_k
     per_batch = len(arms) * (warm + steps) * (K + 1)  # most tokens a request gains per batch size
@@ -54,41 +55,56 @@ def calibrate(drafter: EagleSpeculator, steps: int = 3, warm: int = 1, prompt_le
             break
         max_batch //= 2
     batches = bucket_batches(max_batch)
-    max_new = min(len(batches) * per_batch + 1, e.max_model_len - prompt_len - 1)
-    if max_new < per_batch:
+    life = (e.max_model_len - prompt_len - 1) // per_batch  # batch sizes one request lasts through
+    if life < 1:
         return {"skipped": f"max_model_len {e.max_model_len} too short"}
     g = torch.Generator().manual_seed(seed)
     vocab = e.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    ids = [f"{PREFIX}{i}" for i in range(max_batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=min(len(batches), life) * per_batch, ignore_eos=True)
+    sched = e.scheduler
+    ids: list[str] = []
+    added = 0
     measured: dict[int, dict[int, float]] = {}
-    try:
-        for rid in ids:
+
+    def start(n: int) -> list[str]:
+        """``n`` fresh scratch requests, prefilled."""
+        nonlocal added
+        new = [f"{PREFIX}{added + i}" for i in range(n)]
+        added += n
+        for rid in new:
             e.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
-        sched = e.scheduler
-        for _ in range(4 * max_batch * prompt_len // e.config.max_num_batched_tokens + 8):  # prefill them all
+        for _ in range(4 * n * prompt_len // e.config.max_num_batched_tokens + 8):
             if not sched.waiting and not any(r.is_prefilling for r in sched.running):
                 break
             e.step()
-        for b in batches:
+        return new
+
+    try:
+        for i, b in enumerate(batches):
+            if i % life == 0:  # the last ones are spent: a new set
+                for rid in ids:
+                    e.abort_request(rid)
+                ids = start(b)
             for rid in ids[b:]:
                 e.abort_request(rid)
             ids = ids[:b]
             for arm in arms:
                 ctl.forced_arm = arm
-                times = []
-                for i in range(warm + steps):
+                t0, done = 0.0, 0
+                for j in range(warm + steps):
                     if len(sched.running) != b or any(r.is_prefilling for r in sched.running) or sched.waiting:
                         break
+                    if j == warm:
+                        sync()
+                        t0 = time.perf_counter()
                     preempted = sched.num_preemptions
-                    t0 = time.perf_counter()
                     e.step()
                     if sched.num_preemptions != preempted:  # out of KV: a step that recomputes is no measure
                         break
-                    if i >= warm:
-                        times.append(time.perf_counter() - t0)
-                if len(times) == steps:
-                    measured.setdefault(b, {})[arm] = median(times)
+                    done += j >= warm
+                if done == steps:
+                    sync()
+                    measured.setdefault(b, {})[arm] = (time.perf_counter() - t0) / steps
             if time.perf_counter() - t_start > max_seconds:
                 break
     finally:
@@ -102,10 +118,14 @@ def calibrate(drafter: EagleSpeculator, steps: int = 3, warm: int = 1, prompt_le
         drafter.path_counts.update(saved_paths)
         e.scheduler.num_preemptions = saved_preempt
         drafter.cycle.reset()
+    for per_arm in measured.values():  # a deeper draft does all a shallower one does, and more
+        last = 0.0
+        for arm in sorted(per_arm):
+            per_arm[arm] = last = max(per_arm[arm], last)
     for b, per_arm in measured.items():
         for arm, s in per_arm.items():
             ctl.seed(b, arm, s)
-    out = {"seconds": round(time.perf_counter() - t_start, 2), "steps": steps, "warm": warm,
+    out = {"seconds": round(time.perf_counter() - t_start, 2), "steps": steps, "warm": warm, "requests": added,
            "ms": {b: {a: round(s * 1e3, 3) for a, s in per_arm.items()} for b, per_arm in sorted(measured.items())}}
     log.info("adaptive calibration in %.1fs: ms per step by batch and depth %s", out["seconds"], out["ms"])
     return out
