@@ -213,7 +213,8 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
                 bandit.observe(key, p_arm, pred_s[p_arm], p_tokens, p_seconds, sc.batch)
             else:
                 bandit.charge(key, p_arm, p_tokens, p_seconds, sc.batch)
-            refresh()
+            if bandit.due(key, p_arm):
+                refresh()
         # the cycle's outcome
         per_req = 1 + np.cumprod(rng.random((sc.batch, arm)) < req_alpha[:, :arm], axis=1).sum(axis=1)  # arm 0: ones
         tokens = float(np.sum(per_req))

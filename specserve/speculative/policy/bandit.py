@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from specserve.config import AdaptivePolicyConfig
 
+ROW_CYCLES = 8  # a bucket's row is rebuilt after this many cycles of its pick (after any other arm's at once)
+
 
 def batch_key(batch: int) -> int:
     """Half-octave buckets centred on powers of two: 31 and 32 requests share one."""
@@ -56,6 +58,7 @@ class GoodputBandit:
     elapsed: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of its cycles (decayed)
     _last_loss: dict[int, float] = field(default_factory=dict)  # bucket -> seconds its last exploration lost
     _again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
+    _fresh: dict[int, int] = field(default_factory=dict)  # bucket -> cycles of its pick since its row was built
 
     # -- the hot path: a lookup ------------------------------------------------------------------
     def decide(self, key: int) -> tuple[int, bool]:
@@ -146,6 +149,15 @@ class GoodputBandit:
         ok = [a for a in others if bound[a] > est[best][0] * (1 + c.margin)]
         self.explore[key] = (0 if 0 in faded else max(ok, key=lambda a: bound[a]) if ok
                              else min(faded) if faded else None)
+
+    def due(self, key: int, arm: int) -> bool:
+        """Whether bucket ``key``'s row is due a rebuild after a cycle of ``arm``: after any arm but the pick,
+        in the bucket's warm-up, else every ROW_CYCLES cycles."""
+        n = self._fresh.get(key, 0) + 1
+        if arm != self.chosen.get(key) or self.visits.get(key, 0) < self.cfg.warm_visits or n >= ROW_CYCLES:
+            n = 0
+        self._fresh[key] = n
+        return n == 0
 
     # -- measurements --------------------------------------------------------------------------
     def observe(self, key: int, arm: int, predicted: float, tokens: float, seconds: float, requests: int) -> None:

@@ -107,11 +107,13 @@ class SpecController:
         if self.bandit is None:
             self.bandit = GoodputBandit(self.policy)
         self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
+        K = self.cfg.num_steps
+        self._arms = list(range(K + 1)) if self.cfg.is_chain else [0, K]
 
     # -- decisions: a table lookup -----------------------------------------------------------------
     def arms(self) -> list[int]:
         """The uniform depths the adaptive policy chooses among (a tree: off or all of it)."""
-        return list(range(self.cfg.num_steps + 1)) if self.cfg.is_chain else [0, self.cfg.num_steps]
+        return self._arms
 
     def quick_arm(self, batch: int, num_running: int | None = None) -> int | None:
         """The depth every request of this batch drafts (adaptive: its bucket's table; the threshold policy:
@@ -291,7 +293,8 @@ class SpecController:
         else:
             self.bandit.observe(c.key, c.arm, c.predicted, c.tokens, seconds, c.requests)
             self.cycles += 1
-        self.refresh(c.key, c.requests)
+        if self.bandit.due(c.key, c.arm):
+            self.refresh(c.key, c.requests)
 
     def observe_step(self, num_tokens: int, num_seqs: int, seconds: float, prefill_tokens: int = 0,
                      decode_rows: int = 0, own_time: bool = True) -> None:
