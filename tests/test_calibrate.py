@@ -6,7 +6,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.speculative.policy.bandit import batch_key
-from specserve.speculative.policy.calibrate import bucket_batches
+from specserve.speculative.policy.calibrate import bucket_batches, nondecreasing
 
 
 def test_bucket_batches_cover_every_bucket_once():
@@ -14,6 +14,13 @@ def test_bucket_batches_cover_every_bucket_once():
     assert bs[0] == 256 and bs[-1] == 1 and bs == sorted(set(bs), reverse=True)
     assert sorted({batch_key(b) for b in bs}) == sorted({batch_key(b) for b in range(1, 257)})
     assert bucket_batches(5)[0] == 5 and bucket_batches(1) == [1]
+
+
+def test_nondecreasing_pools_what_violates_order_and_keeps_the_rest():
+    assert nondecreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert nondecreasing([1.0, 2.0, 2.0, 5.0]) == [1.0, 2.0, 2.0, 5.0]
+    assert nondecreasing([]) == []
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +34,7 @@ def tiny(tmp_path_factory):
 
 def engine(tiny, calibrate: bool) -> LLM:
     model, head = tiny
-    # max_model_len: a scratch request lasts through two batch sizes of the four, then a new set starts
+    # max_model_len: a scratch request lasts through one batch size, then a new set starts
     return LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.05, max_model_len=256,
                speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                speculative_policy="adaptive", speculative_num_steps=2, max_num_seqs=4,
@@ -41,7 +48,7 @@ def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny)
     cal = d.calibration
     assert sorted(cal["ms"]) == [1, 2, 3, 4]
     assert all(sorted(per) == [0, 1, 2] and min(per.values()) > 0 for per in cal["ms"].values())
-    assert cal["requests"] == 4 + 2  # a set of 4 for batches 4 and 3, then one of 2 for batches 2 and 1
+    assert cal["requests"] == 4 + 3 + 2 + 1  # a new set for each batch size
     assert all(per[0] <= per[1] <= per[2] for per in cal["ms"].values())  # a deeper draft is never cheaper
     ctl = d.controller
     for b in (1, 2, 3, 4):  # seeded: every arm of every bucket holds its pseudo-cycles, time only
