@@ -448,11 +448,22 @@ def test_offline_side_runs_its_engine_in_a_process_of_its_own() -> None:
         assert all(r.usage["prompt_tokens"] > len(tok.encode(p)) for r, p in zip(results, prompts))  # chat template
         # 2 in flight until the second request ends (the third took the first's place), then one alone
         assert 0 < steps.steady_steps < steps.steps and steps.mean_step_ms > 0
+        assert steps.k_counts is None  # (no speculation)
         s = summarize(results, duration, ignore_eos=True)
         assert s["total_output_tokens"] == 15 and s["token_check"]["consistent"]
     finally:
         side.stop()
     assert side.proc.exitcode == 0
+
+
+def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
+    from specserve.bench.offline import StepStats
+    from specserve.bench.served_vs_offline import _offline_steps
+
+    got = _offline_steps([StepStats(10, 8, 2.0, {0: 6, 5: 2}), StepStats(6, 4, 5.0, {5: 4})])
+    assert got == {"steps": 16, "steady_steps": 12, "mean_step_ms": 3.0, "k_counts": {0: 6, 5: 6}, "mean_k": 2.5}
+    plain = _offline_steps([StepStats(3, 2, 1.0)])
+    assert plain["k_counts"] is None and plain["mean_k"] is None
 
 
 def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:

@@ -33,9 +33,11 @@ class StepStats:
     steps: int
     steady_steps: int
     mean_step_ms: float | None  # mean time of an engine.step() call at the steady batch
+    k_counts: dict[int, int] | None = None  # request-decisions per draft depth (None: no speculation)
 
     def to_json(self) -> dict[str, Any]:
-        return {"steps": self.steps, "steady_steps": self.steady_steps, "mean_step_ms": self.mean_step_ms}
+        return {"steps": self.steps, "steady_steps": self.steady_steps, "mean_step_ms": self.mean_step_ms,
+                "k_counts": self.k_counts}
 
 
 def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
@@ -47,6 +49,7 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
                for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     index: dict[str, int] = {}
     next_i, steps, steady_steps, steady_time = 0, 0, 0, 0.0
+    k_before = engine.get_stats().k_histogram
     t0 = time.perf_counter()
     while next_i < len(prompts) or index:
         while next_i < len(prompts) and len(index) < concurrency:
@@ -80,7 +83,10 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
                            "spec_verify_steps": m.spec_verify_steps, "spec_draft_tokens": m.spec_draft_tokens,
                            "spec_accepted_tokens": m.spec_accepted_tokens}
     duration = time.perf_counter() - t0
-    return results, duration, StepStats(steps, steady_steps, steady_time / steady_steps * 1e3 if steady_steps else None)
+    k_after = engine.get_stats().k_histogram
+    k_counts = {k: n - k_before.get(k, 0) for k, n in sorted(k_after.items()) if n > k_before.get(k, 0)} or None
+    return results, duration, StepStats(steps, steady_steps, steady_time / steady_steps * 1e3 if steady_steps else None,
+                                        k_counts)
 
 
 def _device_name(engine: Any) -> str:
