@@ -257,7 +257,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if "offline" not in sides or any(x not in SIDES for x in sides) or len(set(sides)) < len(sides):
         raise SystemExit(f"--sides takes offline or offline,served (the served side is measured against the "
                          f"offline one), got {args.sides!r}")
-    base = engine_config_from_args(args, default_speculative=False)
+    try:
+        base = engine_config_from_args(args, default_speculative=False)
+    except ValueError as e:
+        raise SystemExit(f"served-vs-offline: {e} (the configurations' own speculation is set by --configs)") from None
     draft_path = args.speculative_draft_model_path
     if draft_path is None and args.model is None and any(specs.values()):
         from specserve.config import default_draft_path
