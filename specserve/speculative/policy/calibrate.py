@@ -58,18 +58,24 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
     per_batch = 2 * len(arms) * (warm + steps) * (K + 1)  # most tokens a request gains per batch size (two passes)
     typical = len(arms) * (warm + steps) * (K + 2)  # ... and about what it gains (half the drafts kept)
     bs = e.config.block_size
+    longest = (e.max_model_len - prompt_len - 1) // per_batch  # batch sizes one request can last through
+    if longest < 1:
+        return {"skipped": f"max_model_len {e.max_model_len} too short"}
+    budget = e.blocks.num_free_blocks * 3 // 4
+
+    def peak(batches: list[int], life: int) -> int:
+        """KV blocks at the fullest point when a set of requests lasts ``life`` batch sizes (a new set after)."""
+        return max(b * ((prompt_len + K + 2 + typical * (i % life + 1)) // bs + 1) for i, b in enumerate(batches))
+
     max_batch = min(e.config.max_num_seqs, e.config.max_num_batched_tokens // (K + 1))
-    while max_batch > 1:
-        # every request long enough for all batch sizes it stays through (the first ones: all)
+    while True:
         batches = bucket_batches(max_batch)
-        tokens = sum(b * typical for b in batches) + max_batch * (prompt_len + K + 2)
-        if tokens // bs + max_batch <= e.blocks.num_free_blocks * 3 // 4:
+        life = next((n for n in range(min(len(batches), longest), 0, -1) if peak(batches, n) <= budget), 0)
+        if life or max_batch <= 1:
             break
         max_batch //= 2
-    batches = bucket_batches(max_batch)
-    life = (e.max_model_len - prompt_len - 1) // per_batch  # batch sizes one request lasts through
     if life < 1:
-        return {"skipped": f"max_model_len {e.max_model_len} too short"}
+        return {"skipped": f"{e.blocks.num_free_blocks} free KV blocks too few"}
     g = torch.Generator().manual_seed(seed)
     vocab = e.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=min(len(batches), life) * per_batch, ignore_eos=True)
