@@ -232,7 +232,7 @@ def start_offline(name: str, config: Any, args: argparse.Namespace, result: dict
             requests = load_requests(args, info["tokenizer"])
             result.update(device=info["device"], dtype=info["dtype"], model=info["model"], torch=info["torch"])
         result["start_up"][name] = {"offline_s": time.monotonic() - t_start, "offline_pid": info["pid"],
-                                    "offline_cpu_threads": info["cpu_threads"]}
+                                    "offline_cpu_threads": info["cpu_threads"], "calibration": info["calibration"]}
         warm = requests[: args.warmup]
         if warm:
             side.run([r.prompt for r in warm], [8] * len(warm), len(warm))
