@@ -512,7 +512,7 @@ def test_offline_only_runs_every_configuration_in_turn_the_order_rotating(tmp_pa
             self.started = True
 
         def wait_ready(self):
-            return {"pid": 1, "device": "cpu", "dtype": "float32", "model": "m", "torch": "t", "cpu_threads": 1,
+            return {"pid": 1, "device": "cpu", "dtype": "float32", "model": "m", "torch": "t", "cpu_threads": 1, "calibration": None,
                     "tokenizer": type("Tok", (), {"encode": staticmethod(lambda t: t.split())})()}
 
         def run(self, prompts, max_tokens, concurrency, ignore_eos=False):
