@@ -1,5 +1,6 @@
-"""Start-up calibration: scratch requests stepped through the engine at every (batch bucket, depth), the
-mean time of consecutive steps seeding the bandit (time only); everything else the steps touched is put back."""
+"""Start-up calibration: scratch requests stepped through the engine at every (batch bucket, depth), the mean
+step time of the faster of two windows seeding the bandit (time only); everything else the steps touched is put
+back."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
     arms = ctl.arms()
     K = drafter.max_k
     per_batch = 2 * len(arms) * (warm + steps) * (K + 1)  # most tokens a request gains per batch size (two passes)
-    typical = len(arms) * (warm + steps) * (K + 2)  # ... and about what it gains (half the drafts kept)
+    typical = len(arms) * (warm + steps) * (K + 2)  # ... and about what it gains (two passes, half the drafts kept)
     bs = e.config.block_size
     longest = (e.max_model_len - prompt_len - 1) // per_batch  # batch sizes one request can last through
     if longest < 1:
