@@ -79,7 +79,7 @@ def test_min_tokens_masks_eos_and_stop_ids_at_every_row(engines):
     assert len(base) < 8 and base[-1] in eos
     mt = len(base) + 6
     stop_id = base[1]
-    sp = SamplingParams(temperature=0, max_tokens=32, min_tokens=mt, stop_token_ids=[stop_id])
+    sp = SamplingParams(temperature=0, max_tokens=mt + 4, min_tokens=mt, stop_token_ids=[stop_id])
     ref = _tokens(plain, [conv], sp)[0]
     assert len(ref) >= mt and not (set(eos) | {stop_id}) & set(ref[:mt])
     for name in ("chain", "tree"):
@@ -95,12 +95,17 @@ def test_seeded_text_is_the_same_alone_under_load_and_with_speculation(engines, 
     convs = [CONV, chat_prompts[0]]
     others = [SamplingParams(temperature=[0, 0.7, 1.0, 1.2][i % 4], seed=[None, 99 + i][i % 2], max_tokens=3 + i % 6,
                              ignore_eos=True, presence_penalty=0.3 * (i % 3 == 0)) for i in range(16)]
-    other_convs = [chat_prompts[1 + i % 8] for i in range(16)]
+    # the others' prompts: plain text of 2-25 tokens (their prefill is not what is tested)
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+    other_prompts = [" ".join(words[: 1 + (5 * i) % 14]) * (1 + i % 2) for i in range(16)]
+    prompt_ids = [engines["plain"].tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
     want = _tokens(engines["plain"], convs, target)
     for name, llm in engines.items():
         if name == "adaptive":  # (alone with speculation: chain and tree are checked under load)
             assert _tokens(llm, convs, target) == want, name
-        loaded = _tokens(llm, other_convs[:8] + convs + other_convs[8:], others[:8] + target + others[8:])
+        outs = llm.generate(other_prompts[:8] + prompt_ids + other_prompts[8:], others[:8] + target + others[8:],
+                            use_tqdm=False)
+        loaded = [o.outputs[0].token_ids for o in outs]
         assert loaded[8:10] == want, name
     assert engines["adaptive"].engine.get_stats().spec_accepted_tokens > 0
     other_seed = [SamplingParams(temperature=0.8, seed=1235, max_tokens=10, ignore_eos=True)]
