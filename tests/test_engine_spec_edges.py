@@ -96,19 +96,28 @@ def test_logprobs_with_speculation(plain, spec, chat_prompts):
             assert d[t] == pytest.approx(ref_lp[pos, t].item(), abs=2e-3), pos
 
 
-def test_stops_inside_accepted_drafts(plain, spec):
-    """A stop string, a stop token id and a stop string kept in the output end a speculating request
-    where they end a plain one: tokens a verify accepted past the stop are dropped."""
-    prompt = "Here is a long story about a brave knight and a dragon:"
-    full = plain.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0]
+STORY = "Here is a long story about a brave knight and a dragon:"
+
+
+@pytest.fixture(scope="module")
+def stops(plain):
+    """Stop strings, kept stop strings and stop token ids at many positions of STORY's greedy text (so that
+    some land inside a verify's accepted run, some at its end), and the plain engine's outputs with each."""
+    full = plain.generate([STORY], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0]
     words = full.text.split()
-    # stops at many positions, so that some land inside a verify's accepted run, some at its end
     params = ([SamplingParams(max_tokens=24, stop=[w], **GREEDY) for w in words[2:10]]
               + [SamplingParams(max_tokens=24, stop=[w], include_stop_str_in_output=True, **GREEDY)
                  for w in words[3:10:2]]
               + [SamplingParams(max_tokens=24, stop_token_ids=[t], **GREEDY) for t in full.token_ids[3:18:2]])
+    return params, plain.generate([STORY] * len(params), params)
+
+
+def test_stops_inside_accepted_drafts(spec, stops):
+    """A stop string, a stop token id and a stop string kept in the output end a speculating request
+    where they end a plain one: tokens a verify accepted past the stop are dropped."""
+    params, ref = stops
     before = spec.engine.get_stats().spec_accepted_tokens
-    ref, got = plain.generate([prompt] * len(params), params), spec.generate([prompt] * len(params), params)
+    got = spec.generate([STORY] * len(params), params)
     for r, g in zip(ref, got):
         r, g = r.outputs[0], g.outputs[0]
         assert r.finish_reason == "stop" and len(r.token_ids) < 24
