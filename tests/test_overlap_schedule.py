@@ -110,7 +110,7 @@ def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts)
     threshold policy: off above 2 running requests, on again at 1) launches that successor before the
     sync; drafting resumes as requests finish. Greedy tokens are plain decoding's."""
     convs = chat_prompts[:6]
-    params = [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(6)]
     base = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25).chat(convs, params)
     llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, overlap_schedule="on",
               speculative_algorithm="EAGLE3", speculative_policy="threshold", speculative_disable_batch_threshold=2)
