@@ -16,7 +16,7 @@ CONV = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(smollm2):
     from specserve.speculative.policy.cost_model import CostModel
     from test_golden_spec import fixed_cost_model
 
@@ -25,7 +25,7 @@ def engines():
         adaptive = LLM(**KV, max_num_batched_tokens=256, speculative_algorithm="EAGLE3", speculative_calibrate=False,
                        **CHAIN)
     assert adaptive.engine.config.speculative.policy == "adaptive"
-    return {"plain": LLM(**KV), "chain": LLM(**KV, **STATIC, **CHAIN), "tree": LLM(**KV, **STATIC, **TREE),
+    return {"plain": smollm2, "chain": LLM(**KV, **STATIC, **CHAIN), "tree": LLM(**KV, **STATIC, **TREE),
             "adaptive": adaptive}
 
 

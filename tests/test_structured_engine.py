@@ -25,8 +25,8 @@ REVIEWS = ["a quiet kettle", "shoes that hurt", "a fast laptop", "a cold pizza",
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return LLM(**KV)
+def plain(smollm2):
+    return smollm2  # (conftest: plain decoding, KV for 4k tokens)
 
 
 @pytest.fixture(scope="module")
