@@ -61,10 +61,11 @@ def test_prefix_cache_hit_gives_same_output(llm, chat_prompts):
 
 def test_sampling_seed_reproducible_and_stop_strings(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=20)
+    # seed 123 alone, then again beside seed 124 (another call and another batch: the same tokens)
     a = llm.generate(["Once upon a time"], sp)[0].outputs[0]
-    b = llm.generate(["Once upon a time"], sp)[0].outputs[0]
-    c = llm.generate(["Once upon a time"], SamplingParams(temperature=1.0, top_p=0.9, seed=124, max_tokens=20))[0]
-    assert a.token_ids == b.token_ids != c.outputs[0].token_ids
+    b, c = llm.generate(["Once upon a time"] * 2,
+                        [sp, SamplingParams(temperature=1.0, top_p=0.9, seed=124, max_tokens=20)])
+    assert a.token_ids == b.outputs[0].token_ids != c.outputs[0].token_ids
     # cut at a stop string that occurs in the greedy text
     g = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     word = g.text.split()[1]
