@@ -99,14 +99,14 @@ def test_seeded_text_is_the_same_alone_under_load_and_with_speculation(engines, 
     words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
     other_prompts = [" ".join(words[: 1 + (5 * i) % 14]) * (1 + i % 2) for i in range(16)]
     prompt_ids = [engines["plain"].tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+    other_seed = SamplingParams(temperature=0.8, seed=1235, max_tokens=10, ignore_eos=True)  # target[0]'s, reseeded
     want = _tokens(engines["plain"], convs, target)
     for name, llm in engines.items():
         if name == "adaptive":  # (alone with speculation: chain and tree are checked under load)
             assert _tokens(llm, convs, target) == want, name
-        outs = llm.generate(other_prompts[:8] + prompt_ids + other_prompts[8:], others[:8] + target + others[8:],
-                            use_tqdm=False)
+        outs = llm.generate(other_prompts[:8] + prompt_ids + other_prompts[8:] + prompt_ids[:1],
+                            others[:8] + target + others[8:] + [other_seed], use_tqdm=False)
         loaded = [o.outputs[0].token_ids for o in outs]
         assert loaded[8:10] == want, name
+        assert loaded[-1] != want[0], name
     assert engines["adaptive"].engine.get_stats().spec_accepted_tokens > 0
-    other_seed = [SamplingParams(temperature=0.8, seed=1235, max_tokens=10, ignore_eos=True)]
-    assert _tokens(engines["chain"], [CONV], other_seed)[0] != want[0]
