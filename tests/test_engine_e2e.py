@@ -45,7 +45,7 @@ def test_batch_invariance_chunked_prefill_and_preemption(chat_prompts):
     small = LLM(dtype="float32", max_num_batched_tokens=48, num_kv_blocks=40, block_size=16, enable_prefix_caching=False)
     batched = small.chat(convs, sp)
     assert small.engine.scheduler.num_preemptions > 0
-    alone = [small.chat([c], sp)[0] for c in convs[:3]]
+    alone = [small.chat([c], sp)[0] for c in convs[:2]]  # (39 and 70 prompt tokens: the second chunked)
     for a, b in zip(alone, batched):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
