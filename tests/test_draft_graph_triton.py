@@ -93,8 +93,8 @@ def test_cost_profile_times_the_static_draft_path(tiny, monkeypatch):
     from specserve.speculative import profile
     from specserve.speculative.profile import profile_costs
 
-    # one call a point and round (not the median of three): each is a loop of interpreted kernels
-    monkeypatch.setattr(profile, "measure", functools.partial(profile.measure, repeats=1))
+    # one call a point and one round (not medians of three): each is a loop of interpreted kernels
+    monkeypatch.setattr(profile, "measure", functools.partial(profile.measure, repeats=1, rounds=1))
     model, head = tiny
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = []
@@ -114,7 +114,8 @@ def test_cost_profile_times_the_static_draft_path(tiny, monkeypatch):
             assert cost.meta["draft_path"].startswith("static")
             assert sorted(cost.draft.profile) == [1, 2, 3, 4]
             assert all(s > 0 for s in cost.draft.profile.values())
-            assert calls["chain"] >= 4 * 3 and calls["catch_up"] == calls["chain"]  # every point, every round
+            # every point, in the warm-up and the round
+            assert calls["chain"] >= 4 * 2 and calls["catch_up"] == calls["chain"]
             del d.proposer.chain_runner.run, d.catch_up.runner.run
         log = record_drafts(llm)
         outs.append(([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)], log))

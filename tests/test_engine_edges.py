@@ -65,13 +65,13 @@ def test_min_tokens_defers_every_stop(llm):
     n = len(base.token_ids)
     assert base.finish_reason == "stop" and n < 8, base  # EOS comes early for this prompt
     mt = n + 6
-    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64, min_tokens=mt))[0].outputs[0]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=mt + 4, min_tokens=mt))[0].outputs[0]
     assert len(out.token_ids) >= mt
     assert out.token_ids[: n - 1] == base.token_ids[: n - 1]
     eos = set(llm.tokenizer.eos_token_ids)
     assert not eos & set(out.token_ids[:mt])  # EOS is masked, not just passed over
     first = base.token_ids[0]
-    early = llm.chat(conv, SamplingParams(temperature=0, max_tokens=64, min_tokens=mt, stop_token_ids=[first],
+    early = llm.chat(conv, SamplingParams(temperature=0, max_tokens=mt + 4, min_tokens=mt, stop_token_ids=[first],
                                           stop=[base.text[:2]]))[0].outputs[0]
     assert len(early.token_ids) >= mt
     assert first not in early.token_ids[:mt] and not eos & set(early.token_ids[:mt])

@@ -40,13 +40,23 @@ def _drive(eng, until=None):
     return done
 
 
-def _abort_mid_speculation(llm, plain, prompts):
+ABORT_SP = SamplingParams(max_tokens=16, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def abort_prompts(plain, chat_prompts):
+    """Three prompts' token ids for the abort tests, and the plain engine's outputs of the last two."""
+    ids = [plain.tokenizer.apply_chat_template(p) for p in chat_prompts[:3]]
+    return ids, _ids(plain.generate(ids[1:], ABORT_SP))
+
+
+def _abort_mid_speculation(llm, abort_prompts):
     """Two requests draft; one is aborted once a step has verified drafts (its next drafts are proposed,
     and with overlap scheduling its next verify may be launched already). The other's tokens are the
     plain engine's; a request added after the abort is too; every block comes back."""
     eng = llm.engine
-    a, b, c = (llm.tokenizer.apply_chat_template(p) for p in prompts)
-    long_sp, sp = SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=16, **GREEDY)
+    (a, b, c), want = abort_prompts
+    long_sp, sp = SamplingParams(max_tokens=40, **GREEDY), ABORT_SP
     eng.add_request("a", a, long_sp)
     eng.add_request("b", b, sp)
     before = eng.get_stats().spec_verify_steps
@@ -56,26 +66,34 @@ def _abort_mid_speculation(llm, plain, prompts):
     eng.add_request("c", c, sp)
     done = _drive(eng)
     assert sorted(done) == ["b", "c"]
-    assert [done["b"].outputs[0].token_ids, done["c"].outputs[0].token_ids] == _ids(plain.generate([b, c], sp))
+    assert [done["b"].outputs[0].token_ids, done["c"].outputs[0].token_ids] == want
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
-def test_abort_between_a_draft_and_its_verify(plain, spec, chat_prompts):
-    _abort_mid_speculation(spec, plain, chat_prompts[:3])
+def test_abort_between_a_draft_and_its_verify(spec, abort_prompts):
+    _abort_mid_speculation(spec, abort_prompts)
 
 
-def test_abort_with_the_next_verify_launched_ahead(plain, chat_prompts):
+def test_abort_with_the_next_verify_launched_ahead(abort_prompts):
     """Overlap scheduling (on for CUDA, forced here): the drafter launches a chain's next verify before
     the step ends, so the abort lands after that verify is queued."""
-    _abort_mid_speculation(LLM(**KV, **STATIC, **CHAIN, overlap_schedule="on"), plain, chat_prompts[:3])
+    _abort_mid_speculation(LLM(**KV, **STATIC, **CHAIN, overlap_schedule="on"), abort_prompts)
 
 
-def test_logprobs_with_speculation(plain, spec, chat_prompts):
+LOGPROBS_SP = SamplingParams(max_tokens=12, logprobs=3, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def logprobs_ref(plain, chat_prompts):
+    """The plain engine's greedy tokens and top-3 logprobs of two prompts (for chain and tree)."""
+    return plain.chat(chat_prompts[3:5], LOGPROBS_SP)
+
+
+def test_logprobs_with_speculation(spec, logprobs_ref, chat_prompts):
     """Greedy: tokens and logprobs (chosen + top 3) are the plain engine's. Sampled: each token's logprob,
     accepted draft or not, is log_softmax of transformers' logits given the tokens before it."""
     convs = chat_prompts[3:5]
-    sp = SamplingParams(max_tokens=12, logprobs=3, **GREEDY)
-    ref, got = plain.chat(convs, sp), spec.chat(convs, sp)
+    ref, got = logprobs_ref, spec.chat(convs, LOGPROBS_SP)
     assert spec.engine.get_stats().spec_accepted_tokens > 0
     for r, g in zip(ref, got):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
@@ -96,19 +114,28 @@ def test_logprobs_with_speculation(plain, spec, chat_prompts):
             assert d[t] == pytest.approx(ref_lp[pos, t].item(), abs=2e-3), pos
 
 
-def test_stops_inside_accepted_drafts(plain, spec):
-    """A stop string, a stop token id and a stop string kept in the output end a speculating request
-    where they end a plain one: tokens a verify accepted past the stop are dropped."""
-    prompt = "Here is a long story about a brave knight and a dragon:"
-    full = plain.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0]
+STORY = "Here is a long story about a brave knight and a dragon:"
+
+
+@pytest.fixture(scope="module")
+def stops(plain):
+    """Stop strings, kept stop strings and stop token ids at many positions of STORY's greedy text (so that
+    some land inside a verify's accepted run, some at its end), and the plain engine's outputs with each."""
+    full = plain.generate([STORY], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0]
     words = full.text.split()
-    # stops at many positions, so that some land inside a verify's accepted run, some at its end
     params = ([SamplingParams(max_tokens=24, stop=[w], **GREEDY) for w in words[2:10]]
               + [SamplingParams(max_tokens=24, stop=[w], include_stop_str_in_output=True, **GREEDY)
                  for w in words[3:10:2]]
               + [SamplingParams(max_tokens=24, stop_token_ids=[t], **GREEDY) for t in full.token_ids[3:18:2]])
+    return params, plain.generate([STORY] * len(params), params)
+
+
+def test_stops_inside_accepted_drafts(spec, stops):
+    """A stop string, a stop token id and a stop string kept in the output end a speculating request
+    where they end a plain one: tokens a verify accepted past the stop are dropped."""
+    params, ref = stops
     before = spec.engine.get_stats().spec_accepted_tokens
-    ref, got = plain.generate([prompt] * len(params), params), spec.generate([prompt] * len(params), params)
+    got = spec.generate([STORY] * len(params), params)
     for r, g in zip(ref, got):
         r, g = r.outputs[0], g.outputs[0]
         assert r.finish_reason == "stop" and len(r.token_ids) < 24

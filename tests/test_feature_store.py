@@ -51,19 +51,27 @@ def reference(model: str, head: str, tokens: list[int]) -> torch.Tensor:
     return outs[0][1][: len(tokens)]
 
 
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+SP60 = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def future(tiny) -> dict[str, list[int]]:
+    """Plain decoding's 60 greedy tokens of each of PROMPTS, by request id."""
+    plain = LLM(dtype="float32", model=tiny[0], device="cpu", max_num_seqs=4, block_size=4, kv_cache_memory_gb=KV_GB)
+    return {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(plain.generate(PROMPTS, SP60))}
+
+
 @pytest.mark.parametrize("in_forward", [True, False], ids=["written_by_the_forward", "scattered_after_it"])
 @pytest.mark.parametrize("policy", ["static", "tree", "off"])
-def test_kept_features_are_the_targets_at_each_position(tiny, policy, in_forward):
+def test_kept_features_are_the_targets_at_each_position(tiny, future, policy, in_forward):
     model, head = tiny
     kw = {"static": dict(speculative_policy="static"),
           # trees: accepted nodes off the first branch move up to the slots after the root (_compact)
           "tree": dict(speculative_policy="static", speculative_eagle_topk=4, speculative_num_draft_tokens=8),
           "off": dict(speculative_policy="threshold", speculative_disable_batch_threshold=0)}[policy]
     llm = spec_llm(model, head, **kw)
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
-    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    plain = LLM(dtype="float32", model=model, device="cpu", max_num_seqs=4, block_size=4, kv_cache_memory_gb=KV_GB)
-    future = {f"r{i}": o.outputs[0].token_ids for i, o in enumerate(plain.generate(prompts, sp))}
+    prompts, sp = PROMPTS, SP60
     d = llm.engine.drafter
     fs = d.features
     assert fs.in_forward and d.target.feature_sink is fs.features  # EAGLE-3: the forward writes them

@@ -31,15 +31,24 @@ def _run(chat_prompts, overlap: str, **kw):
     return outs, eng
 
 
+@pytest.fixture(scope="module")
+def step_by_step(chat_prompts):
+    """The step-by-step engine's outputs with room for every request (preemption and recompute give
+    the same tokens: test_engine_e2e's batch invariance), the reference of both overlapped runs."""
+    outs, eng = _run(chat_prompts, "off", kv_cache_memory_gb=0.25)
+    assert not eng.overlap and eng.scheduler.num_preemptions == 0
+    return outs
+
+
 @pytest.mark.parametrize("kv", ["roomy", "tight"])
-def test_overlapped_steps_give_what_step_by_step_decoding_gives(chat_prompts, kv):
+def test_overlapped_steps_give_what_step_by_step_decoding_gives(chat_prompts, step_by_step, kv):
     """8 requests through 4 sequence slots (admissions while others decode), prompts chunked by a
     64-token budget, greedy / seeded sampling / logprobs / stop strings / EOS / max_tokens 1; "tight":
     a KV cache too small for 4 requests at once, so requests are preempted and recomputed."""
     kw = {"num_kv_blocks": 20, "enable_prefix_caching": False} if kv == "tight" else {"kv_cache_memory_gb": 0.25}
-    plain, eng_plain = _run(chat_prompts, "off", **kw)
+    plain = step_by_step
     over, eng = _run(chat_prompts, "on", **kw)
-    assert eng.overlap and not eng_plain.overlap
+    assert eng.overlap
     if kv == "tight":
         assert eng.scheduler.num_preemptions > 0
     for a, b in zip(plain, over):
@@ -77,7 +86,7 @@ def test_an_abort_while_the_next_step_is_on_the_device(chat_prompts):
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_overlap_schedule_flag():
+def test_overlap_schedule_flag(smollm2):
     from specserve.config import EngineConfig
 
     with pytest.raises(ValueError, match="overlap_schedule"):
@@ -93,7 +102,7 @@ def test_overlap_schedule_flag():
     assert engine_config_from_args(p.parse_args(["--disable-overlap-schedule"])).overlap_schedule == "off"
     assert engine_config_from_args(p.parse_args(["--overlap-schedule", "on"])).overlap_schedule == "on"
     # auto: off on the CPU (nothing to overlap there)
-    assert not LLM(dtype="float32", kv_cache_memory_gb=0.05).engine.overlap
+    assert smollm2.engine.config.overlap_schedule == "auto" and not smollm2.engine.overlap
 
 
 def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts):
@@ -101,7 +110,7 @@ def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts)
     threshold policy: off above 2 running requests, on again at 1) launches that successor before the
     sync; drafting resumes as requests finish. Greedy tokens are plain decoding's."""
     convs = chat_prompts[:6]
-    params = [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(6)]
     base = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25).chat(convs, params)
     llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, overlap_schedule="on",
               speculative_algorithm="EAGLE3", speculative_policy="threshold", speculative_disable_batch_threshold=2)

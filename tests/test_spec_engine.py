@@ -10,6 +10,7 @@ SHIPPED = (DEFAULT_HEAD / "config.json").exists()
 CHAIN = dict(speculative_num_steps=3)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SP8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # KV for ~5k tokens (the default 2 GB, ~45k, costs 1-3 s of zeroing per engine) where a test's
 # prompts need far less (no test here evicts from it)
 SMALL_KV = dict(dtype="float32", kv_cache_memory_gb=0.25)
@@ -45,24 +46,33 @@ def heads(random_head):
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_greedy_lossless_batch8_with_preemption(random_head, reference, chat_prompts, shape):
     # the last 10 prompts (32-106 tokens) in 40 blocks of 4: 3-8 preemptions per head and shape,
-    # as many as all 20 gave in 68 blocks (the 252-token prompt 9 needs 68 blocks to itself), at half the work
-    for head in heads(random_head):
+    # as many as all 20 gave in 68 blocks (the 252-token prompt 9 needs 68 blocks to itself), at half the work.
+    # The random head (every draft rejected) on the chain; the shipped one (drafts accepted and rejected) on both
+    for head in heads(random_head)[1 if shape is TREE and SHIPPED else 0 :]:
         llm = LLM(dtype="float32", max_num_seqs=8, num_kv_blocks=40, block_size=4, speculative_algorithm="EAGLE3",
                   speculative_draft_model_path=head, speculative_policy="static", **shape)
         out = [o.outputs[0].token_ids for o in llm.chat(chat_prompts[10:], SP)]
         assert llm.engine.scheduler.num_preemptions > 0
         assert out == reference[10:], f"head {head}"
+        if head != random_head:
+            st = llm.engine.get_stats()
+            assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
 
 
 @pytest.mark.parametrize("shape", [CHAIN, TREE], ids=["chain", "tree"])
 def test_greedy_lossless_batch1(random_head, reference, chat_prompts, shape):
-    for head in heads(random_head):
-        llm = LLM(max_num_seqs=1, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                  speculative_policy="static", **SMALL_KV, **shape)
-        outs = llm.chat(chat_prompts[:3], SP)
-        assert [o.outputs[0].token_ids for o in outs] == reference[:3], f"head {head}"
-        m = outs[0].metrics
-        assert m.spec_verify_steps > 0 and m.spec_draft_tokens >= m.spec_verify_steps
+    # the shipped head (drafts accepted and rejected; the random head's all-rejected drafts are the
+    # batch-8 test's), the random one where it is not in the tree
+    head = heads(random_head)[-1]
+    llm = LLM(max_num_seqs=1, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="static", **SMALL_KV, **shape)
+    outs = llm.chat(chat_prompts[:2], SP)
+    assert [o.outputs[0].token_ids for o in outs] == reference[:2], f"head {head}"
+    m = outs[0].metrics
+    assert m.spec_verify_steps > 0 and m.spec_draft_tokens >= m.spec_verify_steps
+    if head != random_head:
+        st = llm.engine.get_stats()
+        assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens  # both accepted and rejected drafts
 
 
 @pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree yet")
@@ -143,19 +153,20 @@ def test_prefix_cache_while_speculation_is_off(random_head, reference, chat_prom
     """Prompts served while speculation is off leave cached blocks without draft KV. The same
     prompts again, still off, reuse them (and those requests never draft); an engine that drafts
     gets its blocks' draft KV from the catch-up and reuses them while drafting."""
-    prompts, reference = chat_prompts[:5], reference[:5]  # more than max_num_seqs: some wait for others
-    off = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
+    prompts = chat_prompts[:3]  # more than max_num_seqs: one waits for the others
+    reference = [r[:8] for r in reference[:3]]  # 8 greedy tokens (ignore_eos: a prefix of the 16)
+    off = LLM(max_num_seqs=2, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
               speculative_policy="threshold", speculative_disable_batch_threshold=0, **SMALL_KV)
-    assert [o.outputs[0].token_ids for o in off.chat(prompts, SP)] == reference
-    again = off.chat(prompts, SP)
+    assert [o.outputs[0].token_ids for o in off.chat(prompts, SP8)] == reference
+    again = off.chat(prompts, SP8)
     assert [o.outputs[0].token_ids for o in again] == reference
     assert all(o.metrics.num_cached_tokens > 0 for o in again)  # before: 0, the blocks lacked draft KV
     assert off.engine.get_stats().spec_draft_tokens == 0
 
-    on = LLM(max_num_seqs=4, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
+    on = LLM(max_num_seqs=2, speculative_algorithm="EAGLE3", speculative_draft_model_path=random_head,
              speculative_policy="static", **SMALL_KV)
-    on.chat(prompts, SP)
-    again = on.chat(prompts, SP)
+    on.chat(prompts, SP8)
+    again = on.chat(prompts, SP8)
     assert [o.outputs[0].token_ids for o in again] == reference
     assert all(o.metrics.num_cached_tokens > 0 for o in again)
     assert all(o.metrics.spec_draft_tokens > 0 for o in again)  # reused blocks with draft KV: they draft

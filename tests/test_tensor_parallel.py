@@ -53,18 +53,21 @@ def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def test_smollm2_two_ranks_equal_one(smollm_prompts) -> None:
-    """Plain decoding, then tree speculation (its KV compaction runs on both ranks' heads)."""
-    one = _tokens(LLM(**KV), smollm_prompts)
-    for spec in ({}, TREES):
-        llm = LLM(tensor_parallel_size=2, **KV, **spec)
-        try:
-            assert llm.engine.runner.mc.num_key_value_heads == 2  # rank 0's share of 3
-            assert _tokens(llm, smollm_prompts) == one
-            if spec:
-                assert llm.engine.stats.spec_accepted_tokens > 0
-        finally:
-            llm.engine.close()
+def test_smollm2_two_ranks_equal_one(smollm2, smollm_prompts) -> None:
+    """Plain decoding (requests that never draft: plain steps on both ranks), then tree speculation (its
+    KV compaction runs on both ranks' heads), in one two-rank engine; one rank: the session's engine (the
+    three prompts in one prefill step there too)."""
+    one = _tokens(smollm2, smollm_prompts)
+    llm = LLM(tensor_parallel_size=2, **KV, **TREES)
+    try:
+        assert llm.engine.runner.mc.num_key_value_heads == 2  # rank 0's share of 3
+        plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, max_spec_tokens=0)
+        assert _tokens(llm, smollm_prompts, plain) == one
+        assert llm.engine.stats.spec_draft_tokens == 0 and llm.engine.stats.steps == 10  # a token a step
+        assert _tokens(llm, smollm_prompts) == one
+        assert llm.engine.stats.spec_accepted_tokens > 0
+    finally:
+        llm.engine.close()
 
 
 @pytest.fixture(scope="module")

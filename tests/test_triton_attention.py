@@ -324,10 +324,9 @@ def _interpreter_rows_round_alike() -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not CUDA, reason="Triton 3.6's interpreter multiplies bf16 dot operands as raw bits"))], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("over", [0, 12], ids=["planned", "shifted"])
 @pytest.mark.parametrize("backend", [NO_SPLIT, PER_TOKEN, SHARED, FEW_PROGRAMS],
                          ids=["whole", "split_kv", "shared_prefix", "few_programs"])
-def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, over, dtype):
+def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, dtype):
     """Exact trees: every tree token's output is bit for bit what a one-token decode step computes
     once its path is committed (prefix, then its ancestors at consecutive positions): what makes
     greedy tree speculation lossless in bf16 on the GPU. ``shifted``: the step planned longer and
@@ -335,40 +334,45 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, o
     ``shared_prefix`` a range taken as below the tree would hold tree keys, as on the H200 in session
     35, 42/50 prompts equal). Without exact trees (the ancestors' keys between other nodes' masked
     ones) the sums round differently. The launch as a CUDA graph captures it (``few_programs``: fewer
-    programs than items, each loops) gives the same."""
+    programs than items, each loops) gives the same. Planned and shifted trees are checked against the
+    same decode steps (the shift moves the plan's length, not the keys' slots)."""
     if backend.get("share_tree_prefix") and not CUDA and not _interpreter_rows_round_alike():
         pytest.skip("this host's numpy matmul rounds a row by the product's height: tiles of several tree "
                     "tokens cannot match one-token tiles bit for bit in the interpreter (checked on the GPU)")
     g = torch.Generator().manual_seed(5)
     bs, kvh, heads, hd, nb, L, n = 4, 2, 4, 32, 48, 37, 12  # the tree's keys cross a 16-key block
     base = [(a.to(dtype), b.to(dtype)) for a, b in _random_caches(g, nb, bs, kvh, hd)]
-    table = torch.randperm(nb - 1, generator=g)[: -(-(L + n + over) // bs)].tolist()
-    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
-    bt = torch.tensor([table], device=DEVICE)
+    perm = torch.randperm(nb - 1, generator=g).tolist()
+    tables = {over: perm[: -(-(L + n + over) // bs)] for over in (0, 12)}  # planned, shifted: one a prefix
+    slot = lambda p: perm[p // bs] * bs + p % bs  # noqa: E731  (p < L + n: the same slot in both tables)
     mask = _random_tree_mask(n, 7)
     q = torch.randn(n, heads, hd, generator=g).to(DEVICE, dtype)
     k = torch.randn(n, kvh, hd, generator=g).to(DEVICE, dtype)
     v = torch.randn(n, kvh, hd, generator=g).to(DEVICE, dtype)
     opts = dict(num_heads=heads, max_num_tokens=64, max_num_seqs=2, max_blocks_per_seq=32, block_n=16, **backend)
 
-    caches = [(a.clone(), b.clone()) for a, b in base]
-    tri = TritonBackend(caches, bs, hd**-0.5, **opts)
-    tri.plan(AttentionMetadata(query_lens=[n], seq_lens=[L + n + over], block_tables=bt,
-                               slot_mapping=torch.tensor([slot(L + i) for i in range(n)], device=DEVICE),
-                               tree_masks={0: mask.to(DEVICE)},
-                               seq_shift=torch.tensor([-over], device=DEVICE) if over else None))
-    out_tree = tri.forward(0, q, k, v)
-    assert tri.exact_fallbacks == 0
-    shared = int(tri._item["len"][: tri._num_items].max()) > 1  # tiles of several tree tokens
-    assert shared == bool(backend.get("share_tree_prefix")) and tri._num_merges == (0 if backend is NO_SPLIT else n)
-    assert tri.step_exact
-    monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
-    if backend is FEW_PROGRAMS:  # each program loops over items and merges
-        monkeypatch.setattr(tri, "_graph_grid", lambda n: (3, 2))
-        assert tri._num_items > 3 and tri._num_merges > 2
-    tri.capture_exact = True  # as graphs that replay tree steps are captured
-    assert torch.equal(tri.forward(0, q, k, v), out_tree)
-    monkeypatch.undo()
+    out_trees = []
+    for over, table in tables.items():
+        caches = [(a.clone(), b.clone()) for a, b in base]
+        tri = TritonBackend(caches, bs, hd**-0.5, **opts)
+        tri.plan(AttentionMetadata(query_lens=[n], seq_lens=[L + n + over], block_tables=torch.tensor([table], device=DEVICE),
+                                   slot_mapping=torch.tensor([slot(L + i) for i in range(n)], device=DEVICE),
+                                   tree_masks={0: mask.to(DEVICE)},
+                                   seq_shift=torch.tensor([-over], device=DEVICE) if over else None))
+        out_tree = tri.forward(0, q, k, v)
+        assert tri.exact_fallbacks == 0
+        shared = int(tri._item["len"][: tri._num_items].max()) > 1  # tiles of several tree tokens
+        assert shared == bool(backend.get("share_tree_prefix")) and tri._num_merges == (0 if backend is NO_SPLIT else n)
+        assert tri.step_exact
+        monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+        if backend is FEW_PROGRAMS:  # each program loops over items and merges
+            monkeypatch.setattr(tri, "_graph_grid", lambda n: (3, 2))
+            assert tri._num_items > 3 and tri._num_merges > 2
+        tri.capture_exact = True  # as graphs that replay tree steps are captured
+        assert torch.equal(tri.forward(0, q, k, v), out_tree)
+        monkeypatch.undo()
+        out_trees.append(out_tree)
+    bt = torch.tensor([tables[0]], device=DEVICE)
 
     deep = 0
     for i in range(n):
@@ -384,7 +388,8 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, o
         dec.plan(AttentionMetadata(query_lens=[1], seq_lens=[L + d + 1], block_tables=bt,
                                    slot_mapping=torch.tensor([slot(L + d)], device=DEVICE)))
         out = dec.forward(0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
-        assert torch.equal(out[0], out_tree[i]), f"tree node {i} (path {path}) differs from its decode step"
+        for over, out_tree in zip(tables, out_trees):
+            assert torch.equal(out[0], out_tree[i]), f"tree node {i} (path {path}, shift {over}) differs from its decode step"
     assert deep >= 3, "the tree was meant to have paths that skip nodes"
 
 
