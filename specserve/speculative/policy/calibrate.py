@@ -79,7 +79,7 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         return {"skipped": f"{e.blocks.num_free_blocks} free KV blocks too few"}
     g = torch.Generator().manual_seed(seed)
     vocab = e.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=min(len(batches), life) * per_batch, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=life * per_batch, ignore_eos=True)
     sched = e.scheduler
     ids: list[str] = []
     added = 0
