@@ -23,13 +23,31 @@ def serve(b: GoodputBandit, true_s: dict[int, float], pred_s: dict[int, float], 
         arm, _ = b.decide(key)
         arms.append(arm)
         b.observe(key, arm, pred_s[arm], TOKENS[arm] * B, true_s[arm], B)
-        b.refresh(key, priors(pred_s), B)
+        if b.due(key, arm):  # as the controller rebuilds it
+            b.refresh(key, priors(pred_s), B)
     return arms
 
 
 def test_batch_buckets_are_half_octaves_around_powers_of_two():
     assert batch_key(31) == batch_key(32) != batch_key(24)
     assert [bucket_batch(batch_key(n)) for n in (1, 2, 4, 16, 256)] == [1, 2, 4, 16, 256]
+
+
+def test_a_row_is_due_after_every_other_arm_in_the_warm_up_and_every_8th_cycle_of_the_pick():
+    from specserve.speculative.policy.bandit import ROW_CYCLES
+
+    b = GoodputBandit(AdaptivePolicyConfig(warm_visits=4))
+    key = batch_key(B)
+    b.refresh(key, priors({0: 0.010, 1: 0.011, 2: 0.012, 3: 0.013}), B)
+    pick = b.chosen[key]
+    assert pick == 3
+    due = []
+    for _ in range(3 + 2 * ROW_CYCLES):
+        b.decide(key)
+        due.append(b.due(key, pick))
+    assert all(due[:3])  # the warm-up (decisions 1-3 of 4): every cycle
+    assert due[3:] == ([False] * (ROW_CYCLES - 1) + [True]) * 2
+    assert b.due(key, 0) and not b.due(key, pick)  # another arm's cycle at once, the count starting over
 
 
 def test_measured_time_overrules_the_prediction():
