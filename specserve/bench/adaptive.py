@@ -65,20 +65,21 @@ from specserve.bench.adaptive_report import device_name, markdown, plots, summar
 STATIC = {"speculative_algorithm": "EAGLE3", "speculative_policy": "static"}
 
 
-def tree_shape(text: str) -> str:
-    """``--tree``'s value: three positive integers joined by x (steps x top-k x draft tokens)."""
+def tree_shape(text: str) -> tuple[int, int, int]:
+    """``--tree``'s value, steps x top-k x draft tokens: "5x4x16" -> (5, 4, 16)."""
     parts = text.split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"want STEPSxTOPKxTOKENS, e.g. 5x4x16, got {text!r}")
-    return text
+    steps, topk, tokens = (int(p) for p in parts)
+    return steps, topk, tokens
 
 
 def configs(args: argparse.Namespace, variants: dict[str, AdaptivePolicyConfig] | None = None) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"none": {}}
     for k in args.static_steps:
         out[f"chain{k}"] = {**STATIC, "speculative_num_steps": k}
-    if args.tree:  # "STEPSxTOPKxTOKENS" (True: 5 steps x top-4, 16 nodes)
-        steps, topk, tokens = (int(x) for x in ("5x4x16" if args.tree is True else args.tree).split("x"))
+    if args.tree:  # (steps, top-k, draft tokens)
+        steps, topk, tokens = args.tree
         out["tree"] = {**STATIC, "speculative_num_steps": steps, "speculative_eagle_topk": topk,
                        "speculative_num_draft_tokens": tokens}
     out[f"threshold{args.threshold_n}"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "threshold",
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "m1:margin=0.01,explore_every=8: an A/B in the same run, reported beside adaptive (repeatable: "
                          "one engine per --variant, names distinct)")
     ap.add_argument("--static-steps", default="1,2,3")
-    ap.add_argument("--tree", nargs="?", const="5x4x16", default=None, metavar="STEPSxTOPKxTOKENS", type=tree_shape,
+    ap.add_argument("--tree", nargs="?", const=(5, 4, 16), default=None, metavar="STEPSxTOPKxTOKENS", type=tree_shape,
                     help="also a static tree (without a value: 5 steps x top-4, 16 nodes)")
     ap.add_argument("--natural-stops", action="store_true",
                     help="requests stop at EOS or --output-len tokens (default: ignore_eos, lengths spread over "

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import platform
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -84,7 +85,7 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
                            "spec_accepted_tokens": m.spec_accepted_tokens}
     duration = time.perf_counter() - t0
     k_after = engine.get_stats().k_histogram
-    k_counts = {k: n - k_before.get(k, 0) for k, n in sorted(k_after.items()) if n > k_before.get(k, 0)} or None
+    k_counts = dict(sorted((Counter(k_after) - Counter(k_before)).items())) or None
     return results, duration, StepStats(steps, steady_steps, steady_time / steady_steps * 1e3 if steady_steps else None,
                                         k_counts)
 

@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -210,13 +211,10 @@ def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
     """The offline engine's steps over a run's rounds; mean step time at the steady batch (all C in flight)."""
     steady = sum(s.steady_steps for s in stats)
     total_ms = sum(s.mean_step_ms * s.steady_steps for s in stats if s.mean_step_ms is not None)
-    k_counts: dict[int, int] = {}
-    for s in stats:
-        for k, n in (s.k_counts or {}).items():
-            k_counts[k] = k_counts.get(k, 0) + n
+    k_counts = sum((Counter(s.k_counts or {}) for s in stats), Counter())
     decisions = sum(k_counts.values())
     return {"steps": sum(s.steps for s in stats), "steady_steps": steady,
-            "mean_step_ms": total_ms / steady if steady else None, "k_counts": k_counts or None,
+            "mean_step_ms": total_ms / steady if steady else None, "k_counts": dict(sorted(k_counts.items())) or None,
             "mean_k": sum(k * n for k, n in k_counts.items()) / decisions if decisions else None}
 
 
