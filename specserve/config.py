@@ -164,7 +164,9 @@ class SpeculativeConfig:
 
     algorithm: SpecAlgorithm = "EAGLE3"
     draft_model_path: str | None = None
-    num_steps: int = 5
+    # draft depth (the adaptive policy's cap); None: 7 for a chain where steps replay CUDA graphs
+    # (deep drafts cost the graphs little), else 5 (LLMEngine resolves it)
+    num_steps: int | None = None
     eagle_topk: int = 1
     num_draft_tokens: int | None = None  # None: steps + 1 for a chain
     policy: SpecPolicy = "adaptive"
@@ -189,7 +191,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.algorithm not in ("EAGLE", "EAGLE3"):
             raise ValueError(f"speculative_algorithm must be EAGLE or EAGLE3, got {self.algorithm!r}")
-        if self.num_steps < 1:
+        if self.num_steps is not None and self.num_steps < 1:
             raise ValueError(f"speculative_num_steps must be >= 1, got {self.num_steps}")
         if self.eagle_topk < 1:
             raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
@@ -197,6 +199,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_policy must be static, threshold or adaptive, got {self.policy!r}")
         if self.policy == "threshold" and self.disable_batch_threshold is None:
             raise ValueError("speculative_policy=threshold needs speculative_disable_batch_threshold")
+        if self.num_steps is None:
+            return  # checked once resolved
         n = self.resolved_num_draft_tokens
         if self.eagle_topk == 1 and n != self.num_steps + 1:
             raise ValueError(
@@ -210,8 +214,15 @@ class SpeculativeConfig:
         if n < 2 or n > max_nodes:
             raise ValueError(f"speculative_num_draft_tokens={n} must be in [2, {max_nodes}] for these steps/topk")
 
+    def resolved(self, graphs: bool) -> "SpeculativeConfig":
+        """With num_steps set: 7 for a chain whose steps replay CUDA graphs (``graphs``), else 5."""
+        if self.num_steps is not None:
+            return self
+        return dataclasses.replace(self, num_steps=7 if graphs and self.eagle_topk == 1 else 5)
+
     @property
     def resolved_num_draft_tokens(self) -> int:
+        assert self.num_steps is not None, "SpeculativeConfig.resolved() first"
         return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
 
     @property

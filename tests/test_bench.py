@@ -476,7 +476,8 @@ def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:
     assert spec_for("chain7") == {"num_steps": 7, "eagle_topk": 1, "policy": "static"}
     assert spec_for("tree") == {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 16, "policy": "static"}
     assert spec_for("tree8")["num_draft_tokens"] == 8
-    for bad in ("chain", "chain0", "chainx", "spec", "tree-2"):
+    assert spec_for("adaptive5") == {"policy": "adaptive", "num_steps": 5}
+    for bad in ("chain", "chain0", "chainx", "spec", "tree-2", "adaptive0", "adaptivex"):
         with pytest.raises(ValueError, match="unknown config"):
             spec_for(bad)
 
@@ -484,7 +485,8 @@ def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:
         return {"config": name, "concurrency": c, "offline": {"output_throughput": tok_s}}
 
     runs = [run("no-spec", 1, 100.0), run("chain5", 1, 200.0), run("adaptive", 1, 190.0),
-            run("no-spec", 64, 400.0), run("chain5", 64, 300.0), run("adaptive", 64, 404.0)]
+            run("no-spec", 64, 400.0), run("chain5", 64, 300.0), run("adaptive", 64, 404.0),
+            run("adaptive5", 64, 500.0)]  # a variant of the adaptive engine, never the best fixed one
     vb = versus_best(runs, "offline")
     assert [(v["concurrency"], v["best_fixed"]) for v in vb] == [(1, "chain5"), (64, "no-spec")]
     assert vb[0]["adaptive_over_best"] == pytest.approx(0.95) and vb[1]["adaptive_over_best"] == pytest.approx(1.01)

@@ -394,3 +394,17 @@ def test_the_adaptive_policy_config_is_validated_and_loaded_from_json(tmp_path):
         SpeculativeConfig(adaptive=str(tmp_path / "no_such.json"))
     assert engine_config_from_args(ap.parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-recalibrate"])
                                    ).speculative.recalibrate
+
+
+def test_default_depth_resolves_by_whether_steps_replay_graphs() -> None:
+    """No --speculative-num-steps: a chain drafts up to 7 where steps replay CUDA graphs, else 5; a
+    given depth and a tree's are kept, and the draft-token checks run on the resolved config."""
+    cfg = SpeculativeConfig()
+    assert cfg.num_steps is None
+    assert cfg.resolved(graphs=True).num_steps == 7 and cfg.resolved(graphs=True).resolved_num_draft_tokens == 8
+    assert cfg.resolved(graphs=False).num_steps == 5
+    assert SpeculativeConfig(num_steps=3).resolved(graphs=True).num_steps == 3
+    tree = SpeculativeConfig(eagle_topk=4, num_draft_tokens=16)
+    assert tree.resolved(graphs=True).num_steps == 5
+    with pytest.raises(ValueError, match="num_steps \+ 1 = 8, got 6"):
+        SpeculativeConfig(num_draft_tokens=6).resolved(graphs=True)  # a chain of 7 verifies 8

@@ -57,7 +57,7 @@ from specserve.bench.serving import (
 )
 
 CONFIG_NAMES = "no-spec, chain<k> (a static chain of k drafts), tree (static, 5 steps x top-4, 16 tokens), " \
-    "tree<n> (the same with n tokens), adaptive (the default policy and shape)"
+    "tree<n> (the same with n tokens), adaptive (the default policy and shape), adaptive<k> (drafting at most k)"
 SIDES = ("offline", "served")
 
 
@@ -65,8 +65,13 @@ def spec_for(name: str) -> dict[str, Any] | None:
     """SpeculativeConfig fields of a configuration name (None: no speculation); ValueError for others."""
     if name == "no-spec":
         return None
-    if name == "adaptive":
-        return dict(policy="adaptive")
+    if name.startswith("adaptive"):
+        rest = name[len("adaptive"):]
+        if not rest:
+            return dict(policy="adaptive")
+        if rest.isdigit() and int(rest) >= 1:
+            return dict(policy="adaptive", num_steps=int(rest))
+        raise ValueError(f"unknown config {name!r}; one of: {CONFIG_NAMES}")
     for prefix, build in (("chain", lambda n: dict(num_steps=n, eagle_topk=1, policy="static")),
                           ("tree", lambda n: dict(num_steps=5, eagle_topk=4, num_draft_tokens=n, policy="static"))):
         if name.startswith(prefix):
@@ -82,7 +87,7 @@ def versus_best(runs: list[dict[str, Any]], side: str) -> list[dict[str, Any]]:
     for c in sorted({r["concurrency"] for r in runs}):
         tok = {r["config"]: r[side]["output_throughput"] for r in runs
                if r["concurrency"] == c and side in r and r[side]["output_throughput"]}
-        fixed = {n: v for n, v in tok.items() if n != "adaptive"}
+        fixed = {n: v for n, v in tok.items() if not n.startswith("adaptive")}  # adaptive<k>: variants
         if "adaptive" not in tok or not fixed:
             continue
         best = max(fixed, key=fixed.__getitem__)

@@ -134,6 +134,10 @@ class LLMEngine:
             self.device = self.tp.tp.device
             runner_mc = self.tp.tp.local_config(src.config)  # this rank's heads
             runner_config = dataclasses.replace(config, enforce_eager=True)  # (no CUDA graphs across ranks yet)
+        if config.speculative is not None:  # its depth by whether steps replay CUDA graphs
+            spec = config.speculative.resolved(self.device.type == "cuda" and not runner_config.enforce_eager)
+            self.config = config = dataclasses.replace(config, speculative=spec)
+            runner_config = dataclasses.replace(runner_config, speculative=spec)
         model, self.packed_linears = load_target(src, config, self.device, self.dtype, self.tp and self.tp.tp)
         ctx = src.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > ctx:
