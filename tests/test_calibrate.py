@@ -34,7 +34,6 @@ def tiny(tmp_path_factory):
 
 def engine(tiny, calibrate: bool) -> LLM:
     model, head = tiny
-    # max_model_len: a scratch request lasts through one batch size, then a new set starts
     return LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.05, max_model_len=256,
                speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                speculative_policy="adaptive", speculative_num_steps=2, max_num_seqs=4,
@@ -48,7 +47,8 @@ def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny)
     cal = d.calibration
     assert sorted(cal["ms"]) == [1, 2, 3, 4]
     assert all(sorted(per) == [0, 1, 2] and min(per.values()) > 0 for per in cal["ms"].values())
-    assert cal["requests"] == 4 + 3 + 2 + 1  # a new set for each batch size
+    assert cal["requests"] == 2 * (4 + 3 + 2 + 1)  # fresh requests for each pass of each batch size
+    assert cal["prompt_len"] == 128
     assert all(per[0] <= per[1] <= per[2] for per in cal["ms"].values())  # a deeper draft is never cheaper
     ctl = d.controller
     for b in (1, 2, 3, 4):  # seeded: every arm of every bucket holds its pseudo-cycles, time only
@@ -68,3 +68,14 @@ def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny)
     assert ref.engine.drafter.calibration is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == \
         [o.outputs[0].token_ids for o in ref.generate(prompts, sp)]
+
+
+def test_calibration_prompts_leave_room_for_a_pass_within_max_model_len(tiny):
+    """A pass's requests grow by at most arms x (warm + steps) x (depth + 1) tokens (3 x 8 x 3 = 72 here):
+    the prompt shrinks to fit max_model_len, and with no room at all calibration is skipped."""
+    model, head = tiny
+    kw = dict(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.05, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_num_steps=2, max_num_seqs=2, speculative_calibrate=True)
+    cal = LLM(max_model_len=100, **kw).engine.drafter.calibration
+    assert cal["prompt_len"] == 100 - 72 - 1 and sorted(cal["ms"]) == [1, 2]
+    assert "too short" in LLM(max_model_len=72, **kw).engine.drafter.calibration["skipped"]

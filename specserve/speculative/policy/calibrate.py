@@ -1,6 +1,6 @@
 """Start-up calibration: scratch requests stepped through the engine at every (batch bucket, depth), the mean
-step time of the faster of two windows seeding the bandit (time only); everything else the steps touched is put
-back."""
+step time of two windows (two passes on fresh requests) seeding the bandit (time only); everything else the
+steps touched is put back."""
 
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ def nondecreasing(xs: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_len: int = 64,
+def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_len: int = 128,
               max_seconds: float = 60.0, seed: int = 0) -> dict[str, Any]:
-    """Time ``steps`` consecutive engine steps (after ``warm`` untimed ones) per (batch, depth), twice, the
-    faster kept and made non-decreasing in depth; seed the bandit.
+    """Time ``steps`` consecutive engine steps (after ``warm`` untimed ones) per (batch, depth) in two passes,
+    each on fresh requests of ``prompt_len`` tokens, depths ascending then descending; the mean of the two,
+    made non-decreasing in depth, seeds the bandit.
     Returns what was measured ({batch: {depth: seconds}}) and how long it took."""
     e = drafter.engine
     ctl = drafter.controller
@@ -56,34 +57,25 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
     sync = torch.cuda.synchronize if drafter.device.type == "cuda" else (lambda: None)
     arms = ctl.arms()
     K = drafter.max_k
-    per_batch = 2 * len(arms) * (warm + steps) * (K + 1)  # most tokens a request gains per batch size (two passes)
-    typical = len(arms) * (warm + steps) * (K + 2)  # ... and about what it gains (two passes, half the drafts kept)
-    bs = e.config.block_size
-    longest = (e.max_model_len - prompt_len - 1) // per_batch  # batch sizes one request can last through
-    if longest < 1:
+    # a pass's requests grow by at most this; every pass starts from the same context, so that a step's
+    # attention over it weighs the same on every depth and batch size
+    growth = len(arms) * (warm + steps) * (K + 1)
+    prompt_len = min(prompt_len, e.max_model_len - growth - 1)
+    if prompt_len < 1:
         return {"skipped": f"max_model_len {e.max_model_len} too short"}
-    budget = e.blocks.num_free_blocks * 3 // 4
-
-    def peak(batches: list[int], life: int) -> int:
-        """KV blocks at the fullest point when a set of requests lasts ``life`` batch sizes (a new set after)."""
-        return max(b * ((prompt_len + K + 2 + typical * (i % life + 1)) // bs + 1) for i, b in enumerate(batches))
-
+    bs = e.config.block_size
     max_batch = min(e.config.max_num_seqs, e.config.max_num_batched_tokens // (K + 1))
-    while True:
-        batches = bucket_batches(max_batch)
-        life = next((n for n in range(min(len(batches), longest), 0, -1) if peak(batches, n) <= budget), 0)
-        if life or max_batch <= 1:
-            break
+    while max_batch > 1 and max_batch * ((prompt_len + growth) // bs + 1) > e.blocks.num_free_blocks * 3 // 4:
         max_batch //= 2
-    if life < 1:
+    if max_batch * ((prompt_len + growth) // bs + 1) > e.blocks.num_free_blocks * 3 // 4:
         return {"skipped": f"{e.blocks.num_free_blocks} free KV blocks too few"}
     g = torch.Generator().manual_seed(seed)
     vocab = e.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=life * per_batch, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=growth, ignore_eos=True)
     sched = e.scheduler
     ids: list[str] = []
     added = 0
-    measured: dict[int, dict[int, float]] = {}
+    passes: dict[int, list[dict[int, float]]] = {}
 
     def start(n: int) -> list[str]:
         """``n`` fresh scratch requests, prefilled."""
@@ -116,19 +108,17 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         return (time.perf_counter() - t0) / steps
 
     try:
-        for i, b in enumerate(batches):
-            if i % life == 0:  # the last ones are spent: a new set
+        for b in bucket_batches(max_batch):
+            for order in (arms, arms[::-1]):  # a depth's mean context is the same in both orders together
                 for rid in ids:
                     e.abort_request(rid)
                 ids = start(b)
-            for rid in ids[b:]:
-                e.abort_request(rid)
-            ids = ids[:b]
-            for arm in arms + arms[::-1]:  # twice, the order reversed: a one-off cost lands in one of the two
-                s = window(b, arm)
-                if s is not None:
-                    per = measured.setdefault(b, {})
-                    per[arm] = min(s, per.get(arm, s))
+                got = {}
+                for arm in order:
+                    s = window(b, arm)
+                    if s is not None:
+                        got[arm] = s
+                passes.setdefault(b, []).append(got)
             if time.perf_counter() - t_start > max_seconds:
                 break
     finally:
@@ -142,12 +132,15 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         drafter.path_counts.update(saved_paths)
         e.scheduler.num_preemptions = saved_preempt
         drafter.cycle.reset()
-    for b, per_arm in measured.items():  # a deeper draft does all a shallower one does, and more
+    measured: dict[int, dict[int, float]] = {}
+    for b, got in passes.items():  # a deeper draft does all a shallower one does, and more
+        per_arm = {a: sum(p[a] for p in got if a in p) / sum(a in p for p in got) for a in arms if any(a in p for p in got)}
         measured[b] = dict(zip(sorted(per_arm), nondecreasing([per_arm[a] for a in sorted(per_arm)])))
     for b, per_arm in measured.items():
         for arm, s in per_arm.items():
             ctl.seed(b, arm, s)
     out = {"seconds": round(time.perf_counter() - t_start, 2), "steps": steps, "warm": warm, "requests": added,
+           "prompt_len": prompt_len,
            "ms": {b: {a: round(s * 1e3, 3) for a, s in per_arm.items()} for b, per_arm in sorted(measured.items())}}
     log.info("adaptive calibration in %.1fs: ms per step by batch and depth %s", out["seconds"], out["ms"])
     return out
