@@ -79,3 +79,13 @@ def test_calibration_prompts_leave_room_for_a_pass_within_max_model_len(tiny):
     cal = LLM(max_model_len=100, **kw).engine.drafter.calibration
     assert cal["prompt_len"] == 100 - 72 - 1 and sorted(cal["ms"]) == [1, 2]
     assert "too short" in LLM(max_model_len=72, **kw).engine.drafter.calibration["skipped"]
+
+
+def test_calibration_halves_the_largest_batch_to_fit_the_kv_budget(tiny):
+    """A request takes ~(128 + 48) / 16 + 1 = 12 blocks by the end of a pass; 3/4 of the free blocks bound the
+    batch: 40 blocks calibrate batches 2 and 1 of max_num_seqs 4, 12 blocks none."""
+    model, head = tiny
+    kw = dict(dtype="float32", model=model, device="cpu", max_model_len=256, speculative_algorithm="EAGLE3",
+              speculative_draft_model_path=head, speculative_num_steps=2, max_num_seqs=4, speculative_calibrate=True)
+    assert sorted(LLM(num_kv_blocks=40, **kw).engine.drafter.calibration["ms"]) == [1, 2]
+    assert "too few" in LLM(num_kv_blocks=12, **kw).engine.drafter.calibration["skipped"]
