@@ -63,7 +63,7 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
     prompt_len = min(prompt_len, e.max_model_len - growth - 1)
     if prompt_len < 1:
         return {"skipped": f"max_model_len {e.max_model_len} too short"}
-    typical = len(arms) * (warm + steps) * (K + 2) // 2  # ... and about what they grow (half the drafts kept)
+    typical = len(arms) * (warm + steps) * (K + 2) // 2  # about what they grow (half the drafts kept)
     blocks = (prompt_len + typical) // e.config.block_size + 1  # a request's, at the end of a pass
     max_batch = min(e.config.max_num_seqs, e.config.max_num_batched_tokens // (K + 1))
     while max_batch > 1 and max_batch * blocks > e.blocks.num_free_blocks * 3 // 4:
@@ -134,9 +134,10 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         e.scheduler.num_preemptions = saved_preempt
         drafter.cycle.reset()
     measured: dict[int, dict[int, float]] = {}
-    for b, got in passes.items():  # a deeper draft does all a shallower one does, and more
-        per_arm = {a: sum(p[a] for p in got if a in p) / sum(a in p for p in got) for a in arms if any(a in p for p in got)}
-        measured[b] = dict(zip(sorted(per_arm), nondecreasing([per_arm[a] for a in sorted(per_arm)])))
+    for b, got in passes.items():
+        per_arm = {a: [p[a] for p in got if a in p] for a in arms}
+        depths = [a for a in arms if per_arm[a]]  # a deeper draft does all a shallower one does, and more:
+        measured[b] = dict(zip(depths, nondecreasing([sum(per_arm[a]) / len(per_arm[a]) for a in depths])))
     for b, per_arm in measured.items():
         for arm, s in per_arm.items():
             ctl.seed(b, arm, s)
