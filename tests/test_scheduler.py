@@ -179,10 +179,11 @@ def test_a_plan_counts_the_drafts_it_verifies_as_the_budget_leaves_them():
     a, b = _req(0, 3), _req(1, 3)
     s.add(a), s.add(b)
     plan = s.schedule()
-    assert plan.num_drafts == 0  # prefills
+    assert plan.num_drafts == 0 and plan.num_tokens == 6  # prefills
     _commit(s, plan)
     a.draft_token_ids, b.draft_token_ids = [4, 4, 4], [4, 4, 4]
     plan = s.schedule()
     # a: 1 token + 3 drafts; b: 1 token + the 1 draft the budget of 6 leaves
     assert [len(x.draft_token_ids) for x in plan.scheduled] == [3, 1]
     assert plan.num_drafts == 4 == sum(len(x.draft_token_ids) for x in plan.scheduled)
+    assert plan.num_tokens == 6 == sum(x.num_query_tokens for x in plan.scheduled)

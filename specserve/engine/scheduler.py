@@ -53,10 +53,7 @@ class StepPlan:
     num_sampling: int = 0
     num_left_out: int = 0
     num_drafts: int = 0  # draft tokens it verifies (0: a plain step)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_query_tokens for s in self.scheduled)
+    num_tokens: int = 0  # query tokens: sum(s.num_query_tokens for s in scheduled)
 
     @property
     def all_finished(self) -> bool:
@@ -247,7 +244,8 @@ class Scheduler:
             num_sampling += s.samples
             budget -= n_new
         return StepPlan(scheduled, preempted, admitted=admitted, num_sampling=num_sampling,
-                        num_left_out=num_left_out, num_drafts=num_drafts)
+                        num_left_out=num_left_out, num_drafts=num_drafts,
+                        num_tokens=self.config.max_num_batched_tokens - budget)
 
     # -- commit -------------------------------------------------------------------------------
     def advance(self, plan: StepPlan) -> None:
