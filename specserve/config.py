@@ -164,8 +164,8 @@ class SpeculativeConfig:
 
     algorithm: SpecAlgorithm = "EAGLE3"
     draft_model_path: str | None = None
-    # draft depth (the adaptive policy's cap); None: 7 for a chain where steps replay CUDA graphs
-    # (deep drafts cost the graphs little), else 5 (LLMEngine resolves it)
+    # draft depth (the adaptive policy's cap); None: a chain's num_draft_tokens - 1, else 7 for a chain
+    # where steps replay CUDA graphs (deep drafts cost the graphs little), else 5 (LLMEngine resolves it)
     num_steps: int | None = None
     eagle_topk: int = 1
     num_draft_tokens: int | None = None  # None: steps + 1 for a chain
@@ -215,10 +215,15 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_num_draft_tokens={n} must be in [2, {max_nodes}] for these steps/topk")
 
     def resolved(self, graphs: bool) -> "SpeculativeConfig":
-        """With num_steps set: 7 for a chain whose steps replay CUDA graphs (``graphs``), else 5."""
+        """With num_steps set: a chain's num_draft_tokens - 1 where given, else 7 for a chain whose steps
+        replay CUDA graphs (``graphs``), else 5."""
         if self.num_steps is not None:
             return self
-        return dataclasses.replace(self, num_steps=7 if graphs and self.eagle_topk == 1 else 5)
+        if self.eagle_topk == 1:
+            steps = self.num_draft_tokens - 1 if self.num_draft_tokens is not None else 7 if graphs else 5
+        else:
+            steps = 5
+        return dataclasses.replace(self, num_steps=steps)
 
     @property
     def resolved_num_draft_tokens(self) -> int:

@@ -397,8 +397,8 @@ def test_the_adaptive_policy_config_is_validated_and_loaded_from_json(tmp_path):
 
 
 def test_default_depth_resolves_by_whether_steps_replay_graphs() -> None:
-    """No --speculative-num-steps: a chain drafts up to 7 where steps replay CUDA graphs, else 5; a
-    given depth and a tree's are kept, and the draft-token checks run on the resolved config."""
+    """No --speculative-num-steps: a chain drafts up to 7 where steps replay CUDA graphs, else 5, or one
+    less than its num_draft_tokens where given; a given depth and a tree's are kept."""
     cfg = SpeculativeConfig()
     assert cfg.num_steps is None
     assert cfg.resolved(graphs=True).num_steps == 7 and cfg.resolved(graphs=True).resolved_num_draft_tokens == 8
@@ -406,5 +406,6 @@ def test_default_depth_resolves_by_whether_steps_replay_graphs() -> None:
     assert SpeculativeConfig(num_steps=3).resolved(graphs=True).num_steps == 3
     tree = SpeculativeConfig(eagle_topk=4, num_draft_tokens=16)
     assert tree.resolved(graphs=True).num_steps == 5
-    with pytest.raises(ValueError, match="num_steps \+ 1 = 8, got 6"):
-        SpeculativeConfig(num_draft_tokens=6).resolved(graphs=True)  # a chain of 7 verifies 8
+    assert SpeculativeConfig(num_draft_tokens=6).resolved(graphs=True).num_steps == 5  # a chain verifying 6
+    with pytest.raises(ValueError, match="num_steps \\+ 1 = 4, got 6"):
+        SpeculativeConfig(num_steps=3, num_draft_tokens=6)

@@ -73,8 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-draft-model-path", default=None,
                    help="the draft head's directory (default: the head shipped for the default model)")
     s.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="draft steps per verify: the deepest draft (default: 7 for a chain where steps replay "
-                        "CUDA graphs, else 5)")
+                   help="draft steps per verify: the deepest draft (default: a chain's --speculative-num-draft-tokens "
+                        "- 1 where given, else 7 for a chain where steps replay CUDA graphs, else 5)")
     s.add_argument("--speculative-eagle-topk", type=int, default=None,
                    help="children per tree node; 1 drafts a chain (default: 1)")
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
