@@ -116,7 +116,7 @@ def _child(config: Any, reserved_cores: int, conn: Any, log_level: int) -> None:
     conn.send(("ready", {"pid": os.getpid(), "device": _device_name(engine), "model": engine.model_name,
                          "dtype": str(engine.dtype).replace("torch.", ""), "torch": torch.__version__,
                          "cpu_threads": torch.get_num_threads(), "tokenizer": tok,
-                         "calibration": getattr(getattr(engine, "drafter", None), "calibration", None)}))
+                         "calibration": engine.drafter.calibration if engine.drafter is not None else None}))
     chats: dict[str, list[int]] = {}
     while (msg := conn.recv()) is not None:
         texts, max_tokens, concurrency, ignore_eos = msg

@@ -65,15 +65,11 @@ def spec_for(name: str) -> dict[str, Any] | None:
     """SpeculativeConfig fields of a configuration name (None: no speculation); ValueError for others."""
     if name == "no-spec":
         return None
-    if name.startswith("adaptive"):
-        rest = name[len("adaptive"):]
-        if not rest:
-            return dict(policy="adaptive")
-        if rest.isdigit() and int(rest) >= 1:
-            return dict(policy="adaptive", num_steps=int(rest))
-        raise ValueError(f"unknown config {name!r}; one of: {CONFIG_NAMES}")
+    if name == "adaptive":
+        return dict(policy="adaptive")
     for prefix, build in (("chain", lambda n: dict(num_steps=n, eagle_topk=1, policy="static")),
-                          ("tree", lambda n: dict(num_steps=5, eagle_topk=4, num_draft_tokens=n, policy="static"))):
+                          ("tree", lambda n: dict(num_steps=5, eagle_topk=4, num_draft_tokens=n, policy="static")),
+                          ("adaptive", lambda n: dict(policy="adaptive", num_steps=n))):
         if name.startswith(prefix):
             rest = name[len(prefix):] or ("16" if prefix == "tree" else "")
             if rest.isdigit() and int(rest) >= 1:

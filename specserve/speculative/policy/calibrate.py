@@ -65,10 +65,11 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         return {"skipped": f"max_model_len {e.max_model_len} too short"}
     typical = len(arms) * (warm + steps) * (K + 2) // 2  # about what they grow (half the drafts kept)
     blocks = (prompt_len + typical) // e.config.block_size + 1  # a request's, at the end of a pass
+    budget = e.blocks.num_free_blocks * 3 // 4
     max_batch = min(e.config.max_num_seqs, e.config.max_num_batched_tokens // (K + 1))
-    while max_batch > 1 and max_batch * blocks > e.blocks.num_free_blocks * 3 // 4:
+    while max_batch > 1 and max_batch * blocks > budget:
         max_batch //= 2
-    if max_batch * blocks > e.blocks.num_free_blocks * 3 // 4:
+    if max_batch * blocks > budget:
         return {"skipped": f"{e.blocks.num_free_blocks} free KV blocks too few"}
     g = torch.Generator().manual_seed(seed)
     vocab = e.model_config.vocab_size
