@@ -54,6 +54,7 @@ class StepPlan:
     num_left_out: int = 0
     num_drafts: int = 0  # draft tokens it verifies (0: a plain step)
     num_tokens: int = 0  # query tokens: sum(s.num_query_tokens for s in scheduled)
+    num_running_on: int = 0  # (``commit``) sampling requests still running after it: one token each to compute
 
     @property
     def all_finished(self) -> bool:
@@ -269,7 +270,7 @@ class Scheduler:
         Returns touched requests."""
         touched: list[Request] = []
         now = time.time()
-        j = 0
+        j = running_on = 0
         for s in plan.scheduled:
             req = s.req
             if req.is_finished:  # ended (stop, abort) after this step was launched ahead: its token is dropped
@@ -314,6 +315,7 @@ class Scheduler:
             req.metrics.num_generation_tokens = req.num_output_tokens
             touched.append(req)
             if not req.is_finished:
+                running_on += req.status is Status.RUNNING  # (not preempted by the step scheduled past this one)
                 self._cache(req)
                 if plan.advanced:  # no drafts; blocks past its tokens are the next step's, launched already
                     continue
@@ -328,4 +330,5 @@ class Scheduler:
         for s in plan.scheduled:  # prefill chunks: their full blocks become shareable at once
             if not s.samples and not s.req.is_finished:
                 self._cache(s.req)
+        plan.num_running_on = running_on
         return touched

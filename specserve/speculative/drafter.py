@@ -340,27 +340,28 @@ class EagleSpeculator:
         return max(s.tree.depths[: len(s.draft_token_ids) + 1]) if s.tree is not None else len(s.draft_token_ids)
 
     # -- draft ----------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def draft_step(self, plan: StepPlan, result: CommitResult) -> None:
         """Decide k per request for the next step, then catch up and draft."""
         now = clock()
         prev, prev_s = self.cycle.close(now)
+        if self._launched_ahead and not self.cycle.drafted_last:  # plain again, decided before the sync
+            self._plain_decision(plan.num_running_on, prev, prev_s, now)  # (its requests: no list, a count)
+            return
         # requests that produced a token this step and decode next step
         candidates = [r for s in plan.scheduled if s.samples and (r := s.req).status is not Status.FINISHED
                       and len(r.all_token_ids) - r.num_computed_tokens == 1]
-        if not candidates:
-            self.controller.finish_cycle(prev, prev_s)
-            return
-        ks = self._decide(candidates, self._launched_ahead)
-        ctl = self.controller
+        ks = self._decide(candidates, self._launched_ahead) if candidates else None
         if ks is None:  # plain decoding again: nothing per request
             if prev is not None:
                 prev_s += self.cycle.unpaid_catch_up(candidates)
-            ctl.count_off(len(candidates))
-            ctl.finish_cycle(prev, prev_s)
-            self.cycle.drafted_last = False
-            self.cycle.open(now)
+            self._plain_decision(len(candidates), prev, prev_s, now)
             return
+        self._draft(candidates, ks, prev, prev_s, now)
+
+    @torch.inference_mode()
+    def _draft(self, candidates: list[Request], ks: list[int], prev, prev_s: float, now: float) -> None:
+        """Catch up and draft ``ks`` tokens per candidate (where its KV has room); the last cycle ended."""
+        ctl = self.controller
         sched = self.engine.scheduler
         todo = [(r, k) for r, k in zip(candidates, ks) if k > 0 and sched.reserve(r, r.num_tokens + k)]
         rest = self.pipeline.adopt_fused(todo)  # drafted before the verify's sync: bookkeeping only
@@ -372,11 +373,21 @@ class EagleSpeculator:
         self.cycle.drafted_last = bool(todo)
         self.cycle.open(now, shift)
 
+    def _plain_decision(self, batch: int, prev, prev_s: float, now: float) -> None:
+        """The next step is plain for ``batch`` requests (none: nothing decided): counted, the last cycle ended."""
+        ctl = self.controller
+        if batch:
+            ctl.count_off(batch)
+        ctl.finish_cycle(prev, prev_s)
+        if batch:
+            self.cycle.drafted_last = False
+            self.cycle.open(now)
+
     def _decide(self, candidates: list[Request], launched_ahead: bool) -> list[int] | None:
         """k per candidate, None for plain decoding: the arm taken before the sync (pipeline), else the
         policy's ``decide(Batch)``."""
-        ctl, pipe = self.controller, self.pipeline
-        pre, pipe.pre_arm = pipe.pre_arm, None
+        ctl = self.controller
+        pre = self.pipeline.take_pre_arm()
         arm = 0 if launched_ahead else None
         if arm is None and ctl.forced_arm is None and pre is not None and pre[0] == len(candidates):
             arm = pre[1]

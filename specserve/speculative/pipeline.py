@@ -52,6 +52,11 @@ class Pipeline:
         self.fused = self.pre_arm = None
 
     # -- decisions known before a sync ----------------------------------------------------------------
+    def take_pre_arm(self) -> tuple[int, int] | None:
+        """(batch, depth) of the quick decision taken before this step's sync, once (None: none)."""
+        pre, self.pre_arm = self.pre_arm, None
+        return pre
+
     def plain_next(self, plan: StepPlan) -> bool:
         """Whether the step after plain step ``plan`` is known, before its sync, to be plain for everyone
         (then the engine launches it ahead); a decision taken here is left for draft_step."""

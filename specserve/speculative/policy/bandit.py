@@ -43,6 +43,7 @@ class ArmStats:
 
 Prior = tuple[float, float]  # tokens a request commits per cycle, predicted seconds of a cycle of the batch
 _NONE = ArmStats()  # what an arm without cycles reads as (never added to)
+_EMPTY: dict = {}  # what a bucket without a row reads as (never added to)
 
 
 @dataclass
@@ -166,12 +167,14 @@ class GoodputBandit:
             return
         c = self.cfg
         arms = self.stats.setdefault(key, {})
-        est = self.spr.get(key, {}).get(arm)
+        est = self.spr.get(key, _EMPTY).get(arm)
         if est is not None:  # a pause is not the arm's
             seconds = min(seconds, c.clip * est * requests)
         for st in arms.values():
             st.fade(c.decay)
-        st = arms.setdefault(arm, ArmStats())
+        st = arms.get(arm)
+        if st is None:
+            st = arms[arm] = ArmStats()
         st.n += 1
         st.requests += requests
         st.seconds += seconds
@@ -195,7 +198,7 @@ class GoodputBandit:
         f = self.cfg.budget_decay
         self.elapsed[key] = self.elapsed.get(key, 0.0) * f + seconds
         lost = 0.0
-        best = self.goodput.get(key, {}).get(self.chosen.get(key, -1), 0.0)
+        best = self.goodput.get(key, _EMPTY).get(self.chosen.get(key, -1), 0.0)
         if arm != self.chosen.get(key) and best > 0:
             lost = max(seconds - tokens / (best * requests), 0.0)
             self._last_loss[key] = self._last_loss.get(key, 0.0) + lost

@@ -56,7 +56,7 @@ def prefill_share(cost: CostModel, decode_tokens: int, prefill_tokens: int, num_
     return max(with_prompts - cost.step_time(max(decode_tokens, 1), num_seqs), 0.0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Cycle:
     """One adaptive decision in flight: measured from the decision to the next one."""
 
@@ -300,6 +300,8 @@ class SpecController:
                      decode_rows: int = 0, own_time: bool = True) -> None:
         """A target step of ``num_tokens`` (``prefill_tokens`` of them prompt, ``decode_rows`` sampling,
         the rest drafts) took ``seconds``; ``own_time`` False: with device work queued before it."""
+        if not own_time and (prefill_tokens <= 0 or self._cycle is None):
+            return  # nothing to learn (_observe_step)
         # the cycle in flight now, whenever this runs
         self._later(self._observe_step, self._cycle, num_tokens, num_seqs, seconds, prefill_tokens, decode_rows,
                     own_time)
