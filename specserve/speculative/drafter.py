@@ -139,6 +139,7 @@ class EagleSpeculator:
         self._launched_ahead = True  # (the next decision is plain decoding: draft_step applies it)
         return self._launch_plain(plan, inputs, out)
 
+    @torch.inference_mode()  # (as the runner's own launch: its sampling ops dispatch as inference ops)
     def _launch_plain(self, plan: StepPlan, inputs, out) -> LaunchedStep:
         hidden, feats = out if isinstance(out, tuple) else (out, out)
         self.features.keep_plain(plan, inputs, feats)
