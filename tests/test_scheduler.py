@@ -161,6 +161,24 @@ def test_a_request_aborted_after_its_step_was_launched_is_skipped_at_commit():
     assert touched == [b] and b.output_token_ids == [6, 10] and a.output_token_ids == [5]
 
 
+def test_commit_counts_the_sampling_requests_that_run_on():
+    # a, b and c prefilled in one plan, advanced; scheduling past it preempts c (b's next block took its
+    # blocks) and b's token is EOS: only a decodes next (the drafter counts a plain decision's requests so)
+    s = _sched(num_blocks=4, budget=100, block_size=4)
+    a, b, c = _req(0, 4), _req(1, 4), _req(2, 3)
+    for r in (a, b, c):
+        s.add(r)
+    plan = s.schedule()
+    s.advance(plan)
+    nxt = s.schedule()
+    assert nxt.preempted == [c]
+    s.commit(plan, CommitResult(token_ids=[[7], [0], [8]]), lambda r: None)
+    assert b.is_finished and c.status == Status.WAITING
+    decoding = [x.req for x in plan.scheduled if x.samples and not x.req.is_finished
+                and x.req.num_tokens - x.req.num_computed_tokens == 1]
+    assert decoding == [a] and plan.num_running_on == 1
+
+
 def test_a_step_with_drafts_cannot_be_advanced():
     import pytest
 
