@@ -272,7 +272,7 @@ def _timed_drafter(monkeypatch, clock: list[float]):
                                step_started=0.0, step_ended=0.0, max_model_len=10**6, device=SimpleNamespace(type="cpu"))
     d.cycle = cycle_mod.CycleClock(d.controller, d.engine, 1, time_on_device=False)
     d.caps = Caps(1, 1, 1, 10**6)
-    d.pipeline = SimpleNamespace(pre_arm=None, adopt_fused=lambda todo: todo)
+    d.pipeline = SimpleNamespace(pre_arm=None, adopt_fused=lambda todo, tree: todo)
     d._launched_ahead = False
 
     def catch_up(reqs):
@@ -281,7 +281,7 @@ def _timed_drafter(monkeypatch, clock: list[float]):
             r.spec.draft_pos = r.num_computed_tokens
         clock[0] += 1e-3 * rows
 
-    def propose(todo, h):
+    def propose(todo, h, tree):
         clock[0] += 0.010  # the draft step
 
     d.catch_up = catch_up
