@@ -224,8 +224,8 @@ class SpecController:
         if got is None or (got[0] >= REFRESH_EVERY and self._reference() is self.cost):
             ref, K = self._reference(), self.cfg.num_steps
             out = []
-            for arm in range(len(self._arms)):  # (arms are 0..len - 1)
-                k, tree = self.drafts(arm)
+            for a in range(len(self._arms)):  # (arms are 0..len - 1)
+                k, tree = self.drafts(a)
                 s = ref.step_time(batch + k * batch, batch)
                 if k:  # draft forwards: a chain's B rows each; a tree's B, then B x topk (K steps)
                     wide, steps = (batch * self.cfg.eagle_topk, K) if tree else (batch, k)
