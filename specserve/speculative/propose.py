@@ -1,5 +1,6 @@
-"""Drafts: chains (topk = 1, or a tree engine's chain arms), eagerly from the catch-up's ``h`` (a read-back a step) or on static buffers from
-``h0``, and EAGLE-2 trees on static buffers; static drafts stay on the device (PENDING on the host) until the verify."""
+"""Drafts: chains (topk = 1, or a tree engine's chain arms), eagerly from the catch-up's ``h`` (a read-back a step)
+or on static buffers from ``h0``, and EAGLE-2 trees on static buffers; static drafts stay on the device (PENDING on
+the host) until the verify."""
 
 from __future__ import annotations
 

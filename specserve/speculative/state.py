@@ -87,4 +87,4 @@ class Caps:
         if not (self.topk > 1 if tree is None else tree):
             return min(drafts, self.cap(r, most, tree=False))
         fits = self.max_model_len - (r.num_tokens + most) - 1 >= drafts
-        return min(drafts, self.cap(r, 1)) if fits else 0
+        return min(drafts, self.cap(r, 1, tree=True)) if fits else 0

@@ -135,7 +135,7 @@ class SpecController:
         return arm, False
 
     def quick_arm(self, batch: int, num_running: int | None = None) -> int | None:
-        """The depth every request of this batch drafts (adaptive: its bucket's table; the threshold policy:
+        """The arm every request of this batch drafts (adaptive: its bucket's table; the threshold policy:
         0 while off with ``num_running`` running requests); None: ``decide`` gives k per request (caps)."""
         if self.cfg.policy == "threshold" and num_running is not None:
             return 0 if not self._threshold_on(num_running) else None
