@@ -710,22 +710,24 @@ def test_fused_trees_near_the_model_length_stay_within_its_blocks(tiny):
     assert out == ref
 
 
-@pytest.mark.parametrize("static", [None, "torch"], ids=["eager", "static_fused"])
+@pytest.mark.parametrize("static", [None, "torch", pytest.param("cuda", marks=pytest.mark.gpu)],
+                         ids=["eager", "static_fused", "gpu_graphs"])
 def test_a_tree_engine_switching_between_chain_and_tree_arms_stays_lossless(tiny, static):
     """The adaptive policy's arms in a tree engine: chains of 1..K drafts and the whole tree (K + 1), one
     arm a decision. Switching arm every step (on static buffers with the fused tree launch, a GPU's paths:
-    device chains and trees in one verify, a chain's step never fused; and eagerly), outputs stay plain
-    decoding's and both kinds were drafted."""
+    device chains and trees in one verify, a chain's step never fused; eagerly; and on a GPU with its
+    graphs, early and presync verifies), outputs stay plain decoding's and both kinds were drafted."""
     model, head = tiny
-    plain = LLM(model=model, **CPU, max_num_seqs=8)
+    dev = dict(device="cuda", dtype="float32", num_kv_blocks=256) if static == "cuda" else CPU
+    plain = LLM(model=model, **dev, max_num_seqs=8)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], SP24)]
-    llm = LLM(model=model, **CPU, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-              speculative_policy="adaptive", **TREE)
+    llm = LLM(model=model, **dev, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="adaptive", speculative_calibrate=False, **TREE)
     dr = llm.engine.drafter
     ctl = dr.controller
     K = TREE["speculative_num_steps"]
     assert ctl.arms() == list(range(K + 2)) and ctl.tree_arm == K + 1
-    if static is not None:
+    if static == "torch":
         dr.enable_static_draft(attention=static, fused_launch=True)
     arms = iter([K + 1, K + 1, 2, K + 1, 1, 3, K + 1, K + 1, K] * 20)
     step = llm.engine.step
