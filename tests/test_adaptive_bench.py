@@ -107,9 +107,11 @@ def test_a_variant_is_an_adaptive_engine_with_its_policy_config() -> None:
     name, policy = adaptive.variant("m1:margin=0.01,explore_every=8")
     assert name == "adaptive_m1" and policy.margin == 0.01 and policy.explore_every == 8 and policy.z == 1.5
     args = SimpleNamespace(static_steps=[5], tree=(5, 4, 16), threshold_n=8, threshold_steps=1, adaptive_steps=None,
-                           adaptive_calibrate=None)
+                           adaptive_calibrate=None, adaptive_tree=(5, 4, 8))
     cfgs = adaptive.configs(args, {name: policy})
     assert cfgs["tree"]["speculative_eagle_topk"] == 4 and cfgs["chain5"]["speculative_num_steps"] == 5
+    assert cfgs["adaptive_tree"]["speculative_policy"] == "adaptive"
+    assert cfgs["adaptive_tree"]["speculative_num_draft_tokens"] == 8
     assert cfgs[name]["speculative_adaptive_config"]["margin"] == 0.01
     assert {k: v for k, v in cfgs[name].items() if k != "speculative_adaptive_config"} == cfgs["adaptive"]
     with pytest.raises(ValueError, match="unknown key"):

@@ -89,3 +89,20 @@ def test_calibration_halves_the_largest_batch_to_fit_the_kv_budget(tiny):
               speculative_draft_model_path=head, speculative_num_steps=2, max_num_seqs=4, speculative_calibrate=True)
     assert sorted(LLM(num_kv_blocks=40, **kw).engine.drafter.calibration["ms"]) == [1, 2]
     assert "too few" in LLM(num_kv_blocks=12, **kw).engine.drafter.calibration["skipped"]
+
+
+def test_a_tree_engines_calibration_times_each_chain_and_the_tree(tiny):
+    """A tree engine's arms (plain, chains of 1..K, the tree as K + 1) are all timed and seeded; chain depths
+    non-decreasing, the tree at least plain decoding's."""
+    model, head = tiny
+    llm = LLM(dtype="float32", model=model, device="cpu", kv_cache_memory_gb=0.05, max_model_len=256,
+              speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="adaptive",
+              speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4, max_num_seqs=2,
+              speculative_calibrate=True)
+    d = llm.engine.drafter
+    cal, ctl = d.calibration, d.controller
+    assert ctl.tree_arm == 3 and sorted(cal["ms"]) == [1, 2]
+    for b, per in cal["ms"].items():
+        assert sorted(per) == [0, 1, 2, 3] and per[0] <= per[1] <= per[2] and per[3] >= per[0]
+        assert sorted(ctl.bandit.stats[batch_key(b)]) == [0, 1, 2, 3]
+    assert ctl.tree_seen == [0.0, 0.0] and not ctl.k_histogram  # scratch trees taught it nothing

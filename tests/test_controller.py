@@ -10,7 +10,7 @@ from specserve.engine.request import Status
 from specserve.speculative.policy.bandit import batch_key
 from specserve.speculative.policy.controller import SpecController
 from specserve.speculative.policy.interface import Batch
-from specserve.speculative.policy.controller import AcceptanceStats
+from specserve.speculative.policy.controller import ACCEPT_DECAY, AcceptanceStats
 from specserve.speculative.policy.cost_model import CostModel, Curve
 
 
@@ -272,7 +272,7 @@ def _timed_drafter(monkeypatch, clock: list[float]):
                                step_started=0.0, step_ended=0.0, max_model_len=10**6, device=SimpleNamespace(type="cpu"))
     d.cycle = cycle_mod.CycleClock(d.controller, d.engine, 1, time_on_device=False)
     d.caps = Caps(1, 1, 1, 10**6)
-    d.pipeline = SimpleNamespace(take_pre_arm=lambda: None, adopt_fused=lambda todo: todo)
+    d.pipeline = SimpleNamespace(take_pre_arm=lambda: None, adopt_fused=lambda todo, tree: todo)
     d._launched_ahead = False
 
     def catch_up(reqs):
@@ -281,7 +281,7 @@ def _timed_drafter(monkeypatch, clock: list[float]):
             r.spec.draft_pos = r.num_computed_tokens
         clock[0] += 1e-3 * rows
 
-    def propose(todo, h):
+    def propose(todo, h, tree):
         clock[0] += 0.010  # the draft step
 
     d.catch_up = catch_up
@@ -409,3 +409,84 @@ def test_default_depth_resolves_by_whether_steps_replay_graphs() -> None:
     assert SpeculativeConfig(num_draft_tokens=6).resolved(graphs=True).num_steps == 5  # a chain verifying 6
     with pytest.raises(ValueError, match="num_steps \\+ 1 = 4, got 6"):
         SpeculativeConfig(num_steps=3, num_draft_tokens=6)
+
+
+# a tree engine: 3 steps x top-2, 6 draft tokens (5 nodes)
+TREE = dict(num_steps=3, eagle_topk=2, num_draft_tokens=6)
+
+
+def test_a_tree_engines_arms_are_plain_chains_and_the_tree():
+    """Arms 0..K plain decoding and chains of d drafts, K + 1 the whole tree (a chain engine: no tree arm);
+    a chain arm drafts min(d, cap), the tree all its nodes where the cap is > 0."""
+    chain = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
+    assert chain.arms() == [0, 1, 2, 3] and chain.tree_arm is None and chain.drafts(3) == (3, False)
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", **TREE))
+    assert ctl.arms() == [0, 1, 2, 3, 4] and ctl.tree_arm == 4 and not ctl.tree_caps
+    assert ctl.drafts(2) == (2, False) and ctl.drafts(4) == (5, True) and ctl.drafts(0) == (0, False)
+    reqs = [R("a"), R("b"), R("c")]
+    assert ctl.uniform(reqs, 3, [3, 1, 0]) == [3, 1, 0] and not ctl.tree_drafts
+    assert ctl.uniform(reqs, 4, [3, 1, 0]) == [5, 5, 0] and ctl.tree_drafts
+    assert ctl.k_histogram == {3: 1, 1: 1, 0: 2, 5: 2}
+    static = SpecController(SpeculativeConfig(policy="static", **TREE))
+    assert static.tree_caps and static.decide(Batch(reqs, [5, 2, 0], 3)) == [5, 2, 0] and static.tree_drafts
+
+
+def test_predicted_seconds_per_arm_verify_and_draft_each_kinds_rows():
+    """A chain of d verifies B x d draft rows and drafts B rows d times; the tree verifies B x nodes and
+    drafts B rows, then B x topk rows at each later step (here a draft step costs 1 ms a row)."""
+    pts = (1, 2, 4, 8, 16, 32, 64, 128)
+    cost = CostModel(target=Curve({n: 1e-3 * (10 + n) for n in pts}), draft=Curve({n: 1e-3 * n for n in pts}))
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", **TREE), cost=cost)
+    B = 4
+    got = [ctl._predicted_s(batch_key(B), B, arm) * 1e3 for arm in ctl.arms()]
+    want = [10 + B, *(10 + B + d * B + d * B for d in (1, 2, 3)), 10 + B + 5 * B + B + 2 * (B * 2)]
+    assert np.allclose(got, want)
+
+
+def test_the_trees_tokens_come_from_its_own_verifies_and_chains_from_theirs():
+    """Tree verifies teach the tree arm's tokens per cycle (its prior, unseen: the chain of its depth), not the
+    chains' acceptance rates; chain verifies teach the rates, not the tree."""
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", **TREE))
+    chain3 = ctl.overall.tokens()[3]
+    assert ctl.priors(0, 1)[4][0] == pytest.approx(chain3)  # unseen
+    for i in range(200):  # trees of depth 3 committing 3 and 4 tokens in turn
+        ctl.observe_many(["t"], [3], [2 + i % 2], [True])
+    assert sum(ctl.overall.drafted) == 0
+    tokens = ctl.priors(0, 1)
+    assert 3.4 < tokens[4][0] < 3.5 and tokens[3][0] == pytest.approx(chain3)
+    ctl.observe_many(["a", "t"], [2, 3], [0, 3], [False, True])
+    n = 0.0
+    for _ in range(201):  # verifies seen, decayed by ACCEPT_DECAY a request
+        n = n * ACCEPT_DECAY + 1
+    assert ctl.overall.drafted[:2] == [1, 0] and ctl.tree_seen[0] == pytest.approx(n)
+
+
+def test_the_tree_wins_alone_and_a_chain_under_load_from_priors():
+    """With tree verifies committing 3.5 tokens against chains' 0.7 per position: at one request the
+    tree's wider steps cost little and it is picked; at 32 its B x nodes verify and B x topk expansion
+    cost more than they commit, and a short chain is picked."""
+    pts = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    cost = CostModel(target=Curve({n: 1e-3 * (10 + 0.1 * n) for n in pts}),
+                     draft=Curve({n: 1e-3 * (0.5 + 0.1 * n) for n in pts}))
+    ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3, eagle_topk=4, num_draft_tokens=8),
+                         cost=cost)
+    for i in range(400):
+        ctl.observe_many(["t"], [3], [2 + i % 2], [True])
+    picks = {}
+    for B in (1, 32):
+        ctl.refresh(batch_key(B), B)
+        picks[B] = ctl.bandit.chosen[batch_key(B)]
+    assert picks == {1: ctl.tree_arm, 32: 1}
+
+
+def test_a_chain_arms_caps_in_a_tree_engine_keep_to_max_tokens():
+    """A tree drafts all its nodes while max_tokens leaves any token; a chain (a tree engine's chain arm
+    too) no more drafts than it leaves."""
+    from specserve.speculative.state import Caps
+
+    caps = Caps(max_k=5, topk=2, num_steps=3, max_model_len=1000)
+    r = SimpleNamespace(params=SimpleNamespace(max_spec_tokens=None, max_tokens=10), num_output_tokens=5,
+                        num_tokens=50)
+    assert caps.cap(r) == caps.cap(r, tree=True) == 5 and caps.cap(r, tree=False) == 4
+    assert caps.after_verify(r, 1, 3, tree=False) == 2  # after the 2 tokens a verify of 1 draft may commit
+    assert caps.after_verify(r, 1, 5) == caps.after_verify(r, 1, 5, tree=True) == 5

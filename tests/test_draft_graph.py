@@ -77,8 +77,8 @@ def record_trees(llm: LLM) -> list[list[tuple[str, list[int], list[int]]]]:
     log: list[list[tuple[str, list[int], list[int]]]] = []
     orig = dr.proposer.propose
 
-    def wrapped(todo, h):
-        orig(todo, h)
+    def wrapped(todo, h, tree):
+        orig(todo, h, tree)
         log.append([(r.request_id, *host_tree(dr, r)) for r, _ in todo])
 
     dr.proposer.propose = wrapped
@@ -662,10 +662,9 @@ def test_draft_head_in_its_own_dtype(tiny, static):
 
 
 def test_adaptive_trees_take_the_fused_launch(tiny):
-    """The adaptive policy's early picks for trees (quick decisions and forced depths, taken before the
-    verify's sync; a tree's arm is a depth, and drafting it means the whole tree) let its steps of
-    whole trees take the fused tree launch (before, the depth was taken for a draft count and no
-    step fused); outputs stay plain decoding's."""
+    """The adaptive policy's early picks for trees (quick decisions and forced arms, taken before the
+    verify's sync; the tree arm drafts the whole tree) let its steps of whole trees take the fused tree
+    launch; outputs stay plain decoding's."""
     model, head = tiny
     plain = LLM(model=model, **CPU, max_num_seqs=8)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], SP24)]
@@ -673,7 +672,7 @@ def test_adaptive_trees_take_the_fused_launch(tiny):
               speculative_policy="adaptive", **TREE)
     dr = llm.engine.drafter
     dr.enable_static_draft(attention="torch", fused_launch=True)
-    dr.controller.forced_arm = TREE["speculative_num_steps"]  # (drafting on every cycle: the tiny head accepts little)
+    dr.controller.forced_arm = dr.controller.tree_arm  # (drafting on every cycle: the tiny head accepts little)
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SP24)]
     assert out == ref
     assert dr.path_counts["fused"] > 5 and dr.path_counts["fused"] == dr.path_counts["fused_launch:eager"]
@@ -709,3 +708,38 @@ def test_fused_trees_near_the_model_length_stay_within_its_blocks(tiny):
     assert llm.engine.drafter.path_counts["fused"] > 0
     assert max(widest) <= most_blocks
     assert out == ref
+
+
+@pytest.mark.parametrize("static", [None, "torch", pytest.param("cuda", marks=pytest.mark.gpu)],
+                         ids=["eager", "static_fused", "gpu_graphs"])
+def test_a_tree_engine_switching_between_chain_and_tree_arms_stays_lossless(tiny, static):
+    """The adaptive policy's arms in a tree engine: chains of 1..K drafts and the whole tree (K + 1), one
+    arm a decision. Switching arm every step (on static buffers with the fused tree launch, a GPU's paths:
+    device chains and trees in one verify, a chain's step never fused; eagerly; and on a GPU with its
+    graphs, early and presync verifies), outputs stay plain decoding's and both kinds were drafted."""
+    model, head = tiny
+    dev = dict(device="cuda", dtype="float32", num_kv_blocks=256) if static == "cuda" else CPU
+    plain = LLM(model=model, **dev, max_num_seqs=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], SP24)]
+    llm = LLM(model=model, **dev, max_num_seqs=8, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+              speculative_policy="adaptive", speculative_calibrate=False, **TREE)
+    dr = llm.engine.drafter
+    ctl = dr.controller
+    K = TREE["speculative_num_steps"]
+    assert ctl.arms() == list(range(K + 2)) and ctl.tree_arm == K + 1
+    if static == "torch":
+        dr.enable_static_draft(attention=static, fused_launch=True)
+    arms = iter([K + 1, K + 1, 2, K + 1, 1, 3, K + 1, K + 1, K] * 20)
+    step = llm.engine.step
+
+    def switching():
+        ctl.forced_arm = next(arms)
+        return step()
+
+    llm.engine.step = switching
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], SP24)]
+    assert out == ref
+    hist = ctl.k_histogram  # (a tree drafts its 8 nodes; chains 1..K)
+    assert hist[TREE["speculative_num_draft_tokens"] - 1] > 3 and hist[1] + hist[2] + hist[3] > 3
+    if static is not None:
+        assert dr.path_counts["fused"] > 0 and dr.path_counts["unfused:k"] > 0

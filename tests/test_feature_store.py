@@ -80,10 +80,10 @@ def test_kept_features_are_the_targets_at_each_position(tiny, future, policy, in
         fs.in_forward = False
     propose = d.proposer.propose
 
-    def two_right_then_wrong(todo, h):
+    def two_right_then_wrong(todo, h, tree):
         # (a random head's drafts are seldom accepted: the greedy continuation's next two tokens, then
         # a wrong one, so that every verify keeps some drafts' rows and drops others)
-        propose(todo, h)
+        propose(todo, h, tree)
         for r, k in todo:
             nxt = future[r.request_id][r.num_output_tokens :]
             r.draft_token_ids = (nxt[:2] + [(nxt[2] + 1) % 64 if len(nxt) > 2 else 0])[:k]

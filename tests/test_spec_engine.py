@@ -75,6 +75,23 @@ def test_greedy_lossless_batch1(random_head, reference, chat_prompts, shape):
         assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens  # both accepted and rejected drafts
 
 
+def test_a_tree_engines_chain_and_tree_arms_are_lossless(random_head, reference, chat_prompts):
+    """A tree engine under the adaptive policy drafts, per decision, a chain (arms 1..K) or its whole tree
+    (K + 1): forced to a chain, then to the tree, greedy output is no-spec's token for token, and each
+    drafted as it should (the shipped head: drafts accepted and rejected)."""
+    llm = LLM(max_num_seqs=2, speculative_algorithm="EAGLE3", speculative_draft_model_path=heads(random_head)[-1],
+              **SMALL_KV, **TREE)
+    ctl = llm.engine.drafter.controller
+    K, nodes = TREE["speculative_num_steps"], TREE["speculative_num_draft_tokens"] - 1
+    for arm, k in ((2, 2), (K + 1, nodes)):
+        ctl.forced_arm = arm
+        before = dict(ctl.k_histogram)
+        outs = llm.chat(chat_prompts[2:4], SP)
+        assert [o.outputs[0].token_ids for o in outs] == reference[2:4], arm
+        drafted = {j: n - before.get(j, 0) for j, n in ctl.k_histogram.items() if n > before.get(j, 0)}
+        assert drafted.get(k, 0) > 4 and set(drafted) <= {0, 1, k}, (arm, drafted)  # (1: the last tokens' caps)
+
+
 @pytest.mark.skipif(not SHIPPED, reason="the shipped head is not in the tree yet")
 def test_shipped_head_is_the_default_and_accepts(chat_prompts):
     llm = LLM(speculative_algorithm="EAGLE3", speculative_policy="static", **SMALL_KV)

@@ -87,6 +87,10 @@ def configs(args: argparse.Namespace, variants: dict[str, AdaptivePolicyConfig] 
                                            "speculative_num_steps": args.threshold_steps}
     out["adaptive"] = {"speculative_algorithm": "EAGLE3", "speculative_policy": "adaptive",
                        "speculative_num_steps": args.adaptive_steps, "speculative_calibrate": args.adaptive_calibrate}
+    if args.adaptive_tree:  # the adaptive policy over a tree engine's arms: plain, chains and the tree
+        steps, topk, tokens = args.adaptive_tree
+        out["adaptive_tree"] = {**out["adaptive"], "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+                                "speculative_num_draft_tokens": tokens}
     for name, policy in (variants or {}).items():  # (as a dict: the engine args go into the result JSON)
         out[name] = {**out["adaptive"], "speculative_adaptive_config": dataclasses.asdict(policy)}
     return out
@@ -389,6 +393,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--static-steps", default="1,2,3")
     ap.add_argument("--tree", nargs="?", const=(5, 4, 16), default=None, metavar="STEPSxTOPKxTOKENS", type=tree_shape,
                     help="also a static tree (without a value: 5 steps x top-4, 16 nodes)")
+    ap.add_argument("--adaptive-tree", nargs="?", const=(5, 4, 8), default=None, metavar="STEPSxTOPKxTOKENS",
+                    type=tree_shape, help="also an adaptive engine over a tree's arms (plain, chains of 1..steps, "
+                                          "the whole tree; without a value: 5 steps x top-4, 8 draft tokens)")
     ap.add_argument("--natural-stops", action="store_true",
                     help="requests stop at EOS or --output-len tokens (default: ignore_eos, lengths spread over "
                          "[0.5, 1.5] x --output-len)")

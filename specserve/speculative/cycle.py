@@ -58,8 +58,9 @@ class CycleClock:
         return known if known is not None else self.controller.catch_up_seconds(rows)
 
     def draft(self, todo: list[tuple[Request, int]], catch_up: Callable[[list[Request]], torch.Tensor],
-              propose: Callable[[list[tuple[Request, int]], torch.Tensor], None]) -> float:
-        """Catch up and draft ``todo``, timing the catch-up; returns the seconds moved to the last cycle."""
+              propose: Callable[[list[tuple[Request, int]], torch.Tensor, bool], None], tree: bool) -> float:
+        """Catch up and draft ``todo`` (chains, or trees), timing the catch-up; returns the seconds moved to
+        the last cycle."""
         ctl = self.controller
         reqs = [r for r, _ in todo]
         caught_up = sum(r.num_computed_tokens - r.spec.draft_pos for r in reqs)
@@ -80,7 +81,7 @@ class CycleClock:
         if timed:
             self.marks[1].record()
         catch_up_s = clock() - t0
-        propose(todo, h)
+        propose(todo, h, tree)
         if timed:
             self.marks[1].synchronize()
             catch_up_s = max(catch_up_s, self.marks[0].elapsed_time(self.marks[1]) / 1e3)
@@ -90,7 +91,7 @@ class CycleClock:
                 catch_up_s = known
             elif timed or self.engine.device.type != "cuda":  # (a CPU's forward returns when done)
                 self.steady_s[rows_key] = catch_up_s if known is None else 0.8 * known + 0.2 * catch_up_s
-        if usual:
+        if usual and not tree:  # (a tree's forwards grow wider: not one batch's draft step)
             ctl.observe_draft(len(todo), max(k for _, k in todo), clock() - t0)
         elif not self.drafted_last:  # a switch out of plain decoding: not what this depth costs per cycle
             ctl.skip_cycle()

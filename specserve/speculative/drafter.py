@@ -330,7 +330,7 @@ class EagleSpeculator:
                 stats.spec_accepted_per_position[pos] += pos < a
         if verified or self.controller.cycle_open:  # else nothing per request to learn
             self.controller.observe_many([s.req.request_id for s in sampling], [self._depth(s) for s in sampling],
-                                         accepted)
+                                         accepted, [s.tree is not None for s in sampling])
         prefill = sum(s.num_new_tokens - s.samples for s in plan.scheduled)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling), own_time)
         profile.check_stale(self.controller.cost, stats.steps, self.cost_profile_path)
@@ -365,9 +365,9 @@ class EagleSpeculator:
         ctl = self.controller
         sched = self.engine.scheduler
         todo = [(r, k) for r, k in zip(candidates, ks) if k > 0 and sched.reserve(r, r.num_tokens + k)]
-        rest = self.pipeline.adopt_fused(todo)  # drafted before the verify's sync: bookkeeping only
+        rest = self.pipeline.adopt_fused(todo, ctl.tree_drafts)  # drafted before the verify's sync: bookkeeping only
         ctl.note_launched_early(len(todo) - len(rest))
-        shift = self.cycle.draft(rest, self.catch_up, self.proposer.propose) if rest else 0.0
+        shift = self.cycle.draft(rest, self.catch_up, self.proposer.propose, ctl.tree_drafts) if rest else 0.0
         if not todo and prev is not None:
             prev_s += self.cycle.unpaid_catch_up(candidates)
         ctl.finish_cycle(prev, prev_s + shift)
@@ -394,7 +394,7 @@ class EagleSpeculator:
             arm = pre[1]
         if arm == 0:
             return None
-        caps = [self.caps.cap(r) for r in candidates]
+        caps = [self.caps.cap(r, tree=ctl.tree_caps) for r in candidates]
         if arm is not None:
             return ctl.uniform(candidates, arm, caps)
         return ctl.decide(Batch(candidates, caps, len(self.engine.scheduler.running)))

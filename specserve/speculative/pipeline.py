@@ -74,23 +74,20 @@ class Pipeline:
             self.pre_arm = (found, arm)  # counted: draft_step applies it
         return arm == 0
 
-    def _early_ks(self, found: list[tuple[Request, int]]) -> list[int]:
+    def _early_ks(self, found: list[tuple[Request, int]]) -> tuple[list[int], bool]:
         """Each request's next k where known before this verify's outcome (static policy, forced or
-        adaptive decisions), capped after the most it commits; []."""
+        adaptive decisions), capped after the most it commits, and whether they are trees; []."""
         ctl, caps = self.controller, self.caps
         if self.policy == "static":
-            return [caps.after_verify(r, k, self.max_k) for r, k in found]
+            return [caps.after_verify(r, k, self.max_k) for r, k in found], self.topk > 1
         if self.policy != "adaptive":
-            return []
-
-        def drafts(arm: int) -> int:  # (a tree's arm is its depth: drafting it means the whole tree)
-            return self.max_k if arm and self.topk > 1 else arm
-
-        if ctl.forced_arm is not None:
-            return [caps.after_verify(r, k, drafts(ctl.forced_arm)) for r, k in found]
-        arm = ctl.quick_arm(len(found), len(self.sched.running))  # (adaptive: a table lookup)
-        self.pre_arm = (len(found), arm)
-        return [caps.after_verify(r, k, drafts(arm)) for r, k in found]
+            return [], False
+        arm = ctl.forced_arm
+        if arm is None:
+            arm = ctl.quick_arm(len(found), len(self.sched.running))  # (adaptive: a table lookup)
+            self.pre_arm = (len(found), arm)
+        drafts, tree = ctl.drafts(arm)
+        return [caps.after_verify(r, k, drafts, tree) for r, k in found], tree
 
     def fused_targets(self, plan: StepPlan) -> list[Target] | None:
         """(request, drafts verified, next k) of a step that only verifies greedy drafts with current
@@ -119,8 +116,8 @@ class Pipeline:
                     return None
                 snapshot = st.device_tree[0]
             found.append((r, k))
-        ks = self._early_ks(found)
-        if not ks or not any(ks) or (tree and not all(k == self.max_k for k in ks)):
+        ks, next_tree = self._early_ks(found)
+        if not ks or not any(ks) or next_tree != tree or (tree and not all(k == self.max_k for k in ks)):
             why["unfused:decision" if not ks else "unfused:k"] += 1
             return None
         out = [(r, k, kk) for (r, k), kk in zip(found, ks)]
@@ -202,10 +199,11 @@ class Pipeline:
         self.fused = {r.request_id: (i, kk) for i, (r, kk) in enumerate(zip(reqs, nk))}
         self.fused_toks = toks.clone()
 
-    def adopt_fused(self, todo: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-        """Take the early drafts of the requests of ``todo`` allowed at least as many; returns the others."""
+    def adopt_fused(self, todo: list[tuple[Request, int]], tree: bool) -> list[tuple[Request, int]]:
+        """Take the early drafts of the requests of ``todo`` (drafting trees, or chains) allowed at least as
+        many, where of the same kind; returns the others."""
         fused, self.fused = self.fused, None
-        if not fused:
+        if not fused or tree != (self.topk > 1):  # (a tree engine's fused launch drafts trees)
             return todo
         rest, adopted, rows = [], [], []
         for r, k in todo:
@@ -362,8 +360,8 @@ class Pipeline:
     # -- drafts on the device into a verify's inputs --------------------------------------------------
     def fill_drafts(self, plan: StepPlan, inputs) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
         """Write PENDING drafts into the step's input ids, device to device (trees: also positions and masks).
-        Returns the requests filled, their input rows in the same order, and their trees' parents and depths
-        (an engine drafts chains or trees: one kind)."""
+        Returns the requests filled (chains first), their input rows in the same order, and their trees'
+        parents and depths."""
         groups: dict[int, tuple[torch.Tensor, list, list[int], list[int]]] = {}  # by drafts tensor: requests, src, dst
         trees: list = []
         spans = iter(inputs.sample_spans)
@@ -385,13 +383,16 @@ class Pipeline:
             reqs.append(s)
             src.extend(range(row * K, row * K + n - 1))  # (the scheduler may have cut the drafts short)
             dst.extend(range(a + 1, a + n))
-        if tree_src:
-            return trees, *self._fill_trees(tree_src, inputs)
-        if not groups:
-            return [], None, None
         rows = [self._copy_drafts(inputs, toks, src, dst) for toks, _, src, dst in groups.values()]
         pending = [s for _, reqs, _, _ in groups.values() for s in reqs]
-        return pending, rows[0] if len(rows) == 1 else torch.cat(rows), None
+        extra = None
+        if tree_src:  # (after the chains: a step may verify chains and trees decided apart)
+            tree_rows, extra = self._fill_trees(tree_src, inputs)
+            rows.append(tree_rows)
+            pending += trees
+        if not pending:
+            return [], None, None
+        return pending, rows[0] if len(rows) == 1 else torch.cat(rows), extra
 
     def _copy_drafts(self, inputs, toks: torch.Tensor, src: list[int], dst: list[int]) -> torch.Tensor:
         """Chain drafts ``toks.view(-1)[src]`` into input rows ``dst``, device to device; returns those rows."""

@@ -1,5 +1,6 @@
-"""Drafts: chains (topk = 1), eagerly from the catch-up's ``h`` (a read-back a step) or on static buffers from
-``h0``, and EAGLE-2 trees on static buffers; static drafts stay on the device (PENDING on the host) until the verify."""
+"""Drafts: chains (topk = 1, or a tree engine's chain arms), eagerly from the catch-up's ``h`` (a read-back a step)
+or on static buffers from ``h0``, and EAGLE-2 trees on static buffers; static drafts stay on the device (PENDING on
+the host) until the verify."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ class Proposer:
         self.chain_runner: Any = None  # ChainDraftRunner: the static draft loop, where built
         self.tree_runner: Any = None  # TreeDraftRunner: every tree's expansion
 
-    def propose(self, todo: list[tuple[Request, int]], h: torch.Tensor) -> None:
-        """Draft k tokens for each (request, k) after its catch-up (output ``h``)."""
-        if self.topk > 1:
+    def propose(self, todo: list[tuple[Request, int]], h: torch.Tensor, tree: bool) -> None:
+        """Draft k tokens for each (request, k) after its catch-up (output ``h``): a chain, or (a tree engine)
+        a tree of k nodes."""
+        if tree:
             self._tree(todo)
         elif self.chain_runner is not None and all(r.params.greedy and r.grammar is None for r, _ in todo):
             self._chain_static(todo)

@@ -57,30 +57,34 @@ class EarlyVerify:
 
 class Caps:
     """How many tokens a request may draft: max_k, its max_spec_tokens, what is left of max_tokens and
-    of the model length. A tree drafts all its nodes while max_tokens leaves it any token."""
+    of the model length. A tree drafts all its nodes while max_tokens leaves it any token; a chain (in a
+    tree engine too: the adaptive policy's chain arms) no more than max_tokens leaves."""
 
     def __init__(self, max_k: int, topk: int, num_steps: int, max_model_len: int) -> None:
         self.max_k, self.topk, self.num_steps, self.max_model_len = max_k, topk, num_steps, max_model_len
 
     def most_committed(self, k: int) -> int:
-        """The most tokens a verify of ``k`` drafts commits: k + 1 for a chain, a tree's depth + 1."""
+        """The most tokens a verify of ``k`` drafts commits: k + 1 for a chain, a tree's depth + 1 (a chain
+        in a tree engine is no deeper than a tree)."""
         return (k if self.topk == 1 else min(k, self.num_steps)) + 1
 
-    def cap(self, r: Request, committed: int = 0) -> int:
-        """The most ``r`` may draft once ``committed`` more tokens are committed."""
+    def cap(self, r: Request, committed: int = 0, tree: bool | None = None) -> int:
+        """The most ``r`` may draft once ``committed`` more tokens are committed, as a tree (None: the
+        engine's kind) or a chain."""
         p = r.params
         cap = self.max_k if p.max_spec_tokens is None else min(self.max_k, p.max_spec_tokens)
         if p.max_tokens is not None:
             left = p.max_tokens - (r.num_output_tokens + committed) - 1
-            if self.topk == 1 or left <= 0:
+            if not (self.topk > 1 if tree is None else tree) or left <= 0:
                 cap = min(cap, left)
         return max(min(cap, self.max_model_len - (r.num_tokens + committed) - 1), 0)
 
-    def after_verify(self, r: Request, k: int, arm: int) -> int:
-        """min(arm, r's cap) whatever a verify of ``k`` drafts commits (the cap after the most it can
-        commit); a tree drafts whole (its nodes must fit the model length after its depth + bonus)."""
+    def after_verify(self, r: Request, k: int, drafts: int, tree: bool | None = None) -> int:
+        """min(drafts, r's cap) whatever a verify of ``k`` drafts commits (the cap after the most it can
+        commit); a tree (None: the engine's kind) drafts whole (its nodes must fit the model length after
+        its depth + bonus)."""
         most = self.most_committed(k)
-        if self.topk == 1:
-            return min(arm, self.cap(r, most))
-        fits = self.max_model_len - (r.num_tokens + most) - 1 >= arm
-        return min(arm, self.cap(r, 1)) if fits else 0
+        if not (self.topk > 1 if tree is None else tree):
+            return min(drafts, self.cap(r, most, tree=False))
+        fits = self.max_model_len - (r.num_tokens + most) - 1 >= drafts
+        return min(drafts, self.cap(r, 1, tree=True)) if fits else 0

@@ -1,4 +1,4 @@
-"""Start-up calibration: scratch requests stepped through the engine at every (batch bucket, depth), the mean
+"""Start-up calibration: scratch requests stepped through the engine at every (batch bucket, arm), the mean
 step time of two windows (two passes on fresh requests) seeding the bandit (time only); everything else the
 steps touched is put back."""
 
@@ -137,8 +137,11 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
     measured: dict[int, dict[int, float]] = {}
     for b, got in passes.items():
         per_arm = {a: [p[a] for p in got if a in p] for a in arms}
-        depths = [a for a in arms if per_arm[a]]  # a deeper draft does all a shallower one does, and more:
-        measured[b] = dict(zip(depths, nondecreasing([sum(per_arm[a]) / len(per_arm[a]) for a in depths])))
+        mean = {a: sum(v) / len(v) for a, v in per_arm.items() if v}
+        depths = [a for a in arms if a in mean and a != ctl.tree_arm]  # a deeper chain does all a shallower one
+        measured[b] = dict(zip(depths, nondecreasing([mean[a] for a in depths])))  # does, and more
+        if ctl.tree_arm in mean:  # (a tree: at least plain decoding's)
+            measured[b][ctl.tree_arm] = max(mean[ctl.tree_arm], measured[b].get(0, 0.0))
     for b, per_arm in measured.items():
         for arm, s in per_arm.items():
             ctl.seed(b, arm, s)

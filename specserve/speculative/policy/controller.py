@@ -1,6 +1,9 @@
 """How many tokens each request drafts next step (0 = plain decode): ``static``, ``threshold`` or ``adaptive``
-(every request the depth its batch bucket's goodput table picks, bandit.py); interface.py is its narrow
-interface."""
+(every request the arm its batch bucket's goodput table picks, bandit.py); interface.py is its narrow
+interface.
+
+The adaptive policy's arms, an int each: 0 plain decoding, d in 1..K (num_steps) a chain of d drafts, and in
+a tree engine (eagle_topk > 1) K + 1 its whole tree (``tree_arm``)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from specserve.speculative.policy.interface import Batch
 
 ACCEPT_DECAY = 0.999  # per request observed: the acceptance rates' memory
 REFRESH_EVERY = 64  # a bucket's predicted seconds per arm recomputed after this many of its cycles (live model)
+TREE_STRENGTH = 8.0  # request-cycles of the tree's prior (the chain of its depth) in its tokens per cycle
 
 
 @dataclass
@@ -87,7 +91,9 @@ class SpecController:
     switches: int = 0  # decisions where speculation went on <-> off (explorations excluded)
     k_changes: int = 0  # decisions where some request kept from the last one got another k (same exclusions)
     cycles: int = 0  # adaptive decisions whose outcome was measured
-    forced_arm: int | None = None  # every request drafts min(this, its cap): the start-up calibration
+    forced_arm: int | None = None  # every request drafts this arm (capped): the start-up calibration
+    tree_drafts: bool = False  # the last decision's drafts are trees
+    tree_seen: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tree verifies, tokens they committed (decayed)
     # ``defer``: cycle outcomes and cost-model updates wait in ``pending`` until ``flush`` (the caller's
     # next forward launch); no decision reads them before that
     defer: bool = False
@@ -106,17 +112,30 @@ class SpecController:
         self.policy = self.cfg.adaptive  # the adaptive policy's tunables
         if self.bandit is None:
             self.bandit = GoodputBandit(self.policy)
-        self.overall = AcceptanceStats.zeros(self.cfg.num_steps)
+        self.overall = AcceptanceStats.zeros(self.cfg.num_steps)  # chains' (a tree's: tree_seen)
         K = self.cfg.num_steps
-        self._arms = list(range(K + 1)) if self.cfg.is_chain else [0, K]
+        self.tree_arm = None if self.cfg.is_chain else K + 1
+        self._arms = list(range(K + 1)) + ([] if self.tree_arm is None else [self.tree_arm])
 
     # -- decisions: a table lookup -----------------------------------------------------------------
     def arms(self) -> list[int]:
-        """The uniform depths the adaptive policy chooses among (a tree: off or all of it)."""
+        """The arms the adaptive policy chooses among, one for the whole batch (module docstring)."""
         return self._arms
 
+    @property
+    def tree_caps(self) -> bool:
+        """Whether ``decide`` takes a tree's caps (Caps.cap): a tree engine's static or threshold policy;
+        the adaptive policy's are a chain's (its tree arm drafts whole where one is > 0)."""
+        return self.tree_arm is not None and self.cfg.policy != "adaptive"
+
+    def drafts(self, arm: int) -> tuple[int, bool]:
+        """(drafts a request takes, whether they are a tree) of ``arm``, before caps: the tree arm's are its nodes."""
+        if arm == self.tree_arm:
+            return self.cfg.resolved_num_draft_tokens - 1, True
+        return arm, False
+
     def quick_arm(self, batch: int, num_running: int | None = None) -> int | None:
-        """The depth every request of this batch drafts (adaptive: its bucket's table; the threshold policy:
+        """The arm every request of this batch drafts (adaptive: its bucket's table; the threshold policy:
         0 while off with ``num_running`` running requests); None: ``decide`` gives k per request (caps)."""
         if self.cfg.policy == "threshold" and num_running is not None:
             return 0 if not self._threshold_on(num_running) else None
@@ -131,7 +150,8 @@ class SpecController:
         return arm
 
     def decide(self, batch: Batch) -> list[int]:
-        """k per request of ``batch`` (the drafter's decision after the verify's sync)."""
+        """k per request of ``batch`` (the drafter's decision after the verify's sync); ``tree_drafts`` says
+        whether they are trees."""
         B = len(batch.requests)
         arm = self.forced_arm if self.forced_arm is not None else self.quick_arm(B, batch.num_running)
         if arm == 0:
@@ -139,6 +159,7 @@ class SpecController:
             return [0] * B
         if arm is not None:
             return self.uniform(batch.requests, arm, batch.caps)
+        self.tree_drafts = self.tree_arm is not None  # (static, threshold: the engine's kind, capped as it)
         ks = [0] * B if self.cfg.policy == "threshold" and not self.spec_on else list(batch.caps)
         self._count(batch.requests, ks, False)
         return ks
@@ -158,12 +179,11 @@ class SpecController:
         self._was_on = False
 
     def uniform(self, requests: list, arm: int, caps: list[int]) -> list[int]:
-        """Every request drafts min(arm, its cap) (a tree: all of it, or none), counted as a decision."""
+        """Every request drafts ``arm``, counted as a decision: a chain of min(d, its cap), or the whole tree
+        where its cap is > 0 (``caps``: a chain's, Caps.cap)."""
         exploring, self._exploring = self._exploring, False
-        if arm and not self.cfg.is_chain:
-            ks = [self.cfg.resolved_num_draft_tokens - 1 if c > 0 else 0 for c in caps]
-        else:
-            ks = [min(arm, c) for c in caps]
+        k, self.tree_drafts = self.drafts(arm)
+        ks = [k if c > 0 else 0 for c in caps] if self.tree_drafts else [min(k, c) for c in caps]
         key, B = self._quick_key, len(requests)
         self._cycle = Cycle(key, arm, self._predicted_s(key, B, arm), {r.request_id for r in requests},
                             requests=B, exploring=exploring)
@@ -184,7 +204,15 @@ class SpecController:
     def priors(self, key: int, batch: int) -> dict[int, Prior]:
         """(tokens a request commits per cycle, predicted seconds of a cycle of ``batch`` requests) per arm."""
         tokens = self.overall.tokens()
+        if self.tree_arm is not None:
+            tokens.append(self.tree_tokens(tokens[-1]))
         return {arm: (tokens[arm], self._predicted_s(key, batch, arm)) for arm in self.arms()}
+
+    def tree_tokens(self, chain: float) -> float:
+        """Tokens a request commits per tree verify: those seen, shrunk towards ``chain`` (the chain of the
+        tree's depth: the tree holds about that chain, and more) by TREE_STRENGTH verifies."""
+        n, tokens = self.tree_seen
+        return (tokens + TREE_STRENGTH * chain) / (n + TREE_STRENGTH)
 
     def refresh(self, key: int, batch: int) -> None:
         self.bandit.refresh(key, self.priors(key, batch), batch)
@@ -195,14 +223,13 @@ class SpecController:
         got = self._predicted.get((key, batch))
         if got is None or (got[0] >= REFRESH_EVERY and self._reference() is self.cost):
             ref, K = self._reference(), self.cfg.num_steps
-            nodes = self.cfg.resolved_num_draft_tokens - 1
-            topk = self.cfg.eagle_topk
             out = []
-            for d in range(K + 1):
-                verify = (d if self.cfg.is_chain else (nodes if d else 0)) * batch
-                s = ref.step_time(batch + verify, batch)
-                if d:  # draft forwards: a chain's B rows each; a tree's B, then B x topk
-                    s += ref.draft.predict(batch) + (d - 1) * ref.draft.predict(batch * topk)
+            for a in range(len(self._arms)):  # (arms are 0..len - 1)
+                k, tree = self.drafts(a)
+                s = ref.step_time(batch + k * batch, batch)
+                if k:  # draft forwards: a chain's B rows each; a tree's B, then B x topk (K steps)
+                    wide, steps = (batch * self.cfg.eagle_topk, K) if tree else (batch, k)
+                    s += ref.draft.predict(batch) + (steps - 1) * ref.draft.predict(wide)
                 out.append(s)
             got = [0, out]
             if len(self._predicted) >= 4096:
@@ -221,13 +248,19 @@ class SpecController:
         self.bandit.seed(batch_key(batch), arm, seconds, batch, cycles)
 
     # -- observations ------------------------------------------------------------------------------
-    def observe_many(self, request_ids: list[str], ks: list[int], accepted: list[int]) -> None:
-        """Requests ``request_ids`` verified ``ks`` drafts and accepted ``accepted`` (the rates decay by
-        ACCEPT_DECAY a request)."""
+    def observe_many(self, request_ids: list[str], ks: list[int], accepted: list[int],
+                     trees: list[bool] | None = None) -> None:
+        """Requests ``request_ids`` verified ``ks`` drafts (``trees``: which were trees, of ``ks`` their depth)
+        and accepted ``accepted`` (chains' rates and trees' tokens decay by ACCEPT_DECAY a request)."""
         c = self._cycle
         if c is not None and c.request_ids is not None:
             mine = [a for rid, a in zip(request_ids, accepted) if rid in c.request_ids]
             c.tokens += sum(mine) + len(mine)
+        if trees is not None and any(trees):
+            got = [a + 1 for k, a, t in zip(ks, accepted, trees) if t and k]
+            f = ACCEPT_DECAY ** len(got)
+            self.tree_seen = [self.tree_seen[0] * f + len(got), self.tree_seen[1] * f + sum(got)]
+            ks = [0 if t else k for k, t in zip(ks, trees)]
         ov = self.overall
         K = len(ov.drafted)
         dr, ac = [0.0] * K, [0.0] * K
@@ -360,6 +393,7 @@ class SpecController:
                 "k_histogram": {int(k): v for k, v in sorted(self.k_histogram.items())},
                 "mean_k": sum(k * v for k, v in self.k_histogram.items()) / n if n else None,
                 "acceptance": [round(float(x), 4) for x in self.overall.rates()],
+                "tree_tokens": None if self.tree_arm is None else round(self.tree_tokens(self.overall.tokens()[-1]), 4),
                 "measured_goodput": self.bandit.summary(), "exploration_budget": self.bandit.budget_summary(),
                 "catch_up_fit": None if f is None else {"fixed_ms": round(f[0] * 1e3, 4),
                                                         "us_per_token": round(f[1] * 1e6, 4)},

@@ -1,5 +1,5 @@
 """The policy's hooks: ``ks = controller.decide(Batch(...))`` (0 = plain decode) after a verify's sync, or
-``controller.quick_arm(batch)`` before it (the depth every request drafts); outcomes through ``observe_many``,
+``controller.quick_arm(batch)`` before it (the arm every request drafts); outcomes through ``observe_many``,
 ``observe_step`` and ``finish_cycle``."""
 
 from __future__ import annotations
