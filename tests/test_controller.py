@@ -10,7 +10,7 @@ from specserve.engine.request import Status
 from specserve.speculative.policy.bandit import batch_key
 from specserve.speculative.policy.controller import SpecController
 from specserve.speculative.policy.interface import Batch
-from specserve.speculative.policy.controller import ACCEPT_DECAY, AcceptanceStats
+from specserve.speculative.policy.controller import ACCEPT_DECAY, AcceptanceStats, reached
 from specserve.speculative.policy.cost_model import CostModel, Curve
 
 
@@ -45,6 +45,14 @@ def test_the_controllers_acceptance_counts_are_conditional_per_position():
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
     ctl.observe_many(["a", "b", "c"], [3, 3, 0], [1, 3, 0])  # (k = 0: plain decoding, nothing drafted)
     assert ctl.overall.drafted == [2, 2, 1] and ctl.overall.accepted == [2, 1, 1]
+
+
+def test_positions_reached_count_each_length_past_each_position():
+    rng = np.random.default_rng(0)
+    for K in (1, 3, 8):
+        lengths = rng.integers(0, K + 3, size=40).tolist()  # (lengths past K count up to K)
+        assert reached(lengths, K) == [sum(n > j for n in lengths) for j in range(K)]
+    assert reached([2, 0, 3], 3) == [2, 2, 1] and reached([], 2) == [0, 0]
 
 
 class R:
