@@ -498,3 +498,24 @@ def test_a_chain_arms_caps_in_a_tree_engine_keep_to_max_tokens():
     assert caps.cap(r) == caps.cap(r, tree=True) == 5 and caps.cap(r, tree=False) == 4
     assert caps.after_verify(r, 1, 3, tree=False) == 2  # after the 2 tokens a verify of 1 draft may commit
     assert caps.after_verify(r, 1, 5) == caps.after_verify(r, 1, 5, tree=True) == 5
+
+
+def test_the_arm_taken_before_the_sync_holds_for_its_batch_less_those_that_finished():
+    from collections import Counter
+
+    from specserve.speculative import drafter as drafter_mod
+    from specserve.speculative.state import Caps
+
+    d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
+    d.controller = ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=7))
+    d.caps, d.path_counts = Caps(7, 1, 7, 10**6), Counter()
+    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[]))
+    pre = [(16, 6)]  # (batch, arm) quick_arm took before the verify's sync
+    d.pipeline = SimpleNamespace(take_pre_arm=lambda: pre.pop() if pre else None)
+    reqs = [SimpleNamespace(request_id=str(i), params=SimpleNamespace(max_spec_tokens=None, max_tokens=None),
+                            num_output_tokens=0, num_tokens=8) for i in range(16)]
+    assert d._decide(reqs[:15], False) == [6] * 15  # one finished: the same bucket, the same arm
+    assert not ctl.bandit.visits and ctl.decisions == 1 and not d.path_counts
+    pre.append((16, 6))
+    d._decide(reqs[:4], False)  # another bucket: decided again
+    assert ctl.bandit.visits == {batch_key(4): 1} and d.path_counts == {"decide:again": 1}

@@ -25,6 +25,7 @@ from specserve.speculative.catch_up import CatchUp
 from specserve.speculative.cycle import CycleClock
 from specserve.speculative.features import FeatureStore
 from specserve.speculative.pipeline import Pipeline
+from specserve.speculative.policy.bandit import batch_key
 from specserve.speculative.policy.interface import Batch
 from specserve.speculative.policy.controller import SpecController, reached
 from specserve.speculative.propose import Proposer
@@ -386,13 +387,17 @@ class EagleSpeculator:
             self.cycle.open(now)
 
     def _decide(self, candidates: list[Request], launched_ahead: bool) -> list[int] | None:
-        """k per candidate, None for plain decoding: the arm taken before the sync (pipeline), else the
-        policy's ``decide(Batch)``."""
+        """k per candidate, None for plain decoding: the arm taken before the sync (pipeline) for a batch of
+        the same bucket (the candidates: its requests less those that finished), else the policy's
+        ``decide(Batch)``."""
         ctl = self.controller
         pre = self.pipeline.take_pre_arm()
         arm = 0 if launched_ahead else None
-        if arm is None and ctl.forced_arm is None and pre is not None and pre[0] == len(candidates):
-            arm = pre[1]
+        if arm is None and ctl.forced_arm is None and pre is not None:
+            if batch_key(pre[0]) == batch_key(len(candidates)):
+                arm = pre[1]
+            else:
+                self.path_counts["decide:again"] += 1
         if arm == 0:
             return None
         tree, cap = ctl.tree_caps, self.caps.cap
