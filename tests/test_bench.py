@@ -460,10 +460,12 @@ def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
     from specserve.bench.offline import StepStats
     from specserve.bench.served_vs_offline import _offline_steps
 
-    got = _offline_steps([StepStats(10, 8, 2.0, {0: 6, 5: 2}), StepStats(6, 4, 5.0, {5: 4})])
-    assert got == {"steps": 16, "steady_steps": 12, "mean_step_ms": 3.0, "k_counts": {0: 6, 5: 6}, "mean_k": 2.5}
+    got = _offline_steps([StepStats(10, 8, 2.0, {0: 6, 5: 2}, {"fused": 3, "unfused:k": 1}, 2),
+                          StepStats(6, 4, 5.0, {5: 4}, {"fused": 4}, 1)])
+    assert got == {"steps": 16, "steady_steps": 12, "mean_step_ms": 3.0, "k_counts": {0: 6, 5: 6}, "mean_k": 2.5,
+                   "path_counts": {"fused": 7, "unfused:k": 1}, "explorations": 3}
     plain = _offline_steps([StepStats(3, 2, 1.0)])
-    assert plain["k_counts"] is None and plain["mean_k"] is None
+    assert plain["k_counts"] is None and plain["mean_k"] is None and plain["path_counts"] is None
 
 
 def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:

@@ -10,7 +10,7 @@ from specserve.engine.request import Status
 from specserve.speculative.policy.bandit import batch_key
 from specserve.speculative.policy.controller import SpecController
 from specserve.speculative.policy.interface import Batch
-from specserve.speculative.policy.controller import ACCEPT_DECAY, AcceptanceStats
+from specserve.speculative.policy.controller import ACCEPT_DECAY, AcceptanceStats, reached
 from specserve.speculative.policy.cost_model import CostModel, Curve
 
 
@@ -45,6 +45,14 @@ def test_the_controllers_acceptance_counts_are_conditional_per_position():
     ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=3))
     ctl.observe_many(["a", "b", "c"], [3, 3, 0], [1, 3, 0])  # (k = 0: plain decoding, nothing drafted)
     assert ctl.overall.drafted == [2, 2, 1] and ctl.overall.accepted == [2, 1, 1]
+
+
+def test_positions_reached_count_each_length_past_each_position():
+    rng = np.random.default_rng(0)
+    for K in (1, 3, 8):
+        lengths = rng.integers(0, K + 3, size=40).tolist()  # (lengths past K count up to K)
+        assert reached(lengths, K) == [sum(n > j for n in lengths) for j in range(K)]
+    assert reached([2, 0, 3], 3) == [2, 2, 1] and reached([], 2) == [0, 0]
 
 
 class R:
@@ -490,3 +498,24 @@ def test_a_chain_arms_caps_in_a_tree_engine_keep_to_max_tokens():
     assert caps.cap(r) == caps.cap(r, tree=True) == 5 and caps.cap(r, tree=False) == 4
     assert caps.after_verify(r, 1, 3, tree=False) == 2  # after the 2 tokens a verify of 1 draft may commit
     assert caps.after_verify(r, 1, 5) == caps.after_verify(r, 1, 5, tree=True) == 5
+
+
+def test_the_arm_taken_before_the_sync_holds_for_its_batch_less_those_that_finished():
+    from collections import Counter
+
+    from specserve.speculative import drafter as drafter_mod
+    from specserve.speculative.state import Caps
+
+    d = drafter_mod.EagleSpeculator.__new__(drafter_mod.EagleSpeculator)
+    d.controller = ctl = SpecController(SpeculativeConfig(policy="adaptive", num_steps=7))
+    d.caps, d.path_counts = Caps(7, 1, 7, 10**6), Counter()
+    d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[]))
+    pre = [(16, 6)]  # (batch, arm) quick_arm took before the verify's sync
+    d.pipeline = SimpleNamespace(take_pre_arm=lambda: pre.pop() if pre else None)
+    reqs = [SimpleNamespace(request_id=str(i), params=SimpleNamespace(max_spec_tokens=None, max_tokens=None),
+                            num_output_tokens=0, num_tokens=8) for i in range(16)]
+    assert d._decide(reqs[:15], False) == [6] * 15  # one finished: the same bucket, the same arm
+    assert not ctl.bandit.visits and ctl.decisions == 1 and not d.path_counts
+    pre.append((16, 6))
+    d._decide(reqs[:4], False)  # another bucket: decided again
+    assert ctl.bandit.visits == {batch_key(4): 1} and d.path_counts == {"decide:again": 1}

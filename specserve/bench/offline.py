@@ -35,10 +35,12 @@ class StepStats:
     steady_steps: int
     mean_step_ms: float | None  # mean time of an engine.step() call at the steady batch
     k_counts: dict[int, int] | None = None  # request-decisions per draft depth (None: no speculation)
+    path_counts: dict[str, int] | None = None  # the drafter's calls per path ("fused", "unfused:k", ...)
+    explorations: int | None = None  # the adaptive policy's exploration decisions
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "steady_steps": self.steady_steps, "mean_step_ms": self.mean_step_ms,
-                "k_counts": self.k_counts}
+                "k_counts": self.k_counts, "path_counts": self.path_counts, "explorations": self.explorations}
 
 
 def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
@@ -51,6 +53,9 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
     index: dict[str, int] = {}
     next_i, steps, steady_steps, steady_time = 0, 0, 0, 0.0
     k_before = engine.get_stats().k_histogram
+    drafter = getattr(engine, "drafter", None)
+    paths_before = Counter(drafter.path_counts) if drafter is not None else Counter()
+    explored_before = drafter.controller.explorations if drafter is not None else 0
     t0 = time.perf_counter()
     while next_i < len(prompts) or index:
         while next_i < len(prompts) and len(index) < concurrency:
@@ -86,8 +91,10 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
     duration = time.perf_counter() - t0
     k_after = engine.get_stats().k_histogram
     k_counts = dict(sorted((Counter(k_after) - Counter(k_before)).items())) or None
+    paths = dict(sorted((Counter(drafter.path_counts) - paths_before).items())) if drafter is not None else None
+    explored = drafter.controller.explorations - explored_before if drafter is not None else None
     return results, duration, StepStats(steps, steady_steps, steady_time / steady_steps * 1e3 if steady_steps else None,
-                                        k_counts)
+                                        k_counts, paths or None, explored)
 
 
 def _device_name(engine: Any) -> str:

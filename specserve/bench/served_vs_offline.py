@@ -214,9 +214,12 @@ def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
     total_ms = sum(s.mean_step_ms * s.steady_steps for s in stats if s.mean_step_ms is not None)
     k_counts = sum((Counter(s.k_counts or {}) for s in stats), Counter())
     decisions = sum(k_counts.values())
+    paths = sum((Counter(s.path_counts or {}) for s in stats), Counter())
+    explored = [s.explorations for s in stats if s.explorations is not None]
     return {"steps": sum(s.steps for s in stats), "steady_steps": steady,
             "mean_step_ms": total_ms / steady if steady else None, "k_counts": dict(sorted(k_counts.items())) or None,
-            "mean_k": sum(k * n for k, n in k_counts.items()) / decisions if decisions else None}
+            "mean_k": sum(k * n for k, n in k_counts.items()) / decisions if decisions else None,
+            "path_counts": dict(sorted(paths.items())) or None, "explorations": sum(explored) if explored else None}
 
 
 def start_offline(name: str, config: Any, args: argparse.Namespace, result: dict[str, Any],

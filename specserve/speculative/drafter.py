@@ -25,8 +25,9 @@ from specserve.speculative.catch_up import CatchUp
 from specserve.speculative.cycle import CycleClock
 from specserve.speculative.features import FeatureStore
 from specserve.speculative.pipeline import Pipeline
+from specserve.speculative.policy.bandit import batch_key
 from specserve.speculative.policy.interface import Batch
-from specserve.speculative.policy.controller import SpecController
+from specserve.speculative.policy.controller import SpecController, reached
 from specserve.speculative.propose import Proposer
 from specserve.speculative.state import Caps
 from specserve.speculative.tree import DraftTree
@@ -314,23 +315,24 @@ class EagleSpeculator:
 
     def _record(self, plan: StepPlan, sampling, accepted: list[int], seconds: float, own_time: bool = True) -> None:
         stats = self.engine.stats
-        verified = [(s, a) for s, a in zip(sampling, accepted) if s.draft_token_ids]
-        if verified:
-            stats.spec_steps += 1
+        depths = [self._depth(s) for s in sampling]
+        verified = [(d, a) for s, d, a in zip(sampling, depths, accepted) if s.draft_token_ids]
         K = self.cfg.num_steps
         if len(stats.spec_drafted_per_position) < K:
             stats.spec_drafted_per_position = [0] * K
             stats.spec_accepted_per_position = [0] * K
-        for s, a in verified:
-            stats.spec_verify_steps += 1
-            stats.spec_draft_tokens += len(s.draft_token_ids)
-            stats.spec_accepted_tokens += a
-            for pos in range(self._depth(s)):
-                stats.spec_drafted_per_position[pos] += 1
-                stats.spec_accepted_per_position[pos] += pos < a
+        if verified:
+            stats.spec_steps += 1
+            stats.spec_verify_steps += len(verified)
+            stats.spec_draft_tokens += sum(len(s.draft_token_ids) for s in sampling)
+            stats.spec_accepted_tokens += sum(a for _, a in verified)
+            for per_pos, got in ((stats.spec_drafted_per_position, reached([d for d, _ in verified], K)),
+                                 (stats.spec_accepted_per_position, reached([min(d, a) for d, a in verified], K))):
+                for pos, n in enumerate(got):
+                    per_pos[pos] += n
         if verified or self.controller.cycle_open:  # else nothing per request to learn
-            self.controller.observe_many([s.req.request_id for s in sampling], [self._depth(s) for s in sampling],
-                                         accepted, [s.tree is not None for s in sampling])
+            self.controller.observe_many([s.req.request_id for s in sampling], depths, accepted,
+                                         [s.tree is not None for s in sampling])
         prefill = sum(s.num_new_tokens - s.samples for s in plan.scheduled)
         self.controller.observe_step(plan.num_tokens, len(plan.scheduled), seconds, prefill, len(sampling), own_time)
         profile.check_stale(self.controller.cost, stats.steps, self.cost_profile_path)
@@ -385,16 +387,21 @@ class EagleSpeculator:
             self.cycle.open(now)
 
     def _decide(self, candidates: list[Request], launched_ahead: bool) -> list[int] | None:
-        """k per candidate, None for plain decoding: the arm taken before the sync (pipeline), else the
-        policy's ``decide(Batch)``."""
+        """k per candidate, None for plain decoding: the arm taken before the sync (pipeline) for a batch of
+        the same bucket (the candidates: its requests less those that finished), else the policy's
+        ``decide(Batch)``."""
         ctl = self.controller
         pre = self.pipeline.take_pre_arm()
         arm = 0 if launched_ahead else None
-        if arm is None and ctl.forced_arm is None and pre is not None and pre[0] == len(candidates):
-            arm = pre[1]
+        if arm is None and ctl.forced_arm is None and pre is not None:
+            if batch_key(pre[0]) == batch_key(len(candidates)):
+                arm = pre[1]
+            else:
+                self.path_counts["decide:again"] += 1
         if arm == 0:
             return None
-        caps = [self.caps.cap(r, tree=ctl.tree_caps) for r in candidates]
+        tree, cap = ctl.tree_caps, self.caps.cap
+        caps = [cap(r, tree=tree) for r in candidates]
         if arm is not None:
             return ctl.uniform(candidates, arm, caps)
         return ctl.decide(Batch(candidates, caps, len(self.engine.scheduler.running)))

@@ -52,6 +52,18 @@ class AcceptanceStats:
         return out
 
 
+def reached(lengths: list[int], K: int) -> list[int]:
+    """Per position 0..K-1, how many of ``lengths`` pass it (O(len + K)): [2, 0, 3], K=3 -> [2, 2, 1]."""
+    hist = [0] * (K + 1)
+    for n in lengths:
+        hist[min(n, K)] += 1
+    out, run = [0] * K, 0
+    for j in range(K - 1, -1, -1):
+        run += hist[j + 1]
+        out[j] = run
+    return out
+
+
 def prefill_share(cost: CostModel, decode_tokens: int, prefill_tokens: int, num_seqs: int) -> float:
     """Seconds the prompt tokens add to a step of ``decode_tokens`` other tokens, by ``cost``."""
     if prefill_tokens <= 0:
@@ -161,7 +173,7 @@ class SpecController:
             return self.uniform(batch.requests, arm, batch.caps)
         self.tree_drafts = self.tree_arm is not None  # (static, threshold: the engine's kind, capped as it)
         ks = [0] * B if self.cfg.policy == "threshold" and not self.spec_on else list(batch.caps)
-        self._count(batch.requests, ks, False)
+        self._count([r.request_id for r in batch.requests], ks, False)
         return ks
 
     def count_off(self, batch: int) -> None:
@@ -185,9 +197,9 @@ class SpecController:
         k, self.tree_drafts = self.drafts(arm)
         ks = [k if c > 0 else 0 for c in caps] if self.tree_drafts else [min(k, c) for c in caps]
         key, B = self._quick_key, len(requests)
-        self._cycle = Cycle(key, arm, self._predicted_s(key, B, arm), {r.request_id for r in requests},
-                            requests=B, exploring=exploring)
-        self._count(requests, ks, exploring)
+        ids = [r.request_id for r in requests]
+        self._cycle = Cycle(key, arm, self._predicted_s(key, B, arm), set(ids), requests=B, exploring=exploring)
+        self._count(ids, ks, exploring)
         return ks
 
     def _threshold_on(self, num_running: int) -> bool:
@@ -263,17 +275,11 @@ class SpecController:
             ks = [0 if t else k for k, t in zip(ks, trees)]
         ov = self.overall
         K = len(ov.drafted)
-        dr, ac = [0.0] * K, [0.0] * K
-        n = 0
-        for k, a in zip(ks, accepted):
-            if k == 0:
-                continue
-            n += 1
-            for j in range(min(k, a + 1, K)):  # position j was reached iff all before it were accepted
-                dr[j] += 1
-            for j in range(min(a, K)):
-                ac[j] += 1
-        if n:
+        drafted = [(k, a) for k, a in zip(ks, accepted) if k]
+        n = len(drafted)
+        if n:  # position j was reached iff all before it were accepted
+            dr = reached([min(k, a + 1) for k, a in drafted], K)
+            ac = reached([a for _, a in drafted], K)
             f = ACCEPT_DECAY**n
             ov.drafted = [x * f + d for x, d in zip(ov.drafted, dr)]
             ov.accepted = [x * f + d for x, d in zip(ov.accepted, ac)]
@@ -364,7 +370,8 @@ class SpecController:
         """A switch's catch-up (after plain decoding) over ``tokens`` took ``seconds``."""
         self.catch_up_cost.observe(tokens, seconds)
 
-    def _count(self, requests: list, ks: list[int], exploring: bool) -> None:
+    def _count(self, ids: list[str], ks: list[int], exploring: bool) -> None:
+        """A decision of ``ks`` for requests ``ids``: the histogram, switches and k changes."""
         self.decisions += 1
         self.k_histogram.update(ks)
         if exploring:
@@ -373,7 +380,6 @@ class SpecController:
         if self._was_on is not None and on != self._was_on:
             self.switches += 1
         self._was_on = on
-        ids = [r.request_id for r in requests]
         if ids == self._last_ids:  # the usual case: the same batch as last step
             changed = ks != self._last_ks
         else:
