@@ -53,7 +53,7 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
     index: dict[str, int] = {}
     next_i, steps, steady_steps, steady_time = 0, 0, 0, 0.0
     k_before = engine.get_stats().k_histogram
-    drafter = getattr(engine, "drafter", None)
+    drafter = engine.drafter
     paths_before = Counter(drafter.path_counts) if drafter is not None else Counter()
     explored_before = drafter.controller.explorations if drafter is not None else 0
     t0 = time.perf_counter()

@@ -68,6 +68,9 @@ class Caps:
         in a tree engine is no deeper than a tree)."""
         return (k if self.topk == 1 else min(k, self.num_steps)) + 1
 
+    def _tree(self, tree: bool | None) -> bool:
+        return self.topk > 1 if tree is None else tree
+
     def cap(self, r: Request, committed: int = 0, tree: bool | None = None) -> int:
         """The most ``r`` may draft once ``committed`` more tokens are committed, as a tree (None: the
         engine's kind) or a chain."""
@@ -75,7 +78,7 @@ class Caps:
         cap = self.max_k if p.max_spec_tokens is None else min(self.max_k, p.max_spec_tokens)
         if p.max_tokens is not None:
             left = p.max_tokens - (r.num_output_tokens + committed) - 1
-            if not (self.topk > 1 if tree is None else tree) or left <= 0:
+            if not self._tree(tree) or left <= 0:
                 cap = min(cap, left)
         return max(min(cap, self.max_model_len - (r.num_tokens + committed) - 1), 0)
 
@@ -84,7 +87,7 @@ class Caps:
         commit); a tree (None: the engine's kind) drafts whole (its nodes must fit the model length after
         its depth + bonus)."""
         most = self.most_committed(k)
-        if not (self.topk > 1 if tree is None else tree):
+        if not self._tree(tree):
             return min(drafts, self.cap(r, most, tree=False))
         fits = self.max_model_len - (r.num_tokens + most) - 1 >= drafts
         return min(drafts, self.cap(r, 1, tree=True)) if fits else 0
