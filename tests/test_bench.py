@@ -448,7 +448,10 @@ def test_offline_side_runs_its_engine_in_a_process_of_its_own() -> None:
         assert all(r.usage["prompt_tokens"] > len(tok.encode(p)) for r, p in zip(results, prompts))  # chat template
         # 2 in flight until the second request ends (the third took the first's place), then one alone
         assert 0 < steps.steady_steps < steps.steps and steps.mean_step_ms > 0
-        assert steps.k_counts is None  # (no speculation)
+        assert steps.k_counts is None and steps.goodput is None  # (no speculation)
+        assert set(steps.by_batch) == {1, 2} and all(set(kinds) == {"plain"} for kinds in steps.by_batch.values())
+        assert sum(k["plain"][0] for k in steps.by_batch.values()) == steps.steps
+        assert sum(k["plain"][2] for k in steps.by_batch.values()) == 15
         s = summarize(results, duration, ignore_eos=True)
         assert s["total_output_tokens"] == 15 and s["token_check"]["consistent"]
     finally:
@@ -460,12 +463,20 @@ def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
     from specserve.bench.offline import StepStats
     from specserve.bench.served_vs_offline import _offline_steps
 
-    got = _offline_steps([StepStats(10, 8, 2.0, {0: 6, 5: 2}, {"fused": 3, "unfused:k": 1}, 2),
-                          StepStats(6, 4, 5.0, {5: 4}, {"fused": 4}, 1)])
+    table = {"table": {64: {"pick": 0}}, "budget": {}}
+    got = _offline_steps([StepStats(10, 8, 2.0, {0: 6, 5: 2}, {"fused": 3, "unfused:k": 1}, 2,
+                                    {64: {"plain": [6, 0.01, 384], "verify": [2, 0.01, 300]}}, {"table": {}}),
+                          StepStats(6, 4, 5.0, {5: 4}, {"fused": 4}, 1, {64: {"verify": [4, 0.02, 700]},
+                                                                          8: {"plain": [2, 0.002, 16]}}, table)])
     assert got == {"steps": 16, "steady_steps": 12, "mean_step_ms": 3.0, "k_counts": {0: 6, 5: 6}, "mean_k": 2.5,
-                   "path_counts": {"fused": 7, "unfused:k": 1}, "explorations": 3}
+                   "path_counts": {"fused": 7, "unfused:k": 1}, "explorations": 3,
+                   "by_batch": {8: {"plain": {"steps": 2, "seconds": 0.002, "tokens": 16}},
+                                64: {"plain": {"steps": 6, "seconds": 0.01, "tokens": 384},
+                                     "verify": {"steps": 6, "seconds": 0.03, "tokens": 1000}}},
+                   "goodput_table": table}  # (the last round's table)
     plain = _offline_steps([StepStats(3, 2, 1.0)])
     assert plain["k_counts"] is None and plain["mean_k"] is None and plain["path_counts"] is None
+    assert plain["by_batch"] is None and plain["goodput_table"] is None
 
 
 def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:

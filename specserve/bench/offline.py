@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any
 
 from specserve.bench.metrics import RequestResult
+from specserve.speculative.policy.bandit import batch_key, bucket_batch
 
 
 @dataclass
@@ -37,10 +38,15 @@ class StepStats:
     k_counts: dict[int, int] | None = None  # request-decisions per draft depth (None: no speculation)
     path_counts: dict[str, int] | None = None  # the drafter's calls per path ("fused", "unfused:k", ...)
     explorations: int | None = None  # the adaptive policy's exploration decisions
+    # per batch (requests in flight, bucketed as the adaptive policy's table) and kind ("plain", "verify": the
+    # step verified drafts): [steps, seconds, output tokens]
+    by_batch: dict[int, dict[str, list[float]]] | None = None
+    goodput: dict | None = None  # the adaptive policy's table after the run (SpecController.snapshot)
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "steady_steps": self.steady_steps, "mean_step_ms": self.mean_step_ms,
-                "k_counts": self.k_counts, "path_counts": self.path_counts, "explorations": self.explorations}
+                "k_counts": self.k_counts, "path_counts": self.path_counts, "explorations": self.explorations,
+                "by_batch": self.by_batch, "goodput": self.goodput}
 
 
 def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], concurrency: int,
@@ -56,6 +62,8 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
     drafter = engine.drafter
     paths_before = Counter(drafter.path_counts) if drafter is not None else Counter()
     explored_before = drafter.controller.explorations if drafter is not None else 0
+    stats = engine.stats
+    by_batch: dict[int, dict[str, list[float]]] = {}
     t0 = time.perf_counter()
     while next_i < len(prompts) or index:
         while next_i < len(prompts) and len(index) < concurrency:
@@ -67,15 +75,21 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
             index[rid] = next_i
             next_i += 1
         steady = len(index) == concurrency
+        batch, verified = len(index), stats.spec_steps
         s0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
         steps += 1
         if steady:
             steady_steps, steady_time = steady_steps + 1, steady_time + (now - s0)
+        row = by_batch.setdefault(bucket_batch(batch_key(batch)), {}).setdefault(
+            "verify" if stats.spec_steps > verified else "plain", [0, 0.0, 0])
+        row[0] += 1
+        row[1] += now - s0
         for out in outs:
             r = results[index[out.request_id]]
             n = len(out.new_token_ids)
+            row[2] += n
             if n:
                 if r.ttft is None:
                     r.ttft = now - r.start
@@ -93,8 +107,12 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
     k_counts = dict(sorted((Counter(k_after) - Counter(k_before)).items())) or None
     paths = dict(sorted((Counter(drafter.path_counts) - paths_before).items())) if drafter is not None else None
     explored = drafter.controller.explorations - explored_before if drafter is not None else None
+    goodput = None
+    if drafter is not None and drafter.cfg.policy == "adaptive":
+        snap = drafter.controller.snapshot()
+        goodput = {"table": snap["measured_goodput"], "budget": snap["exploration_budget"]}
     return results, duration, StepStats(steps, steady_steps, steady_time / steady_steps * 1e3 if steady_steps else None,
-                                        k_counts, paths or None, explored)
+                                        k_counts, paths or None, explored, dict(sorted(by_batch.items())), goodput)
 
 
 def _device_name(engine: Any) -> str:

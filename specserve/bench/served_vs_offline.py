@@ -216,10 +216,21 @@ def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
     decisions = sum(k_counts.values())
     paths = sum((Counter(s.path_counts or {}) for s in stats), Counter())
     explored = [s.explorations for s in stats if s.explorations is not None]
+    by_batch: dict[int, dict[str, list[float]]] = {}
+    for s in stats:
+        for batch, kinds in (s.by_batch or {}).items():
+            for kind, (n, secs, tokens) in kinds.items():
+                row = by_batch.setdefault(batch, {}).setdefault(kind, [0, 0.0, 0])
+                row[0], row[1], row[2] = row[0] + n, row[1] + secs, row[2] + tokens
+    table = next((s.goodput for s in reversed(stats) if s.goodput is not None), None)
     return {"steps": sum(s.steps for s in stats), "steady_steps": steady,
             "mean_step_ms": total_ms / steady if steady else None, "k_counts": dict(sorted(k_counts.items())) or None,
             "mean_k": sum(k * n for k, n in k_counts.items()) / decisions if decisions else None,
-            "path_counts": dict(sorted(paths.items())) or None, "explorations": sum(explored) if explored else None}
+            "path_counts": dict(sorted(paths.items())) or None, "explorations": sum(explored) if explored else None,
+            "by_batch": {b: {kind: {"steps": n, "seconds": round(secs, 4), "tokens": tokens}
+                             for kind, (n, secs, tokens) in sorted(kinds.items())}
+                         for b, kinds in sorted(by_batch.items())} or None,
+            "goodput_table": table}
 
 
 def start_offline(name: str, config: Any, args: argparse.Namespace, result: dict[str, Any],
