@@ -53,8 +53,6 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
     saved_stats = copy.deepcopy(e.stats)
     saved_paths = copy.deepcopy(drafter.path_counts)
     saved_preempt = e.scheduler.num_preemptions
-    # a pipelined step's time lands partly in the next one: the window opens and closes on an idle device
-    sync = torch.cuda.synchronize if drafter.device.type == "cuda" else (lambda: None)
     arms = ctl.arms()
     K = drafter.max_k
     # a pass's requests grow by at most this; every pass starts from the same context, so that a step's
@@ -93,20 +91,19 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         return new
 
     def window(b: int, arm: int) -> float | None:
-        """Seconds per step of ``steps`` consecutive steps of ``b`` requests drafting ``arm`` (None: cut short)."""
+        """Seconds per step of ``steps`` consecutive steps of ``b`` requests drafting ``arm`` (None: cut short),
+        timed as the cycle clock times them: the device's queue as the warm-up steps left it, no sync."""
         ctl.forced_arm = arm
         t0 = 0.0
         for j in range(warm + steps):
             if len(sched.running) != b or any(r.is_prefilling for r in sched.running) or sched.waiting:
                 return None
             if j == warm:
-                sync()
                 t0 = time.perf_counter()
             preempted = sched.num_preemptions
             e.step()
             if sched.num_preemptions != preempted:  # out of KV: a step that recomputes is no measure
                 return None
-        sync()
         return (time.perf_counter() - t0) / steps
 
     try:
