@@ -32,17 +32,29 @@ def hf_smollm2() -> torch.nn.Module:
 @contextlib.contextmanager
 def gguf_parsed_once():
     """transformers' GGUF loads parse the file anew each (config, weights, tokenizer: ~8 s each on two
-    cores) and build gguf's tensor-name map once per submodule (~400 times, ~11 s): each built once
-    instead, the same objects (the loads only read them), so what they load is still transformers' own."""
+    cores, most of it np.memmap's slicing hooks) and build gguf's tensor-name map once per submodule (~400
+    times, ~11 s): each built once instead, the reader over the same bytes as a plain ndarray (the loads
+    only read them), so what they load is still transformers' own."""
     import gguf
+    import numpy as np
+
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    class ArrayReader(make_reader):  # its memmap read as a plain ndarray: no np.memmap hooks per item read
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._data = mapped.view(np.ndarray)
 
     def reader(path, *a, **kw):
         key = (os.fspath(path), a, tuple(sorted(kw.items())))
         if key not in _readers:
-            _readers[key] = make_reader(path, *a, **kw)
+            _readers[key] = ArrayReader(path, *a, **kw)
         return _readers[key]
 
-    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
     try:
         yield
