@@ -70,7 +70,8 @@ def test_logits_match_transformers_past_the_window(gemma_path, hf):
         logits = torch.cat([run.step([(0, ids[a : a + 256], None)])[0] for a in range(0, 600, 256)])
         with torch.inference_mode():
             out = hf(torch.tensor([ids]), use_cache=True)
-            assert _close(logits, out.logits[0]) <= TOL
+            assert out.logits[0].shape == logits.shape
+            assert out.logits[0].sub_(logits).abs_().max().item() <= TOL  # (in place: 600 x 262k logits)
             cache, last = out.past_key_values, logits[-1]
             for _ in range(4):
                 ids.append(int(last.argmax()))

@@ -27,7 +27,7 @@ from specserve.loader import (
     load_model_source,
 )
 from specserve.models import build_model
-from hf_reference import hf_smollm2, release
+from hf_reference import gguf_parsed_once, hf_smollm2, release
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -74,7 +74,8 @@ def hf_model():
 @pytest.fixture(scope="module")
 def hf_tokenizer():
     path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with gguf_parsed_once():  # (the parse hf_model's load made)
+        return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def _prefill_logits(model, config, ids: list[int]) -> torch.Tensor:

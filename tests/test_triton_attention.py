@@ -273,7 +273,8 @@ def _random_tree_mask(n: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT_IN_TWO], ids=["whole", "split_kv"])
 def test_64_token_tree(backend):
     """The largest tree the int64 bitmask holds (bit 63 is the sign bit)."""
-    ref, out, _ = _case([64, 2], [7, 5], trees={0: _random_tree_mask(64, 3)}, num_blocks=48, backend=backend)
+    ref, out, _ = _case([64, 2], [7, 5], trees={0: _random_tree_mask(64, 3)}, num_blocks=48, backend=backend,
+                        heads=2, kv_heads=1)  # (one KV head: half the interpreted programs)
     _assert_close(ref, out, torch.float32)
 
 
@@ -340,7 +341,7 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, d
         pytest.skip("this host's numpy matmul rounds a row by the product's height: tiles of several tree "
                     "tokens cannot match one-token tiles bit for bit in the interpreter (checked on the GPU)")
     g = torch.Generator().manual_seed(5)
-    bs, kvh, heads, hd, nb, L, n = 4, 2, 4, 32, 48, 37, 12  # the tree's keys cross a 16-key block
+    bs, kvh, heads, hd, nb, L, n = 4, 1, 2, 32, 48, 37, 12  # the tree's keys cross a 16-key block (one KV head of two: half the interpreted programs)
     base = [(a.to(dtype), b.to(dtype)) for a, b in _random_caches(g, nb, bs, kvh, hd)]
     perm = torch.randperm(nb - 1, generator=g).tolist()
     tables = {over: perm[: -(-(L + n + over) // bs)] for over in (0, 12)}  # planned, shifted: one a prefix

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 
 def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, logit_scale: float = 1.0,
-                    constant: bool = False) -> str:
+                    constant: bool = False, kv_heads: int = 2) -> str:
     """``constant``: the final norm's weight zero, so every logit is 0 and greedy decoding emits token 0
     forever (with ``make_random_head(constant=True)``: a pair whose drafts are always accepted)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -19,7 +19,7 @@ def make_tiny_model(path: str, vocab: int = 8, layers: int = 4, seed: int = 0, l
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
                       tie_word_embeddings=False, eos_token_id=0, bos_token_id=0)
     cfg.architectures = ["LlamaForCausalLM"]
     model = LlamaForCausalLM(cfg)
