@@ -341,7 +341,8 @@ def test_tree_tokens_equal_plain_decoding_of_their_paths(monkeypatch, backend, d
         pytest.skip("this host's numpy matmul rounds a row by the product's height: tiles of several tree "
                     "tokens cannot match one-token tiles bit for bit in the interpreter (checked on the GPU)")
     g = torch.Generator().manual_seed(5)
-    bs, kvh, heads, hd, nb, L, n = 4, 1, 2, 32, 48, 37, 12  # the tree's keys cross a 16-key block (one KV head of two: half the interpreted programs)
+    # the tree's keys cross a 16-key block; one KV head of two query heads (half the interpreted programs)
+    bs, kvh, heads, hd, nb, L, n = 4, 1, 2, 32, 48, 37, 12
     base = [(a.to(dtype), b.to(dtype)) for a, b in _random_caches(g, nb, bs, kvh, hd)]
     perm = torch.randperm(nb - 1, generator=g).tolist()
     tables = {over: perm[: -(-(L + n + over) // bs)] for over in (0, 12)}  # planned, shifted: one a prefix
