@@ -461,7 +461,7 @@ def test_offline_side_runs_its_engine_in_a_process_of_its_own() -> None:
 
 def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
     from specserve.bench.offline import StepStats
-    from specserve.bench.served_vs_offline import _offline_steps
+    from specserve.bench.served_vs_offline import _offline_steps, by_batch_lines
 
     table = {"table": {64: {"pick": 0}}, "budget": {}}
     got = _offline_steps([StepStats(10, 8, 2.0, {0: 6, 5: 2}, {"fused": 3, "unfused:k": 1}, 2,
@@ -477,6 +477,11 @@ def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
     plain = _offline_steps([StepStats(3, 2, 1.0)])
     assert plain["k_counts"] is None and plain["mean_k"] is None and plain["path_counts"] is None
     assert plain["by_batch"] is None and plain["goodput_table"] is None
+    # printed for no-spec and the adaptive engines, largest batch first; a static chain's left out
+    runs = [{"config": name, "concurrency": 64, "offline": got} for name in ("chain6", "adaptive")]
+    assert by_batch_lines({"runs": runs}).splitlines()[1:] == [
+        "C=64 adaptive: 64 plain 6 x 1.67 verify 6 x 5.00 | 8 plain 2 x 1.00"]
+    assert by_batch_lines({"runs": runs[:1]}) == ""
 
 
 def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:
