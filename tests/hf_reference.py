@@ -36,23 +36,15 @@ def gguf_parsed_once():
     times, ~11 s): each built once instead, the reader over the same bytes as a plain ndarray (the loads
     only read them), so what they load is still transformers' own."""
     import gguf
-    import numpy as np
+
+    from specserve.loader.gguf import array_reader
 
     make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-
-    class ArrayReader(make_reader):  # its memmap read as a plain ndarray: no np.memmap hooks per item read
-        @property
-        def data(self) -> np.ndarray:
-            return self._data
-
-        @data.setter
-        def data(self, mapped: np.memmap) -> None:
-            self._data = mapped.view(np.ndarray)
 
     def reader(path, *a, **kw):
         key = (os.fspath(path), a, tuple(sorted(kw.items())))
         if key not in _readers:
-            _readers[key] = ArrayReader(path, *a, **kw)
+            _readers[key] = array_reader(path) if not a and not kw else make_reader(path, *a, **kw)
         return _readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)

@@ -163,10 +163,10 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _reader(path: str) -> Any:
+def array_reader(path: str) -> Any:
     """gguf's GGUFReader over a plain ndarray view of its memmap: the metadata's per-item reads (~10^5
     strings of a vocabulary) skip np.memmap's Python slicing hooks (same fields and tensors)."""
-    from gguf import GGUFReader
+    from gguf.gguf_reader import GGUFReader  # (the module's class: the package's name for it may be wrapped)
 
     class Reader(GGUFReader):
         @property
@@ -182,7 +182,7 @@ def _reader(path: str) -> Any:
 
 def convert_gguf(path: str, out_dir: str) -> None:
     """Write config.json, generation_config.json, tokenizer files and fp32 safetensors to out_dir."""
-    reader = _reader(path)
+    reader = array_reader(path)
     meta = _Meta(reader)
     if meta.arch not in _ARCHITECTURES:
         raise ValueError(
