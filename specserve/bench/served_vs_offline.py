@@ -429,7 +429,7 @@ def by_batch_lines(result: dict[str, Any]) -> str:
         cells = []
         for batch, kinds in sorted(bb.items(), key=lambda kv: -int(kv[0])):
             cells.append(f"{batch} " + " ".join(f"{kind} {v['steps']} x {1e3 * v['seconds'] / v['steps']:.2f}"
-                                                for kind, v in kinds.items() if v["steps"]))
+                                                for kind, v in kinds.items()))
         lines.append(f"C={r['concurrency']} {r['config']}: " + " | ".join(cells))
     return "\n".join(["offline steps by batch (steps x ms a step):"] + lines) if lines else ""
 
