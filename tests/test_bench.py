@@ -511,7 +511,7 @@ def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:
     assert vb[0]["over_no_spec"]["chain5"] == pytest.approx(2.0)
     table = versus_best_table({"sides": ["offline"], "configs": ["no-spec", "chain5", "adaptive"], "runs": runs,
                                "versus_best": {"offline": vb}})
-    assert "| 1 | 100 (1.00x) | 200 (2.00x) | 190 (1.90x) | 0.950 (chain5) |" in table
+    assert "| 1 | 100 (1.00x) | 200 (2.00x) | 190 (1.90x) | 0.950 (chain5) | - |" in table
     assert versus_best(runs[:2], "offline") == []  # no adaptive engine: nothing to compare
 
 
@@ -525,6 +525,7 @@ def test_offline_only_runs_every_configuration_in_turn_the_order_rotating(tmp_pa
 
     calls: list[tuple[str, int, int]] = []
     speed = {"no-spec": 100.0, "chain5": 180.0, "adaptive": 171.0}  # tokens per second of each engine
+    slow_run = 2  # the adaptive engine's second run (C = 1, round 1) at half its speed
 
     class FakeSide:
         def __init__(self, config, reserved_cores):
@@ -537,6 +538,8 @@ def test_offline_only_runs_every_configuration_in_turn_the_order_rotating(tmp_pa
 
         def run(self, prompts, max_tokens, concurrency, ignore_eos=False):
             calls.append((self.name, concurrency, len(prompts)))
+            v = speed[self.name] / (2 if [c[0] for c in calls].count("adaptive") == slow_run and
+                                    self.name == "adaptive" else 1)
             results = []
             for i, n in enumerate(max_tokens):
                 r = RequestResult(index=i, expected_output_len=n, client_prompt_len=2, success=True,
@@ -544,7 +547,7 @@ def test_offline_only_runs_every_configuration_in_turn_the_order_rotating(tmp_pa
                 r.chunk_times, r.chunk_tokens = [0.01 * (j + 1) for j in range(n)], [1] * n
                 r.usage = {"prompt_tokens": 2, "completion_tokens": n}
                 results.append(r)
-            return results, sum(max_tokens) / speed[self.name] / concurrency, StepStats(len(max_tokens), 0, None)
+            return results, sum(max_tokens) / v / concurrency, StepStats(len(max_tokens), 0, None)
 
         def stop(self):
             self.started = False
@@ -561,7 +564,11 @@ def test_offline_only_runs_every_configuration_in_turn_the_order_rotating(tmp_pa
                      ("adaptive", 4, 4), ("no-spec", 4, 4), ("chain5", 4, 4)]
     tok = {(r["config"], r["concurrency"]): r["offline"]["output_throughput"] for r in result["runs"]}
     assert tok[("chain5", 4)] == pytest.approx(4 * 180.0) and tok[("no-spec", 1)] == pytest.approx(100.0)
+    rounds = {(r["config"], r["concurrency"]): r["offline"]["rounds_tok_s"] for r in result["runs"]}
+    assert rounds[("chain5", 4)] == pytest.approx([720.0, 720.0]) and rounds[("adaptive", 1)] == pytest.approx([171.0, 85.5])
     vb = svo.versus_best(result["runs"], "offline")
     assert [v["best_fixed"] for v in vb] == ["chain5", "chain5"]
-    assert vb[0]["adaptive_over_best"] == pytest.approx(0.95)
+    assert vb[0]["adaptive_over_best"] == pytest.approx(171 * 2 / 3 / 180)  # 40 tokens in 20/171 + 20/85.5 s
+    assert vb[0]["rounds_adaptive_over_best"] == pytest.approx([0.95, 0.475])  # each round on its own prompts
+    assert vb[1]["rounds_adaptive_over_best"] == pytest.approx([0.95, 0.95])
     assert (tmp_path / "served_vs_offline.json").exists()

@@ -44,7 +44,7 @@ import httpx
 
 from specserve.bench.client_processes import ClientProcesses, default_client_processes
 from specserve.bench.datasets import BenchRequest, sample_sharegpt_requests
-from specserve.bench.metrics import summarize
+from specserve.bench.metrics import RequestResult, summarize
 from specserve.bench.offline import OfflineProcess, StepStats
 from specserve.bench.ramp import parse_int_list
 from specserve.bench.serving import (
@@ -87,8 +87,12 @@ def versus_best(runs: list[dict[str, Any]], side: str) -> list[dict[str, Any]]:
         if "adaptive" not in tok or not fixed:
             continue
         best = max(fixed, key=fixed.__getitem__)
+        rounds = {r["config"]: r[side].get("rounds_tok_s") or [] for r in runs
+                  if r["concurrency"] == c and r["config"] in ("adaptive", best)}
+        per_round = [a / b for a, b in zip(rounds["adaptive"], rounds[best]) if a and b]  # same prompts a round
         out.append({"concurrency": c, "best_fixed": best, "best_fixed_tok_s": fixed[best],
                     "adaptive_tok_s": tok["adaptive"], "adaptive_over_best": tok["adaptive"] / fixed[best],
+                    "rounds_adaptive_over_best": per_round or None,
                     "over_no_spec": {n: v / tok["no-spec"] for n, v in tok.items()} if "no-spec" in tok else None})
     return out
 
@@ -208,6 +212,11 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def round_tok_s(results: list[RequestResult], duration: float) -> float | None:
+    """One round's output tok/s (its completed requests' tokens over its duration)."""
+    return sum(r.output_len for r in results if r.success) / duration if duration > 0 else None
+
+
 def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
     """The offline engine's steps over a run's rounds; mean step time at the steady batch (all C in flight)."""
     steady = sum(s.steady_steps for s in stats)
@@ -318,6 +327,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 parts = [[i % len(requests) for i in range(n)[r :: args.rounds]] for r in range(args.rounds)]
                 got: dict[str, list] = {side: [[], 0.0] for side in sides}
                 steps: list[StepStats] = []
+                per_round: list[float | None] = []
                 for ri, part in enumerate(parts):  # rounds alternate which side goes first
                     reqs = [requests[i] for i in part]
                     for side in sides if (ci + ri) % 2 == 0 else sides[::-1]:
@@ -325,6 +335,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             res, duration, st = offline.run([r.prompt for r in reqs], [r.output_len for r in reqs],
                                                             c, args.ignore_eos)
                             steps.append(st)
+                            per_round.append(round_tok_s(res, duration))
                         else:
                             res, _, duration = clients.run(served_config(server.url, c, args.ignore_eos), model, reqs)
                         got[side][0] += res
@@ -332,7 +343,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 run: dict[str, Any] = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds}
                 for side, (res, duration) in got.items():
                     run[side] = _headline(summarize(res, duration, args.ignore_eos))
-                run["offline"].update(_offline_steps(steps))
+                run["offline"].update(_offline_steps(steps), rounds_tok_s=per_round)
                 off, srv = run["offline"]["output_throughput"], run["served"]["output_throughput"]
                 run["served_over_offline"] = srv / off if off and srv else None
                 step_ms, tpot = run["offline"]["mean_step_ms"], run["served"]["mean_tpot_ms"]
@@ -365,6 +376,7 @@ def interleaved_offline(args: argparse.Namespace, configs: dict[str, Any], concu
             results: dict[str, list] = {name: [] for name in names}
             seconds = dict.fromkeys(names, 0.0)
             steps: dict[str, list[StepStats]] = {name: [] for name in names}
+            per_round: dict[str, list[float | None]] = {name: [] for name in names}
             for ri in range(args.rounds):
                 reqs = [requests[i % len(requests)] for i in range(n)[ri :: args.rounds]]
                 k = (ci + ri) % len(names)
@@ -374,10 +386,11 @@ def interleaved_offline(args: argparse.Namespace, configs: dict[str, Any], concu
                     results[name] += res
                     seconds[name] += duration
                     steps[name].append(st)
+                    per_round[name].append(round_tok_s(res, duration))
             for name in names:
                 run = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds,
                        "offline": _headline(summarize(results[name], seconds[name], args.ignore_eos))}
-                run["offline"].update(_offline_steps(steps[name]))
+                run["offline"].update(_offline_steps(steps[name]), rounds_tok_s=per_round[name])
                 result["runs"].append(run)
                 print(f"{name:>9} C={c:<4} offline {run['offline']['output_throughput'] or 0:9.1f} tok/s", flush=True)
             write_json(out_dir / "served_vs_offline.json", result)
@@ -407,13 +420,15 @@ def versus_best_table(result: dict[str, Any]) -> str:
             continue
         names = result["configs"]
         lines += [f"{side}, output tok/s (x no-spec):", "",
-                  "| C | " + " | ".join(names) + " | adaptive / best fixed (best) |",
-                  "|--:|" + "--:|" * len(names) + "--:|"]
+                  "| C | " + " | ".join(names) + " | adaptive / best fixed (best) | per round |",
+                  "|--:|" + "--:|" * len(names) + "--:|--:|"]
         for c, v in sorted(rows.items()):
             tok = {r["config"]: r[side]["output_throughput"] for r in result["runs"] if r["concurrency"] == c}
             x = v["over_no_spec"] or {}
             cells = [f"{tok[n]:,.0f}" + (f" ({x[n]:.2f}x)" if n in x else "") if tok.get(n) else "-" for n in names]
-            lines.append(f"| {c} | " + " | ".join(cells) + f" | {v['adaptive_over_best']:.3f} ({v['best_fixed']}) |")
+            per = " ".join(f"{r:.3f}" for r in v.get("rounds_adaptive_over_best") or []) or "-"
+            lines.append(f"| {c} | " + " | ".join(cells) + f" | {v['adaptive_over_best']:.3f} ({v['best_fixed']}) "
+                         f"| {per} |")
         lines.append("")
     return "\n".join(lines)
 
