@@ -74,6 +74,20 @@ def test_near_equal_arms_do_not_flap():
     assert sum(1 for x, y in zip(picks, picks[1:]) if x != y) <= 6
 
 
+def test_pick_changes_are_logged_with_what_the_row_read():
+    true_s = {0: 0.010, 1: 0.011, 2: 0.016, 3: 0.030}  # as predicted at first: depth 3; measured: depth 1
+    pred_s = {0: 0.010, 1: 0.011, 2: 0.012, 3: 0.010}
+    b = GoodputBandit()
+    serve(b, true_s, pred_s, 600)
+    changes = b.pick_changes()
+    assert changes and changes[-1]["to"] == 1 == b.chosen[batch_key(B)]
+    assert all(c["batch"] == B and c["from"] != c["to"] for c in changes)
+    assert [c["from"] for c in changes[1:]] == [c["to"] for c in changes[:-1]]  # one chain of picks
+    last = changes[-1]
+    assert last["goodput"][1] >= last["goodput"][0] and last["tokens"] == [TOKENS[last["from"]], TOKENS[1]]
+    assert 0 < last["turn"] <= b.turns == 600 and b.pick_changes(since=last["turn"]) == []
+
+
 def test_a_depth_committing_about_one_token_a_request_is_never_the_pick():
     b = GoodputBandit()
     key = batch_key(B)

@@ -463,9 +463,11 @@ def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
     from specserve.bench.offline import StepStats
     from specserve.bench.served_vs_offline import _offline_steps, by_batch_lines
 
-    table = {"table": {64: {"pick": 0}}, "budget": {}}
+    change = {"turn": 7, "batch": 64, "from": 5, "to": 0}
+    table = {"table": {64: {"pick": 0}}, "budget": {}, "pick_changes": [change]}
     got = _offline_steps([StepStats(10, 8, 2.0, {0: 6, 5: 2}, {"fused": 3, "unfused:k": 1}, 2,
-                                    {64: {"plain": [6, 0.01, 384], "verify": [2, 0.01, 300]}}, {"table": {}}),
+                                    {64: {"plain": [6, 0.01, 384], "verify": [2, 0.01, 300]}},
+                                    {"table": {}, "pick_changes": [change | {"turn": 3, "from": 0, "to": 5}]}),
                           StepStats(6, 4, 5.0, {5: 4}, {"fused": 4}, 1, {64: {"verify": [4, 0.02, 700]},
                                                                           8: {"plain": [2, 0.002, 16]}}, table)])
     assert got == {"steps": 16, "steady_steps": 12, "mean_step_ms": 3.0, "k_counts": {0: 6, 5: 6}, "mean_k": 2.5,
@@ -473,7 +475,8 @@ def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
                    "by_batch": {8: {"plain": {"steps": 2, "seconds": 0.002, "tokens": 16}},
                                 64: {"plain": {"steps": 6, "seconds": 0.01, "tokens": 384},
                                      "verify": {"steps": 6, "seconds": 0.03, "tokens": 1000}}},
-                   "goodput_table": table}  # (the last round's table)
+                   "goodput_table": table | {"pick_changes": [  # the last round's table, every round's changes
+                       change | {"turn": 3, "from": 0, "to": 5, "round": 0}, change | {"round": 1}]}}
     plain = _offline_steps([StepStats(3, 2, 1.0)])
     assert plain["k_counts"] is None and plain["mean_k"] is None and plain["path_counts"] is None
     assert plain["by_batch"] is None and plain["goodput_table"] is None

@@ -41,7 +41,7 @@ class StepStats:
     # per batch (requests in flight, bucketed as the adaptive policy's table) and kind ("plain", "verify": the
     # step verified drafts): [steps, seconds, output tokens]
     by_batch: dict[int, dict[str, list[float]]] | None = None
-    goodput: dict | None = None  # the adaptive policy's table after the run (SpecController.snapshot)
+    goodput: dict | None = None  # the adaptive policy's table after the run and its pick changes in it
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "steady_steps": self.steady_steps, "mean_step_ms": self.mean_step_ms,
@@ -62,6 +62,7 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
     drafter = engine.drafter
     paths_before = Counter(drafter.path_counts) if drafter is not None else Counter()
     explored_before = drafter.controller.explorations if drafter is not None else 0
+    turns_before = drafter.controller.bandit.turns if drafter is not None else 0
     stats = engine.stats
     by_batch: dict[int, dict[str, list[float]]] = {}
     t0 = time.perf_counter()
@@ -110,7 +111,8 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
     goodput = None
     if drafter is not None and drafter.cfg.policy == "adaptive":
         snap = drafter.controller.snapshot()
-        goodput = {"table": snap["measured_goodput"], "budget": snap["exploration_budget"]}
+        goodput = {"table": snap["measured_goodput"], "budget": snap["exploration_budget"],
+                   "pick_changes": drafter.controller.bandit.pick_changes(turns_before)}
     return results, duration, StepStats(steps, steady_steps, steady_time / steady_steps * 1e3 if steady_steps else None,
                                         k_counts, paths or None, explored, dict(sorted(by_batch.items())), goodput)
 

@@ -232,6 +232,9 @@ def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
                 row = by_batch.setdefault(batch, {}).setdefault(kind, [0, 0.0, 0])
                 row[0], row[1], row[2] = row[0] + n, row[1] + secs, row[2] + tokens
     table = next((s.goodput for s in reversed(stats) if s.goodput is not None), None)
+    if table is not None:  # the last round's table, every round's pick changes
+        table = table | {"pick_changes": [c | {"round": i} for i, s in enumerate(stats)
+                                          for c in (s.goodput or {}).get("pick_changes") or []]}
     return {"steps": sum(s.steps for s in stats), "steady_steps": steady,
             "mean_step_ms": total_ms / steady if steady else None, "k_counts": dict(sorted(k_counts.items())) or None,
             "mean_k": sum(k * n for k, n in k_counts.items()) / decisions if decisions else None,

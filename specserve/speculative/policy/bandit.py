@@ -6,11 +6,13 @@ rebuilds a bucket's row after its cycles are measured (off the hot path); ``deci
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.config import AdaptivePolicyConfig
 
 ROW_CYCLES = 8  # a bucket's row is rebuilt after this many cycles of its pick (after any other arm's at once)
+PICK_LOG = 256  # the latest pick changes kept for reports (``pick_changes``)
 
 
 def batch_key(batch: int) -> int:
@@ -60,6 +62,9 @@ class GoodputBandit:
     _last_loss: dict[int, float] = field(default_factory=dict)  # bucket -> seconds its last exploration lost
     _again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
     _fresh: dict[int, int] = field(default_factory=dict)  # bucket -> cycles of its pick since its row was built
+    turns: int = 0  # decisions, all buckets
+    # (turn, bucket, old pick, new pick, their goodput, tokens a request-cycle and served cycles): the latest
+    changes: deque = field(default_factory=lambda: deque(maxlen=PICK_LOG))
 
     # -- the hot path: a lookup ------------------------------------------------------------------
     def decide(self, key: int) -> tuple[int, bool]:
@@ -68,6 +73,7 @@ class GoodputBandit:
         c = self.cfg
         v = self.visits.get(key, 0)
         self.visits[key] = v + 1
+        self.turns += 1
         again = self._again.pop(key, None)
         if again is not None:
             return again, True
@@ -141,6 +147,9 @@ class GoodputBandit:
         cur = self.chosen.get(key)
         if cur in cands and est[best][0] < est[cur][0] * (1 + c.margin):
             best = cur
+        if cur is not None and best != cur:
+            self.changes.append((self.turns, key, cur, best, est[cur][0], est[best][0], priors[cur][0],
+                                 priors[best][0], (arms.get(cur) or _NONE).n, (arms.get(best) or _NONE).n))
         self.chosen[key] = best
         others = [a for a in est if a != best and (a == 0 or priors[a][0] >= 1 + c.margin)]
         # unmeasured plain decoding (the floor) first, then the best upper bound past the pick by the margin,
@@ -210,6 +219,13 @@ class GoodputBandit:
                                         "tok_per_s_per_request": round(g, 2)} for a, g in sorted(row.items())}
                 | {"pick": self.chosen.get(key), "explore": self.explore.get(key)}
                 for key, row in sorted(self.goodput.items())}
+
+    def pick_changes(self, since: int = 0) -> list[dict]:
+        """The kept pick changes after decision ``since`` (``turns``), oldest first: what each arm's row read."""
+        return [{"turn": t, "batch": bucket_batch(key), "from": a, "to": b,
+                 "goodput": [round(ga, 2), round(gb, 2)], "tokens": [round(ta, 3), round(tb, 3)],
+                 "cycles": [round(na, 1), round(nb, 1)]}
+                for t, key, a, b, ga, gb, ta, tb, na, nb in self.changes if t > since]
 
     def budget_summary(self) -> dict:
         """Per bucket (as its batch size): seconds explorations lost, seconds of its cycles (decayed)."""

@@ -401,6 +401,7 @@ class SpecController:
                 "acceptance": [round(float(x), 4) for x in self.overall.rates()],
                 "tree_tokens": None if self.tree_arm is None else round(self.tree_tokens(self.overall.tokens()[-1]), 4),
                 "measured_goodput": self.bandit.summary(), "exploration_budget": self.bandit.budget_summary(),
+                "pick_changes": self.bandit.pick_changes(),
                 "catch_up_fit": None if f is None else {"fixed_ms": round(f[0] * 1e3, 4),
                                                         "us_per_token": round(f[1] * 1e6, 4)},
                 "last_prediction": self.last_prediction, "cost": self.cost.summary(),
