@@ -498,8 +498,15 @@ def test_served_vs_offline_configs_and_adaptive_over_the_best_fixed() -> None:
     assert spec_for("tree") == {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 16, "policy": "static"}
     assert spec_for("tree8")["num_draft_tokens"] == 8
     assert spec_for("adaptive5") == {"policy": "adaptive", "num_steps": 5}
-    for bad in ("chain", "chain0", "chainx", "spec", "tree-2", "adaptive0", "adaptivex"):
+    for bad in ("chain", "chain0", "chainx", "spec", "tree-2", "adaptive0", "adaptivex", "chain6:clip=1.5"):
         with pytest.raises(ValueError, match="unknown config"):
+            spec_for(bad)
+    assert spec_for("adaptive:clip=1.5") == {"policy": "adaptive", "adaptive": {"clip": 1.5}}
+    assert spec_for("adaptive6:warm_every=2+margin=0.01") == {"policy": "adaptive", "num_steps": 6,
+                                                             "adaptive": {"warm_every": 2, "margin": 0.01}}
+    for bad, why in (("adaptive:clipp=1.5", "unknown key"), ("adaptive:clip=x", "field=number"),
+                     ("adaptive:warm_every=0", "warm_every")):
+        with pytest.raises(ValueError, match=why):
             spec_for(bad)
 
     def run(name: str, c: int, tok_s: float) -> dict:

@@ -57,12 +57,29 @@ from specserve.bench.serving import (
 )
 
 CONFIG_NAMES = "no-spec, chain<k> (a static chain of k drafts), tree (static, 5 steps x top-4, 16 tokens), " \
-    "tree<n> (the same with n tokens), adaptive (the default policy and shape), adaptive<k> (drafting at most k)"
+    "tree<n> (the same with n tokens), adaptive (the default policy and shape), adaptive<k> (drafting at most k), " \
+    "either adaptive one with policy fields: adaptive:clip=1.5+margin=0.01 (AdaptivePolicyConfig)"
 SIDES = ("offline", "served")
 
 
 def spec_for(name: str) -> dict[str, Any] | None:
     """SpeculativeConfig fields of a configuration name (None: no speculation); ValueError for others."""
+    shape, _, fields = name.partition(":")
+    if fields:  # adaptive[<k>]:field=value+field=value
+        from specserve.config import AdaptivePolicyConfig
+
+        spec = spec_for(shape)
+        if spec is None or spec["policy"] != "adaptive":
+            raise ValueError(f"unknown config {name!r}: policy fields go on an adaptive config; one of: {CONFIG_NAMES}")
+        policy = {}
+        for item in fields.split("+"):
+            key, eq, value = item.partition("=")
+            try:
+                policy[key.strip()] = int(value) if value.strip().isdigit() else float(value)
+            except ValueError:
+                raise ValueError(f"config {name!r}: want field=number, got {item!r}") from None
+        AdaptivePolicyConfig.from_dict(policy)  # (unknown fields and bad values: a clear error now)
+        return spec | {"adaptive": policy}
     if name == "no-spec":
         return None
     if name == "adaptive":
