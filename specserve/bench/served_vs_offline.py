@@ -73,7 +73,7 @@ def spec_for(name: str) -> dict[str, Any] | None:
             raise ValueError(f"unknown config {name!r}: policy fields go on an adaptive config; one of: {CONFIG_NAMES}")
         policy = {}
         for item in fields.split("+"):
-            key, eq, value = item.partition("=")
+            key, _, value = item.partition("=")
             try:
                 policy[key.strip()] = int(value) if value.strip().isdigit() else float(value)
             except ValueError:
