@@ -44,7 +44,7 @@ import httpx
 
 from specserve.bench.client_processes import ClientProcesses, default_client_processes
 from specserve.bench.datasets import BenchRequest, sample_sharegpt_requests
-from specserve.bench.metrics import RequestResult, summarize
+from specserve.bench.metrics import summarize
 from specserve.bench.offline import OfflineProcess, StepStats
 from specserve.bench.ramp import parse_int_list
 from specserve.bench.serving import (
@@ -229,11 +229,6 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def round_tok_s(results: list[RequestResult], duration: float) -> float | None:
-    """One round's output tok/s (its completed requests' tokens over its duration)."""
-    return sum(r.output_len for r in results if r.success) / duration if duration > 0 else None
-
-
 def _offline_steps(stats: list[StepStats]) -> dict[str, Any]:
     """The offline engine's steps over a run's rounds; mean step time at the steady batch (all C in flight)."""
     steady = sum(s.steady_steps for s in stats)
@@ -355,7 +350,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                             res, duration, st = offline.run([r.prompt for r in reqs], [r.output_len for r in reqs],
                                                             c, args.ignore_eos)
                             steps.append(st)
-                            per_round.append(round_tok_s(res, duration))
+                            per_round.append(summarize(res, duration, args.ignore_eos)["output_throughput"])
                         else:
                             res, _, duration = clients.run(served_config(server.url, c, args.ignore_eos), model, reqs)
                         got[side][0] += res
@@ -406,7 +401,7 @@ def interleaved_offline(args: argparse.Namespace, configs: dict[str, Any], concu
                     results[name] += res
                     seconds[name] += duration
                     steps[name].append(st)
-                    per_round[name].append(round_tok_s(res, duration))
+                    per_round[name].append(summarize(res, duration, args.ignore_eos)["output_throughput"])
             for name in names:
                 run = {"config": name, "concurrency": c, "num_prompts": n, "rounds": args.rounds,
                        "offline": _headline(summarize(results[name], seconds[name], args.ignore_eos))}

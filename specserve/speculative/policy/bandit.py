@@ -62,9 +62,13 @@ class GoodputBandit:
     _last_loss: dict[int, float] = field(default_factory=dict)  # bucket -> seconds its last exploration lost
     _again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
     _fresh: dict[int, int] = field(default_factory=dict)  # bucket -> cycles of its pick since its row was built
-    turns: int = 0  # decisions, all buckets
     # (turn, bucket, old pick, new pick, their goodput, tokens a request-cycle and served cycles): the latest
     changes: deque = field(default_factory=lambda: deque(maxlen=PICK_LOG))
+
+    @property
+    def turns(self) -> int:
+        """Decisions so far, all buckets."""
+        return sum(self.visits.values())
 
     # -- the hot path: a lookup ------------------------------------------------------------------
     def decide(self, key: int) -> tuple[int, bool]:
@@ -73,7 +77,6 @@ class GoodputBandit:
         c = self.cfg
         v = self.visits.get(key, 0)
         self.visits[key] = v + 1
-        self.turns += 1
         again = self._again.pop(key, None)
         if again is not None:
             return again, True
