@@ -170,3 +170,25 @@ def test_an_unserved_depth_borrows_the_drafting_cycles_excess_not_plain_decoding
         b.observe(other, 1, 0.012, 8 * TOKENS[1], 0.012, 8)
     b.refresh(new, priors({0: 0.010, 1: 0.011, 2: 0.012, 3: 0.013}), 32)
     assert b.spr[new][2] == pytest.approx(0.012 / 32)
+
+
+def test_an_exploration_of_plain_decoding_whose_cycle_is_charged_runs_once_more():
+    # an exploration is two cycles of its arm; where plain decoding's first is only charged (a switch out of
+    # drafting), it runs one cycle more, once, so that two are measured. A drafting arm's charged cycle (its
+    # catch-up after plain steps) and a charged cycle of the pick add none
+    cfg = AdaptivePolicyConfig(warm_visits=0, explore_every=16)
+    b = GoodputBandit(cfg)
+    key = batch_key(B)
+    b.refresh(key, priors({0: 0.010, 1: 0.011, 2: 0.012, 3: 0.013}), B)
+    pick = b.chosen[key]
+    runs = [b.decide(key) for _ in range(16)]
+    assert [x[1] for x in runs] == [False] * 15 + [True]  # the 16th decision explores ...
+    assert pick == 3 and runs[-1][0] == 0  # ... plain decoding (never measured: first)
+    assert b.decide(key) == (0, True)  # for two cycles
+    b.charge(key, 0, B, 0.02, B, explored=True)  # its first cycle's outcome: charged
+    assert b.decide(key) == (0, True)  # a third cycle
+    b.charge(key, 0, B, 0.02, B, explored=True)
+    assert b.decide(key) == (pick, False)  # once
+    b.charge(key, pick, TOKENS[pick] * B, 0.02, B)
+    b.charge(key, 1, TOKENS[1] * B, 0.02, B, explored=True)
+    assert b.decide(key) == (pick, False)

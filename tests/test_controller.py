@@ -277,7 +277,8 @@ def _timed_drafter(monkeypatch, clock: list[float]):
     d.engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], reserve=lambda r, n: True,
                                                          prefill_tokens_next_step=lambda: 0),
                                config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=2048),
-                               step_started=0.0, step_ended=0.0, max_model_len=10**6, device=SimpleNamespace(type="cpu"))
+                               step_started=0.0, step_ended=0.0, max_model_len=10**6,
+                               device=SimpleNamespace(type="cpu"), overlap=False)
     d.cycle = cycle_mod.CycleClock(d.controller, d.engine, 1, time_on_device=False)
     d.caps = Caps(1, 1, 1, 10**6)
     d.pipeline = SimpleNamespace(take_pre_arm=lambda: None, adopt_fused=lambda todo, tree: todo)
@@ -369,6 +370,31 @@ def test_a_drafting_cycle_followed_by_plain_decoding_is_charged_its_catch_up(mon
     # step and outputs, nothing drafted (the patched full decision opens no cycle)
     assert seen == pytest.approx([0.131, 0.123, 0.123] + ([0.105] if decision == "quick" else []), abs=1e-6)
     assert d.cycle.steady_s  # (on a CPU the steady catch-ups' host time is their time)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("decision", ["before_sync", "full"])
+def test_the_first_plain_cycle_after_drafting_is_charged_where_plain_steps_go_ahead(monkeypatch, overlap, decision):
+    # with overlap scheduling the plain step after a verify goes to the device after the verify's sync
+    # and the next ones ahead of their predecessor's: the first plain cycle is a switch's cost, charged
+    # (as the catch-up of a drafting cycle after plain steps is), not plain decoding's measure. Plain
+    # decoding as the arm taken before the verify's sync (pipeline) or by the policy's decision after it
+    clock = [0.0]
+    d, seen, req = _timed_drafter(monkeypatch, clock)
+    d.engine.overlap = overlap
+    ended = []
+    finish = d.controller.finish_cycle
+    d.controller.finish_cycle = lambda c, s: (ended.append((c.arm, c.measured)) if c is not None else None,
+                                              finish(c, s))
+    reqs = [req(str(i), 20) for i in range(4)]
+    for r in reqs:
+        r.spec.draft_pos = r.num_computed_tokens
+    for step in range(6):
+        d.controller.forced_arm = 1 if step < 3 else (0 if decision == "full" else None)
+        if step >= 3 and decision == "before_sync":
+            d.pipeline.take_pre_arm = lambda: (len(reqs), 0)
+        _step(d, clock, reqs, 2 if step <= 3 else 1)
+    assert [m for a, m in ended if a == 0] == [not overlap, True]
 
 
 def test_the_adaptive_policy_config_is_validated_and_loaded_from_json(tmp_path):

@@ -11,7 +11,9 @@ does), the cycle's seconds from the depth's mean with a spread (gamma, ``time_cv
 Predicted seconds are the cost model's: each depth's true time off by a random factor (``prior_error``)
 drawn once per seed. Drafting after plain cycles first catches every request's draft KV up over what it
 committed meanwhile: that cycle pays ``catch_per_token`` a token and is left out of the depth's
-measurement (charged, as the drafter's ``skip_cycle`` does).
+measurement (charged, as the drafter's ``skip_cycle`` does). With overlap scheduling (the GPU scenarios) the
+first plain cycle after drafting takes ``plain_switch_x`` its time and is charged too; an exploration of plain
+decoding so charged runs one cycle more.
 
 Output per scenario and variant: the achieved goodput over the run (tokens / seconds, catch-ups
 included) as a share of the best depth's true goodput, over ``--seeds`` seeds (mean, min,
@@ -74,6 +76,10 @@ class Scenario:
     # loop's host time, which no profile has: 1.6-1.9 on a GPU at 16 requests), besides
     # prior_error; plain decoding's are not
     draft_prior_bias: float = 1.0
+    # overlap scheduling (a GPU): plain steps go to the device ahead of their predecessor's sync, but the first
+    # after a verify cannot: that cycle takes plain_switch_x its time and the drafter charges it (a switch)
+    overlap: bool = False
+    plain_switch_x: float = 1.0
 
     def tokens_per_request(self, d: int) -> float:
         return 1.0 + sum(math.prod(self.alpha[:j]) for j in range(1, d + 1))
@@ -85,6 +91,10 @@ class Scenario:
     def goodput(self, d: int) -> float:
         return self.batch * self.tokens_per_request(d) / self.cycle_s(d)
 
+
+# on a GPU the plain steps among verifies (exploring plain decoding, or its first after drafting) took 1.3-2.3x
+# the steady ones (served-vs-offline's steps by batch, H100, 1-64 requests): a plain switch here costs 1.3x
+GPU_SWITCH = {"overlap": True, "plain_switch_x": 1.3}
 
 SCENARIOS = {
     s.name: s for s in [
@@ -102,29 +112,29 @@ SCENARIOS = {
         # a GPU at one request (chain 5 2.13-2.17x none), depths 0..5, ~1.3-ms
         # plain cycles; 20 s of it here (~9,000 cycles) to keep the run short
         Scenario("gpu_c1", 1, 0.0013, (1.0, 1.45, 1.75, 1.95, 2.08, 2.15), alpha=(0.75, 0.72, 0.7, 0.68, 0.66),
-                 time_cv=0.1, catch_per_token=2e-5, seconds=20.0),
+                 time_cv=0.1, catch_per_token=2e-5, seconds=20.0, **GPU_SWITCH),
         # a GPU sweep (16-s points): chain 3 2.06x / 1.90x none, chain 5 2.20x / 1.96x at C = 1 / 4
         # (depths 1, 2, 4 in between by guess), accept lengths 2.18 / 2.39 at chains 3 / 5
         Scenario("gpu_c1_sweep", 1, 0.00136, (1.0, 1.55, 1.85, 2.06, 2.15, 2.20),
-                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=16.0),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=16.0, **GPU_SWITCH),
         Scenario("gpu_c4_sweep", 4, 0.00152, (1.0, 1.40, 1.70, 1.90, 1.94, 1.96),
-                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=16.0),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=16.0, **GPU_SWITCH),
         # ... at 64 and 256 requests plain decoding wins: chain 3 0.90x / 0.85x none, chain 5 0.91x / 0.86x
         # (depths 1, 2, 4 by guess); a catch-up ~1.4 ms + 0.5 us a token (its fit there): 1.5 us a token
         # ... at 16 requests drafting pays a little (chain 3 1.025x, chain 5 1.015x none; depths 1, 2, 4 by
         # guess)
         Scenario("gpu_c16_sweep", 16, 0.00201, (1.0, 0.96, 1.0, 1.025, 1.02, 1.015),
-                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=14.0),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=14.0, **GPU_SWITCH),
         # a host-bound GPU sweep at 16 requests (10-s points): overlapped plain decoding ~1.8 ms
         # a cycle (its best), depths 1 / 3 / 4 / 5 served at 0.65 / 0.90 / 0.81 / 0.91x its goodput (2 by
         # guess), their cycles at 1.6-1.9x the profile's prediction where plain ones ran at 0.96x
         Scenario("gpu_c16_hostbound", 16, 0.0018, (1.0, 0.65, 0.80, 0.90, 0.81, 0.91),
                  alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=2e-5, seconds=10.0,
-                 draft_prior_bias=1.7),
+                 draft_prior_bias=1.7, **GPU_SWITCH),
         Scenario("gpu_c64_sweep", 64, 0.00344, (1.0, 0.93, 0.91, 0.90, 0.905, 0.91),
-                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=1.5e-6, seconds=14.0),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=1.5e-6, seconds=14.0, **GPU_SWITCH),
         Scenario("gpu_c256_sweep", 256, 0.00973, (1.0, 0.90, 0.87, 0.85, 0.855, 0.86),
-                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=1.5e-6, seconds=14.0),
+                 alpha=(0.63, 0.56, 0.56, 0.60, 0.62), time_cv=0.1, catch_per_token=1.5e-6, seconds=14.0, **GPU_SWITCH),
     ]
 }
 
@@ -141,7 +151,7 @@ def gpu_scenario(name: str, batch: int, plain_ms: float, fixed_ms: float, depth_
     ratio = tuple(tpr[d] * plain_ms / (plain_ms + (fixed_ms + d * depth_ms if d else 0.0)) for d in range(6))
     # a catch-up: ~1.4 ms + 0.5 us a token (a GPU's fit at 64-256 requests), here 2 us a token
     return Scenario(name, batch, plain_ms / 1e3, ratio, alpha=GPU_ALPHA, time_cv=0.1, catch_per_token=2e-6,
-                    seconds=10.0, **kw)
+                    seconds=10.0, **GPU_SWITCH, **kw)
 
 
 for _s in [gpu_scenario("gpu_c1", 1, 1.015, 0.6, 0.005), gpu_scenario("gpu_c4", 4, 1.084, 0.87, 0.004),
@@ -196,8 +206,9 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
     last_pick = None
     refresh()
     # a cycle's outcome reaches the table after the next decision, as in the drafter (finish_cycle runs
-    # after the decision that ends the cycle): (arm, tokens, seconds, measured)
-    pending: tuple[int, float, float, bool] | None = None
+    # after the decision that ends the cycle): (arm, tokens, seconds, measured, exploring)
+    pending: tuple[int, float, float, bool, bool] | None = None
+    prev_arm = 0
     while clock < sc.seconds:
         behind = int(lag.sum())
         switch_s = sc.catch_per_token * behind
@@ -206,13 +217,13 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
         switches += last_pick is not None and pick != last_pick
         last_pick = pick
         if pending is not None:
-            p_arm, p_tokens, p_seconds, p_measured = pending
+            p_arm, p_tokens, p_seconds, p_measured, p_exploring = pending
             if p_arm > 0 and arm == 0:
                 p_seconds *= 1.0 - sc.unpaid_catch_up
             if p_measured:
                 bandit.observe(key, p_arm, pred_s[p_arm], p_tokens, p_seconds, sc.batch)
             else:
-                bandit.charge(key, p_arm, p_tokens, p_seconds, sc.batch)
+                bandit.charge(key, p_arm, p_tokens, p_seconds, sc.batch, p_exploring)
             if bandit.due(key, p_arm):
                 refresh()
         # the cycle's outcome
@@ -224,6 +235,9 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
         caught_up = arm > 0 and behind > 0
         if caught_up:
             seconds += switch_s
+        plain_switch = sc.overlap and arm == 0 and prev_arm > 0
+        if plain_switch:
+            seconds *= sc.plain_switch_x
         lag = np.zeros_like(lag) if arm else lag + per_req
         age += per_req
         done = age >= life
@@ -240,7 +254,8 @@ def run(sc: Scenario, seed: int, policy: dict[str, Any]) -> dict[str, Any]:
                 for j in range(a):
                     acc.accepted[j] += 1
         # a catch-up after plain cycles is charged only
-        pending = (arm, tokens, seconds, not caught_up)
+        pending = (arm, tokens, seconds, not caught_up and not plain_switch, exploring)
+        prev_arm = arm
         clock += seconds
         tokens_total += tokens
         counts[arm] += 1

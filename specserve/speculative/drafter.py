@@ -370,8 +370,10 @@ class EagleSpeculator:
         rest = self.pipeline.adopt_fused(todo, ctl.tree_drafts)  # drafted before the verify's sync: bookkeeping only
         ctl.note_launched_early(len(todo) - len(rest))
         shift = self.cycle.draft(rest, self.catch_up, self.proposer.propose, ctl.tree_drafts) if rest else 0.0
-        if not todo and prev is not None:
-            prev_s += self.cycle.unpaid_catch_up(candidates)
+        if not todo:
+            if prev is not None:
+                prev_s += self.cycle.unpaid_catch_up(candidates)
+            self._charge_plain_switch()
         ctl.finish_cycle(prev, prev_s + shift)
         self.cycle.drafted_last = bool(todo)
         self.cycle.open(now, shift)
@@ -381,10 +383,17 @@ class EagleSpeculator:
         ctl = self.controller
         if batch:
             ctl.count_off(batch)
+            self._charge_plain_switch()
         ctl.finish_cycle(prev, prev_s)
         if batch:
             self.cycle.drafted_last = False
             self.cycle.open(now)
+
+    def _charge_plain_switch(self) -> None:
+        """A cycle that drafts nothing after one that drafted: with overlap scheduling its step goes to the
+        device after the verify's sync, the next ones ahead of their predecessors'; a switch's cost, charged."""
+        if self.cycle.drafted_last and self.engine.overlap:
+            self.controller.skip_cycle()
 
     def _decide(self, candidates: list[Request], launched_ahead: bool) -> list[int] | None:
         """k per candidate, None for plain decoding: the arm taken before the sync (pipeline) for a batch of

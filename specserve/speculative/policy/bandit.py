@@ -61,6 +61,7 @@ class GoodputBandit:
     elapsed: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of its cycles (decayed)
     _last_loss: dict[int, float] = field(default_factory=dict)  # bucket -> seconds its last exploration lost
     _again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
+    _rerun: set[int] = field(default_factory=set)  # buckets whose exploration ran plain decoding again (``charge``)
     _fresh: dict[int, int] = field(default_factory=dict)  # bucket -> cycles of its pick since its row was built
     # (turn, bucket, old pick, new pick, their goodput, tokens a request-cycle and served cycles): the latest
     changes: deque = field(default_factory=lambda: deque(maxlen=PICK_LOG))
@@ -87,6 +88,7 @@ class GoodputBandit:
         free = self.chosen[key] != 0 and (alt == 0 or v < c.warm_visits)
         if alt is not None and every and v % every == every - 1 and (free or self._within_budget(key)):
             self._again[key] = alt
+            self._rerun.discard(key)
             self._last_loss[key] = 0.0
             return alt, True
         return self.chosen[key], False
@@ -200,8 +202,12 @@ class GoodputBandit:
             st = self.stats.setdefault(key, {}).setdefault(arm, ArmStats())
             st.seed_n, st.seed_spr = cycles, seconds / requests
 
-    def charge(self, key: int, arm: int, tokens: float, seconds: float, requests: int) -> None:
-        """A cycle left out of ``arm``'s measure (a one-off switch): still counted against the budget."""
+    def charge(self, key: int, arm: int, tokens: float, seconds: float, requests: int, explored: bool = False) -> None:
+        """A cycle left out of ``arm``'s measure (a one-off switch): still counted against the budget. An
+        exploration of plain decoding (``explored``, arm 0) runs one cycle more, once, to measure two."""
+        if explored and arm == 0 and key not in self._rerun and key not in self._again:
+            self._again[key] = arm
+            self._rerun.add(key)
         if seconds > 0 and requests > 0:
             self._account(key, arm, tokens, seconds, requests)
 

@@ -295,8 +295,8 @@ class SpecController:
             self._cycle.launched_early = n
 
     def skip_cycle(self) -> None:
-        """The current cycle is not typical of its arm (it caught the draft KV up over a stretch of
-        plain decoding, a one-off cost of switching): leave it out of the arm's measurement."""
+        """The current cycle is not typical of its arm (a one-off cost of switching: drafting that catches
+        the draft KV up over plain steps, plain decoding not yet launched ahead): left out of its measure."""
         if self._cycle is not None:
             self._cycle.measured = False
 
@@ -328,7 +328,7 @@ class SpecController:
         measured = c.measured and c.prefill_seconds <= self.policy.prefill_share_limit * seconds
         seconds = max(seconds - c.prefill_seconds, 0.2 * seconds)
         if not measured:
-            self.bandit.charge(c.key, c.arm, c.tokens, seconds, c.requests)
+            self.bandit.charge(c.key, c.arm, c.tokens, seconds, c.requests, c.exploring)
         else:
             self.bandit.observe(c.key, c.arm, c.predicted, c.tokens, seconds, c.requests)
             self.cycles += 1
