@@ -459,6 +459,45 @@ def test_offline_side_runs_its_engine_in_a_process_of_its_own() -> None:
     assert side.proc.exitcode == 0
 
 
+def test_offline_steps_by_batch_tell_verifies_and_the_plain_step_after_one() -> None:
+    # a fake engine: one request at a time, each step one token; steps 2-3 and 6 of each request verify.
+    # A plain step right after a verify is a "switch" (no step launched it ahead), the rest "plain"
+    from types import SimpleNamespace
+
+    from specserve.bench.offline import run_offline
+
+    class Engine:
+        drafter = None
+
+        def __init__(self) -> None:
+            self.stats = SimpleNamespace(spec_steps=0)
+            self.live: dict[str, int] = {}
+
+        def get_stats(self):
+            return SimpleNamespace(k_histogram={})
+
+        def add_request(self, rid, prompt, params) -> None:
+            self.live[rid] = 0
+
+        def step(self):
+            (rid, n), = self.live.items()
+            self.live[rid] = n + 1
+            self.stats.spec_steps += n in (1, 2, 5)
+            done = n + 1 == 8
+            if done:
+                del self.live[rid]
+            return [SimpleNamespace(request_id=rid, new_token_ids=[7], finished=done, prompt_token_ids=[1, 2],
+                                    outputs=[SimpleNamespace(finish_reason="length")],
+                                    metrics=SimpleNamespace(spec_verify_steps=0, spec_draft_tokens=0,
+                                                            spec_accepted_tokens=0))]
+
+    results, _, steps = run_offline(Engine(), [[1, 2], [3, 4]], [8, 8], concurrency=1, ignore_eos=True)
+    assert [sum(r.chunk_tokens) for r in results] == [8, 8]
+    kinds = steps.by_batch[1]
+    assert {k: v[0] for k, v in kinds.items()} == {"plain": 2 * 3, "verify": 2 * 3, "switch": 2 * 2}
+    assert sum(v[2] for v in kinds.values()) == 16
+
+
 def test_offline_steps_add_up_rounds_and_their_draft_depths() -> None:
     from specserve.bench.offline import StepStats
     from specserve.bench.served_vs_offline import _offline_steps, by_batch_lines

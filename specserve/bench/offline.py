@@ -38,8 +38,9 @@ class StepStats:
     k_counts: dict[int, int] | None = None  # request-decisions per draft depth (None: no speculation)
     path_counts: dict[str, int] | None = None  # the drafter's calls per path ("fused", "unfused:k", ...)
     explorations: int | None = None  # the adaptive policy's exploration decisions
-    # per batch (requests in flight, bucketed as the adaptive policy's table) and kind ("plain", "verify": the
-    # step verified drafts): [steps, seconds, output tokens]
+    # per batch (requests in flight, bucketed as the adaptive policy's table) and kind ("verify": the step verified
+    # drafts; "switch": a plain step right after one, which no step launched ahead; "plain"): [steps, seconds,
+    # output tokens]
     by_batch: dict[int, dict[str, list[float]]] | None = None
     goodput: dict | None = None  # the adaptive policy's table after the run and its pick changes in it
 
@@ -58,6 +59,7 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
                for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     index: dict[str, int] = {}
     next_i, steps, steady_steps, steady_time = 0, 0, 0, 0.0
+    last_verified = False
     k_before = engine.get_stats().k_histogram
     drafter = engine.drafter
     paths_before = Counter(drafter.path_counts) if drafter is not None else Counter()
@@ -76,15 +78,17 @@ def run_offline(engine: Any, prompts: list[list[int]], max_tokens: list[int], co
             index[rid] = next_i
             next_i += 1
         steady = len(index) == concurrency
-        batch, verified = len(index), stats.spec_steps
+        batch, spec_steps = len(index), stats.spec_steps
         s0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
         steps += 1
         if steady:
             steady_steps, steady_time = steady_steps + 1, steady_time + (now - s0)
-        row = by_batch.setdefault(bucket_batch(batch_key(batch)), {}).setdefault(
-            "verify" if stats.spec_steps > verified else "plain", [0, 0.0, 0])
+        verified = stats.spec_steps > spec_steps
+        kind = "verify" if verified else "switch" if last_verified else "plain"
+        last_verified = verified
+        row = by_batch.setdefault(bucket_batch(batch_key(batch)), {}).setdefault(kind, [0, 0.0, 0])
         row[0] += 1
         row[1] += now - s0
         for out in outs:

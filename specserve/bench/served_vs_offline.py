@@ -449,8 +449,8 @@ def versus_best_table(result: dict[str, Any]) -> str:
 
 
 def by_batch_lines(result: dict[str, Any]) -> str:
-    """Per offline run of no-spec and the adaptive engines: its steps by batch, plain and verifying (steps x ms a
-    step), e.g. ``C=64 adaptive: 64 plain 2200 x 1.52 verify 150 x 5.01 | 45 plain 80 x 1.31``."""
+    """Per offline run of no-spec and the adaptive engines: its steps by batch and kind (steps x ms a step), e.g.
+    ``C=64 adaptive: 64 plain 2200 x 1.52 verify 150 x 5.01 switch 20 x 2.03 | 45 plain 80 x 1.31``."""
     lines = []
     for r in result["runs"]:
         bb = (r.get("offline") or {}).get("by_batch")
