@@ -92,8 +92,7 @@ class Scenario:
         return self.batch * self.tokens_per_request(d) / self.cycle_s(d)
 
 
-# on a GPU the plain steps among verifies (exploring plain decoding, or its first after drafting) took 1.3-2.3x
-# the steady ones (served-vs-offline's steps by batch, H100, 1-64 requests): a plain switch here costs 1.3x
+# a plain cycle right after a verify takes 1.3x a steady one (its step is not launched ahead; docs/decisions.md)
 GPU_SWITCH = {"overlap": True, "plain_switch_x": 1.3}
 
 SCENARIOS = {
