@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specserve import LLM, SamplingParams
@@ -68,6 +70,26 @@ def test_calibration_times_every_batch_and_depth_and_leaves_nothing_behind(tiny)
     assert ref.engine.drafter.calibration is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == \
         [o.outputs[0].token_ids for o in ref.generate(prompts, sp)]
+
+
+def test_a_step_stalled_once_does_not_weigh_on_its_arms_calibration(tiny, monkeypatch):
+    """One step of plain decoding at batch 4 stalls 0.6 s (a kernel compiled, a collection): the window's mean
+    would put plain decoding at >= 50 ms, above every drafting depth; its median leaves it a normal step."""
+    from specserve.engine.engine import LLMEngine
+
+    step, stalled = LLMEngine.step, []
+
+    def stall_once(self):
+        d = self.drafter
+        if d.controller.forced_arm == 0 and len(self.scheduler.running) == 4:
+            stalled.append(1)
+            if len(stalled) == 4:  # the second timed step of the first pass (two warm-up steps before)
+                time.sleep(0.6)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", stall_once)
+    cal = engine(tiny, True).engine.drafter.calibration
+    assert len(stalled) > 4 and cal["ms"][4][0] < 20.0 and cal["ms"][4][0] < cal["ms"][4][2]
 
 
 def test_calibration_prompts_leave_room_for_a_pass_within_max_model_len(tiny):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from statistics import median
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -91,20 +92,23 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         return new
 
     def window(b: int, arm: int) -> float | None:
-        """Seconds per step of ``steps`` consecutive steps of ``b`` requests drafting ``arm`` (None: cut short),
+        """The median seconds of ``steps`` consecutive steps of ``b`` requests drafting ``arm`` (None: cut short),
         timed as the cycle clock times them: the device's queue as the warm-up steps left it, no sync."""
         ctl.forced_arm = arm
+        times: list[float] = []
         t0 = 0.0
         for j in range(warm + steps):
             if len(sched.running) != b or any(r.is_prefilling for r in sched.running) or sched.waiting:
                 return None
-            if j == warm:
-                t0 = time.perf_counter()
             preempted = sched.num_preemptions
             e.step()
             if sched.num_preemptions != preempted:  # out of KV: a step that recomputes is no measure
                 return None
-        return (time.perf_counter() - t0) / steps
+            t1 = time.perf_counter()
+            if j >= warm:
+                times.append(t1 - t0)
+            t0 = t1
+        return median(times)  # a step stalled once (a kernel compiled, a collection) is no measure of the arm
 
     try:
         for b in bucket_batches(max_batch):
