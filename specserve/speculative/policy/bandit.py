@@ -1,7 +1,7 @@
 """Per batch bucket, a table: each depth's goodput (tokens a request commits per cycle over measured seconds per
-request-cycle, the cost model's prediction as prior), the pick and the next depth worth exploring. ``refresh``
-rebuilds a bucket's row after its cycles are measured (off the hot path); ``decide`` reads it (docs/decisions.md,
-"Adaptive policy"; the fields: AdaptivePolicyConfig)."""
+request-cycle: the batch's tokens a second; the cost model's prediction as prior), the pick and the next depth
+worth exploring. ``refresh`` rebuilds a bucket's row after its cycles are measured (off the hot path); ``decide``
+reads it (docs/decisions.md, "Adaptive policy"; the fields: AdaptivePolicyConfig)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class GoodputBandit:
     stats: dict[int, dict[int, ArmStats]] = field(default_factory=dict)  # bucket -> arm -> sums
     chosen: dict[int, int] = field(default_factory=dict)  # bucket -> the pick
     explore: dict[int, int | None] = field(default_factory=dict)  # bucket -> its next exploration (None: none)
-    goodput: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> arm -> tok/s per request
+    goodput: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> arm -> the batch's tok/s
     spr: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> arm -> estimated s per request-cycle
     visits: dict[int, int] = field(default_factory=dict)  # decisions per bucket
     spent: dict[int, float] = field(default_factory=dict)  # bucket -> seconds explorations lost (decayed)
@@ -100,7 +100,7 @@ class GoodputBandit:
 
     # -- off the hot path: the table ---------------------------------------------------------------
     def estimates(self, key: int, priors: dict[int, Prior], batch: int) -> dict[int, tuple[float, float]]:
-        """(goodput per request, its standard error) per arm of ``priors`` for cycles of ``batch`` requests."""
+        """(goodput, its standard error) per arm of ``priors`` for cycles of ``batch`` requests."""
         c = self.cfg
         arms = self.stats.get(key, {})
         borrowed = self._drafting_excess(arms, batch)
@@ -218,14 +218,14 @@ class GoodputBandit:
         lost = 0.0
         best = self.goodput.get(key, _EMPTY).get(self.chosen.get(key, -1), 0.0)
         if arm != self.chosen.get(key) and best > 0:
-            lost = max(seconds - tokens / (best * requests), 0.0)
+            lost = max(seconds - tokens / best, 0.0)  # (best: the batch's tokens a second)
             self._last_loss[key] = self._last_loss.get(key, 0.0) + lost
         self.spent[key] = self.spent.get(key, 0.0) * f + lost
 
     def summary(self) -> dict:
-        """Per bucket (as its batch size) and arm: served cycles (decayed), estimated tok/s per request."""
+        """Per bucket (as its batch size) and arm: served cycles (decayed), estimated tok/s of the batch."""
         return {bucket_batch(key): {a: {"cycles": round((self.stats.get(key, {}).get(a) or _NONE).n, 1),
-                                        "tok_per_s_per_request": round(g, 2)} for a, g in sorted(row.items())}
+                                        "tok_per_s": round(g, 2)} for a, g in sorted(row.items())}
                 | {"pick": self.chosen.get(key), "explore": self.explore.get(key)}
                 for key, row in sorted(self.goodput.items())}
 
