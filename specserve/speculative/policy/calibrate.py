@@ -96,7 +96,7 @@ def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_le
         timed as the cycle clock times them: the device's queue as the warm-up steps left it, no sync."""
         ctl.forced_arm = arm
         times: list[float] = []
-        t0 = 0.0
+        t0 = time.perf_counter()
         for j in range(warm + steps):
             if len(sched.running) != b or any(r.is_prefilling for r in sched.running) or sched.waiting:
                 return None
