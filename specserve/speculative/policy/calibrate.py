@@ -1,5 +1,5 @@
 """Start-up calibration: scratch requests stepped through the engine at every (batch bucket, arm), the mean
-step time of two windows (two passes on fresh requests) seeding the bandit (time only); everything else the
+of two windows' median step (two passes on fresh requests) seeding the bandit (time only); everything else the
 steps touched is put back."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def nondecreasing(xs: list[float]) -> list[float]:
 def calibrate(drafter: EagleSpeculator, steps: int = 6, warm: int = 2, prompt_len: int = 128,
               max_seconds: float = 60.0, seed: int = 0) -> dict[str, Any]:
     """Time ``steps`` consecutive engine steps (after ``warm`` untimed ones) per (batch, depth) in two passes,
-    each on fresh requests of ``prompt_len`` tokens, depths ascending then descending; the mean of the two,
-    made non-decreasing in depth, seeds the bandit.
+    each on fresh requests of ``prompt_len`` tokens, depths ascending then descending; the mean of the two
+    windows' median steps, made non-decreasing in depth, seeds the bandit.
     Returns what was measured ({batch: {depth: seconds}}) and how long it took."""
     e = drafter.engine
     ctl = drafter.controller
