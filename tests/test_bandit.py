@@ -129,6 +129,32 @@ def test_start_up_seeds_rank_the_arms_until_served_cycles_displace_them():
     assert b.stats[key][1].seed_n == 0 and b.spr[key][1] == pytest.approx(0.010 / B, rel=0.02)
 
 
+def test_the_picks_cycles_in_a_row_add_up_as_if_added_one_by_one():
+    """The pick's cycles after its first are summed aside and added when the table is read: every sum still
+    decays once a cycle (the other arms' too), a pause still counts at most clip x the estimate."""
+    b = GoodputBandit()
+    key = batch_key(B)
+    b.refresh(key, priors({0: 0.010, 1: 0.016, 2: 0.019, 3: 0.021}), B)
+    assert b.chosen[key] == 0
+    f, g = b.cfg.decay, b.cfg.budget_decay
+    b.observe(key, 2, 0.019, TOKENS[2] * B, 0.030, B)  # an exploration that lost time
+    spent, elapsed = b.spent[key], b.elapsed[key]
+    assert spent > 0
+    cap = b.cfg.clip * b.spr[key][0] * B
+    secs = [0.010, 0.011, 1.0, 0.009, 0.012]  # the third a pause
+    for sec in secs:
+        b.observe(key, 0, 0.010, B, sec, B)
+    b.budget_summary()  # a read: the run is in
+    counted = [min(sec, cap) for sec in secs]
+    n = len(secs)
+    assert b.stats[key][0].seconds == pytest.approx(sum(sec * f ** (n - 1 - i) for i, sec in enumerate(counted)), rel=1e-12)
+    assert b.stats[key][0].n == pytest.approx(sum(f**i for i in range(n)), rel=1e-12)
+    assert b.stats[key][0].requests == pytest.approx(B * sum(f**i for i in range(n)), rel=1e-12)
+    assert b.stats[key][2].seconds == pytest.approx(0.030 * f**n, rel=1e-12)
+    assert b.elapsed[key] == pytest.approx(elapsed * g**n + sum(sec * g ** (n - 1 - i) for i, sec in enumerate(counted)), rel=1e-12)
+    assert b.spent[key] == pytest.approx(spent * g**n, rel=1e-12)
+
+
 def test_one_pause_counts_at_most_clip_times_the_arms_estimate():
     b = GoodputBandit()
     key = batch_key(B)

@@ -5,6 +5,7 @@ reads it (docs/decisions.md, "Adaptive policy"; the fields: AdaptivePolicyConfig
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ ROW_CYCLES = 8  # a bucket's row is rebuilt after this many cycles of its pick (
 PICK_LOG = 256  # the latest pick changes kept for reports (``pick_changes``)
 
 
+@functools.lru_cache(maxsize=4096)
 def batch_key(batch: int) -> int:
     """Half-octave buckets centred on powers of two: 31 and 32 requests share one."""
     return int(round(2 * math.log2(max(batch, 1))))
@@ -48,6 +50,24 @@ _NONE = ArmStats()  # what an arm without cycles reads as (never added to)
 _EMPTY: dict = {}  # what a bucket without a row reads as (never added to)
 
 
+@dataclass(slots=True)
+class PickRun:
+    """Cycles of a bucket's pick after its first, summed as ``observe`` and ``_account`` would have added them
+    (each sum decayed once a cycle) and added in one go (``GoodputBandit._fold``) before anything reads them."""
+
+    key: int
+    arm: int
+    requests: int
+    cap: float  # the most seconds a cycle counts (clip)
+    f: float  # the stats' decay per cycle
+    g: float  # the budget's
+    k: int = 0
+    n: float = 0.0
+    seconds: float = 0.0
+    predicted: float = 0.0
+    elapsed: float = 0.0
+
+
 @dataclass
 class GoodputBandit:
     cfg: AdaptivePolicyConfig = field(default_factory=AdaptivePolicyConfig)
@@ -63,6 +83,7 @@ class GoodputBandit:
     _again: dict[int, int] = field(default_factory=dict)  # bucket -> arm explored once so far
     _rerun: set[int] = field(default_factory=set)  # buckets whose exploration ran plain decoding again (``charge``)
     _fresh: dict[int, int] = field(default_factory=dict)  # bucket -> cycles of its pick since its row was built
+    _run: PickRun | None = None  # the pick's latest cycles, not yet in ``stats``, ``elapsed`` and ``spent``
     # (turn, bucket, old pick, new pick, their goodput, tokens a request-cycle and served cycles): the latest
     changes: deque = field(default_factory=lambda: deque(maxlen=PICK_LOG))
 
@@ -95,12 +116,14 @@ class GoodputBandit:
 
     def _within_budget(self, key: int) -> bool:
         """Whether an exploration losing what the last one lost fits bucket ``key``'s budget."""
+        self._fold()
         expected = self._last_loss.get(key, 0.0)
         return self.spent.get(key, 0.0) + expected <= self.cfg.explore_budget * self.elapsed.get(key, 0.0)
 
     # -- off the hot path: the table ---------------------------------------------------------------
     def estimates(self, key: int, priors: dict[int, Prior], batch: int) -> dict[int, tuple[float, float]]:
         """(goodput, its standard error) per arm of ``priors`` for cycles of ``batch`` requests."""
+        self._fold()
         c = self.cfg
         arms = self.stats.get(key, {})
         borrowed = self._drafting_excess(arms, batch)
@@ -179,11 +202,21 @@ class GoodputBandit:
         """A served cycle of ``arm`` for ``requests`` requests: predicted and measured seconds, committed tokens."""
         if seconds <= 0 or predicted <= 0 or requests <= 0:
             return
+        r = self._run
+        if r is not None and r.key == key and r.arm == arm and r.requests == requests:  # the pick again
+            seconds = min(seconds, r.cap)
+            r.k += 1
+            r.n = r.n * r.f + 1.0
+            r.seconds = r.seconds * r.f + seconds
+            r.predicted = r.predicted * r.f + predicted
+            r.elapsed = r.elapsed * r.g + seconds
+            return
+        self._fold()
         c = self.cfg
         arms = self.stats.setdefault(key, {})
         est = self.spr.get(key, _EMPTY).get(arm)
-        if est is not None:  # a pause is not the arm's
-            seconds = min(seconds, c.clip * est * requests)
+        cap = c.clip * est * requests if est is not None else math.inf
+        seconds = min(seconds, cap)  # a pause is not the arm's
         for st in arms.values():
             st.fade(c.decay)
         st = arms.get(arm)
@@ -195,16 +228,38 @@ class GoodputBandit:
         st.predicted += predicted
         st.seed_n = max(st.seed_n - 1.0, 0.0)
         self._account(key, arm, tokens, seconds, requests)
+        if arm == self.chosen.get(key):
+            self._run = PickRun(key, arm, requests, cap, c.decay, c.budget_decay)
+
+    def _fold(self) -> None:
+        """The open run's cycles into the stats and the budget: [s1, s2] -> stats * f^2 + s1 * f + s2."""
+        r, self._run = self._run, None
+        if r is None or not r.k:
+            return
+        fk, gk = r.f**r.k, r.g**r.k
+        arms = self.stats[r.key]
+        for st in arms.values():
+            st.fade(fk)
+        st = arms[r.arm]
+        st.n += r.n
+        st.requests += r.n * r.requests
+        st.seconds += r.seconds
+        st.predicted += r.predicted
+        st.seed_n = max(st.seed_n - r.k, 0.0)
+        self.elapsed[r.key] = self.elapsed.get(r.key, 0.0) * gk + r.elapsed
+        self.spent[r.key] = self.spent.get(r.key, 0.0) * gk
 
     def seed(self, key: int, arm: int, seconds: float, requests: int, cycles: float = 2.0) -> None:
         """``cycles`` pseudo-cycles of ``arm`` in bucket ``key``, ``seconds`` each, timed before serving."""
         if seconds > 0 and requests > 0 and cycles > 0:
+            self._fold()
             st = self.stats.setdefault(key, {}).setdefault(arm, ArmStats())
             st.seed_n, st.seed_spr = cycles, seconds / requests
 
     def charge(self, key: int, arm: int, tokens: float, seconds: float, requests: int, explored: bool = False) -> None:
         """A cycle left out of ``arm``'s measure (a one-off switch): still counted against the budget. An
         exploration of plain decoding (``explored``, arm 0) runs one cycle more, once, to measure two."""
+        self._fold()
         if explored and arm == 0 and key not in self._rerun and key not in self._again:
             self._again[key] = arm
             self._rerun.add(key)
@@ -224,6 +279,7 @@ class GoodputBandit:
 
     def summary(self) -> dict:
         """Per bucket (as its batch size) and arm: served cycles (decayed), estimated tok/s of the batch."""
+        self._fold()
         return {bucket_batch(key): {a: {"cycles": round((self.stats.get(key, {}).get(a) or _NONE).n, 1),
                                         "tok_per_s": round(g, 2)} for a, g in sorted(row.items())}
                 | {"pick": self.chosen.get(key), "explore": self.explore.get(key)}
@@ -238,5 +294,6 @@ class GoodputBandit:
 
     def budget_summary(self) -> dict:
         """Per bucket (as its batch size): seconds explorations lost, seconds of its cycles (decayed)."""
+        self._fold()
         return {bucket_batch(key): {"spent_s": round(self.spent.get(key, 0.0), 4), "elapsed_s": round(v, 3)}
                 for key, v in sorted(self.elapsed.items())}

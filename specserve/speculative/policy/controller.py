@@ -233,7 +233,7 @@ class SpecController:
         """The reference's seconds of a cycle of ``batch`` requests drafting ``arm`` (kept per bucket and
         batch; a live model's recomputed every REFRESH_EVERY asks)."""
         got = self._predicted.get((key, batch))
-        if got is None or (got[0] >= REFRESH_EVERY and self._reference() is self.cost):
+        if got is None or (got[0] >= REFRESH_EVERY and self.reference is self.cost):  # (reference set with got)
             ref, K = self._reference(), self.cfg.num_steps
             out = []
             for a in range(len(self._arms)):  # (arms are 0..len - 1)
