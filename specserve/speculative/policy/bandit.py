@@ -102,12 +102,14 @@ class GoodputBandit:
         again = self._again.pop(key, None)
         if again is not None:
             return again, True
-        alt = self.explore.get(key)
         every = 0 if not c.explore_every else c.warm_every if v < c.warm_visits else c.explore_every
+        if not every or v % every != every - 1:  # no exploration turn: the pick
+            return self.chosen[key], False
+        alt = self.explore.get(key)
         # unbudgeted: plain decoding under a drafting pick (the floor), and a bucket's warm-up out of a
         # drafting pick (its first cycles may be a pause's)
         free = self.chosen[key] != 0 and (alt == 0 or v < c.warm_visits)
-        if alt is not None and every and v % every == every - 1 and (free or self._within_budget(key)):
+        if alt is not None and (free or self._within_budget(key)):
             self._again[key] = alt
             self._rerun.discard(key)
             self._last_loss[key] = 0.0

@@ -7,7 +7,6 @@ a tree engine (eagle_topk > 1) K + 1 its whole tree (``tree_arm``)."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -109,7 +108,7 @@ class SpecController:
     # ``defer``: cycle outcomes and cost-model updates wait in ``pending`` until ``flush`` (the caller's
     # next forward launch); no decision reads them before that
     defer: bool = False
-    pending: list[Callable[[], None]] = field(default_factory=list)
+    pending: list[tuple[Callable[..., None], tuple]] = field(default_factory=list)  # (fn, args)
     _cycle: Cycle | None = None
     _exploring: bool = False  # the last quick_arm's arm is an exploration's
     _quick_key: int = 0  # bucket of the last quick_arm
@@ -308,15 +307,15 @@ class SpecController:
     def _later(self, fn: Callable[..., None], *args: object) -> None:
         """``fn(*args)`` now, or at the next ``flush`` when deferring."""
         if self.defer:
-            self.pending.append(functools.partial(fn, *args))
+            self.pending.append((fn, args))
         else:
             fn(*args)
 
     def flush(self) -> None:
         """Run the bookkeeping ``defer`` held back, in the order it came."""
         todo, self.pending = self.pending, []
-        for fn in todo:
-            fn()
+        for fn, args in todo:
+            fn(*args)
 
     def finish_cycle(self, c: Cycle | None, seconds: float) -> None:
         """The wall time of a detached cycle (None: nothing to measure); its bucket's row rebuilt after."""
