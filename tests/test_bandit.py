@@ -147,11 +147,15 @@ def test_the_picks_cycles_in_a_row_add_up_as_if_added_one_by_one():
     b.budget_summary()  # a read: the run is in
     counted = [min(sec, cap) for sec in secs]
     n = len(secs)
-    assert b.stats[key][0].seconds == pytest.approx(sum(sec * f ** (n - 1 - i) for i, sec in enumerate(counted)), rel=1e-12)
-    assert b.stats[key][0].n == pytest.approx(sum(f**i for i in range(n)), rel=1e-12)
-    assert b.stats[key][0].requests == pytest.approx(B * sum(f**i for i in range(n)), rel=1e-12)
+
+    def decayed(xs: list[float], r: float) -> float:  # [x1, x2, x3] -> x1 r^2 + x2 r + x3
+        return sum(x * r ** (len(xs) - 1 - i) for i, x in enumerate(xs))
+
+    assert b.stats[key][0].seconds == pytest.approx(decayed(counted, f), rel=1e-12)
+    assert b.stats[key][0].n == pytest.approx(decayed([1.0] * n, f), rel=1e-12)
+    assert b.stats[key][0].requests == pytest.approx(B * decayed([1.0] * n, f), rel=1e-12)
     assert b.stats[key][2].seconds == pytest.approx(0.030 * f**n, rel=1e-12)
-    assert b.elapsed[key] == pytest.approx(elapsed * g**n + sum(sec * g ** (n - 1 - i) for i, sec in enumerate(counted)), rel=1e-12)
+    assert b.elapsed[key] == pytest.approx(elapsed * g**n + decayed(counted, g), rel=1e-12)
     assert b.spent[key] == pytest.approx(spent * g**n, rel=1e-12)
 
 
