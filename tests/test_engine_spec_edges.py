@@ -176,10 +176,10 @@ def test_adaptive_policy_with_trees_under_preemption(plain, chat_prompts):
     llm = LLM(dtype="float32", num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=128, speculative_algorithm="EAGLE3",
               **TREE)
     assert llm.engine.config.speculative.policy == "adaptive"
-    convs = chat_prompts[10:14]  # 269 prompt tokens + 4 x 24 in 256 slots
-    sp = SamplingParams(max_tokens=24, **GREEDY)
+    convs = chat_prompts[10:14]  # 269 prompt tokens + 4 x 16 in 256 slots
+    sp = SamplingParams(max_tokens=16, **GREEDY)
     assert _ids(llm.chat(convs, sp)) == _ids(plain.chat(convs, sp))
-    sampled = llm.chat(convs, [SamplingParams(temperature=0.9, top_k=5, seed=i, max_tokens=16, logprobs=5,
+    sampled = llm.chat(convs, [SamplingParams(temperature=0.9, top_k=5, seed=i, max_tokens=8, logprobs=5,
                                               ignore_eos=True) for i in range(4)])
     _check_top_k(sampled, 5)
     st = llm.engine.get_stats()
@@ -215,7 +215,7 @@ def test_eagle1_end_to_end(plain, chat_prompts, tmp_path):
     is 0, a head that always drafts 0 has every draft accepted."""
     head = _eagle1_head(None, str(tmp_path / "eagle1"))
     convs = chat_prompts[:2]
-    sp = SamplingParams(max_tokens=12, **GREEDY)
+    sp = SamplingParams(max_tokens=6, **GREEDY)
     ref = _ids(plain.chat(convs, sp))
     for shape in (CHAIN, TREE):
         llm = LLM(**KV, speculative_algorithm="EAGLE", speculative_draft_model_path=head,
