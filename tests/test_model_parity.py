@@ -80,10 +80,10 @@ class PagedRunner:
         self.blocks: dict[int, list[int]] = {}
         self.cached: dict[int, int] = {}
 
-    def step(self, batch: list[tuple[int, list[int], list[int] | None]], tree_masks=None):
+    def step(self, batch: list[tuple[int, list[int], list[int] | None]], tree_masks=None, rows=None):
         """batch: (request id, new token ids, explicit positions or None = next positions).
 
-        Returns (logits [T, vocab], hidden or (hidden, aux)).
+        Returns (logits [T, vocab] (``rows``: of those rows only), hidden or (hidden, aux)).
         """
         ids, pos, slots, q_lens, seq_lens = [], [], [], [], []
         for rid, toks, positions in batch:
@@ -113,7 +113,7 @@ class PagedRunner:
         with torch.no_grad(), forward_context(self.backend):
             out = self.model(torch.tensor(ids), torch.tensor(pos))
             hidden = out[0] if isinstance(out, tuple) else out
-            return self.model.compute_logits(hidden), out
+            return self.model.compute_logits(hidden if rows is None else hidden[rows]), out
 
     def truncate(self, rid: int, length: int) -> None:
         self.cached[rid] = length
