@@ -13,11 +13,11 @@ from specserve import LLM, SamplingParams
 def _params() -> list[SamplingParams]:
     return [
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=40),  # may stop at EOS
+        SamplingParams(temperature=0, max_tokens=24),  # may stop at EOS
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20),
         SamplingParams(temperature=0, max_tokens=16, logprobs=3),
-        SamplingParams(temperature=0, max_tokens=30, stop=[" the"]),
+        SamplingParams(temperature=0, max_tokens=20, stop=[" the"]),
         SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=1),
     ]
@@ -32,11 +32,13 @@ def _run(chat_prompts, overlap: str, **kw):
 
 
 @pytest.fixture(scope="module")
-def step_by_step(chat_prompts):
-    """The step-by-step engine's outputs with room for every request (preemption and recompute give
-    the same tokens: test_engine_e2e's batch invariance), the reference of both overlapped runs."""
-    outs, eng = _run(chat_prompts, "off", kv_cache_memory_gb=0.25)
-    assert not eng.overlap and eng.scheduler.num_preemptions == 0
+def step_by_step(smollm2, chat_prompts):
+    """The step-by-step engine's outputs (the session's, all 8 requests in one batch: batching, chunking,
+    preemption and recompute give the same tokens, test_engine_e2e's batch invariance), the reference of
+    both overlapped runs."""
+    preempted = smollm2.engine.scheduler.num_preemptions
+    outs = smollm2.chat(chat_prompts[:8], _params())
+    assert not smollm2.engine.overlap and smollm2.engine.scheduler.num_preemptions == preempted
     return outs
 
 
@@ -105,13 +107,13 @@ def test_overlap_schedule_flag(smollm2):
     assert smollm2.engine.config.overlap_schedule == "auto" and not smollm2.engine.overlap
 
 
-def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts):
+def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(smollm2, chat_prompts):
     """With speculation, a plain step whose successor is known before its sync to be plain (here the
     threshold policy: off above 2 running requests, on again at 1) launches that successor before the
     sync; drafting resumes as requests finish. Greedy tokens are plain decoding's."""
     convs = chat_prompts[:6]
     params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(6)]
-    base = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25).chat(convs, params)
+    base = smollm2.chat(convs, params)
     llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_gb=0.25, overlap_schedule="on",
               speculative_algorithm="EAGLE3", speculative_policy="threshold", speculative_disable_batch_threshold=2)
     outs = llm.chat(convs, params)
@@ -123,12 +125,12 @@ def test_a_spec_engine_overlaps_its_plain_steps_and_stays_lossless(chat_prompts)
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
-def _plain_and_adaptive(chat_prompts):
+def _plain_and_adaptive(smollm2, chat_prompts):
     """Three prompts of 40 greedy tokens: their plain decoding's outputs, and an overlapped adaptive engine
     (depths 0-2, no start-up calibration) for a test to stub and run."""
     convs = chat_prompts[:3]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in convs]
-    base = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25).chat(convs, params)
+    base = smollm2.chat(convs, params)
     llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_gb=0.25, overlap_schedule="on",
               speculative_algorithm="EAGLE3", speculative_policy="adaptive", speculative_num_steps=2,
               speculative_calibrate=False)
@@ -148,12 +150,12 @@ def _finished_cycles(ctl, row) -> list:
     return finished
 
 
-def test_an_adaptive_engines_plain_decisions_are_taken_before_the_sync_and_launched_ahead(chat_prompts):
+def test_an_adaptive_engines_plain_decisions_are_taken_before_the_sync_and_launched_ahead(smollm2, chat_prompts):
     """Every adaptive decision is a table lookup taken before the sync: where the table says plain decoding
     the next step is launched ahead, explorations of a depth included; the table is stubbed to pick plain
     decoding and explore depth 2 (two cycles) every sixth decision. Tokens stay plain decoding's and each
     plain cycle counts its requests' tokens once."""
-    convs, params, base, llm = _plain_and_adaptive(chat_prompts)
+    convs, params, base, llm = _plain_and_adaptive(smollm2, chat_prompts)
     ctl = llm.engine.drafter.controller
     b = ctl.bandit
     calls = {"n": 0}
