@@ -157,8 +157,8 @@ def test_window_pool_reads_its_own_tables_and_never_its_null_blocks(name: str) -
 
 def test_tree_speculation_with_a_window_pool_on_triton_equals_plain_decoding(tmp_path) -> None:
     """Trees on the Triton backend with a window pool (window 4, trees of depth 3 + bonus: the window
-    cuts into the tree; accepted KV moved in both pools): plain decoding's greedy tokens, each at the same
-    log-probability (the K/V it read; fp32)."""
+    cuts into the tree; accepted KV moved in both pools): plain decoding's greedy tokens (on torch attention:
+    not interpreted), each at the same log-probability (the K/V it read; fp32)."""
     from specserve import LLM, SamplingParams
     from tiny_model import make_random_head, make_tiny_gemma3
 
@@ -166,10 +166,10 @@ def test_tree_speculation_with_a_window_pool_on_triton_equals_plain_decoding(tmp
     make_tiny_gemma3(path, layers=2, vocab=8, window=4)
     head = make_random_head(path, str(tmp_path / "head"), constant=True, drafts=[6, 2])
     prompts = [[5, 7, 3, 2, 4, 6, 4, 7, 3, 5, 3, 2, 6, 6], [2, 4]]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)  # (4 drafts accepted)
     kw = dict(model=path, max_num_batched_tokens=16, num_kv_blocks=24, block_size=4, max_model_len=64, max_num_seqs=2,
               device=str(DEVICE), dtype="float32", attention_backend="triton", enforce_eager=True)
-    plain = LLM(**kw).generate(prompts, sp)
+    plain = LLM(**{**kw, "attention_backend": "torch"}).generate(prompts, sp)
     llm = LLM(**kw, speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static",
               speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
     assert llm.engine.scheduler.window is not None  # (the window layer's K/V in a pool of its own)
