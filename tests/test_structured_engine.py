@@ -53,8 +53,8 @@ def test_json_schema_greedy_same_with_speculation_and_valid(plain, chain):
     got = chain.chat(convs, sp)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert chain.engine.get_stats().spec_accepted_tokens > 0
-    tree = LLM(**KV, **STATIC, **TREE)
-    assert [o.outputs[0].token_ids for o in tree.chat(convs, sp)] == [o.outputs[0].token_ids for o in ref]
+    tree = LLM(**KV, **STATIC, **TREE)  # (two of the four: the chain above takes the four)
+    assert [o.outputs[0].token_ids for o in tree.chat(convs[:2], sp)] == [o.outputs[0].token_ids for o in ref[:2]]
     assert tree.engine.get_stats().spec_accepted_tokens > 0
 
 
@@ -90,11 +90,11 @@ def test_json_object_regex_and_choice(chain):
 def test_a_constrained_request_leaves_its_batch_alone(chain, chat_prompts):
     """The same batch twice, its middle request constrained the second time: the others' tokens match."""
     convs = chat_prompts[5:8]
-    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = chain.chat(convs, free)
     eng = chain.engine
     ids = [chain.tokenizer.apply_chat_template(c) for c in convs]
-    for i, (p, sp) in enumerate(zip(ids, [free, SamplingParams(temperature=0, max_tokens=24,
+    for i, (p, sp) in enumerate(zip(ids, [free, SamplingParams(temperature=0, max_tokens=16,
                                                              structured_outputs={"json": REVIEW}), free])):
         eng.add_request(f"m{i}", p, sp)
     done = {}
