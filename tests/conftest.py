@@ -3,6 +3,8 @@
 - The session's own cache dir (SPECSERVE_CACHE_DIR: GGUF conversions, cost profiles), removed at the end.
 - ``smollm2``: the real SmolLM2, plain decoding, built once a session, for tests that only read outputs.
 - ``chat_prompts``: 20 short ShareGPT prompts as chat messages.
+- ``smollm2_server`` / ``smollm2_spec_server``: SmolLM2 served in a thread (plain; static chains with the
+  shipped head), each started once a session for the modules that only send it requests.
 - ``_small_kv_budgets`` (autouse): a CPU engine built with the default 2 GB KV budget fails its test;
   pass ``num_kv_blocks`` or ``kv_cache_memory_gb`` (0.05 GB: ~100k tokens of tests/tiny_model.py's
   models, ~1k of SmolLM2).
@@ -222,6 +224,36 @@ def smollm2():
     from specserve import LLM
 
     return LLM(dtype="float32", max_num_batched_tokens=512, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """The real SmolLM2 served (plain decoding; a 512-token context, 96 blocks, 8 sequences) for
+    test_bench_live and test_server: a test leaves no request in it."""
+    from functools import partial
+
+    from specserve.config import EngineConfig
+    from specserve.server.launch import build_engine, serve_in_thread
+
+    config = EngineConfig(dtype="float32", max_model_len=512, num_kv_blocks=96, max_num_seqs=8)
+    with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec_server():
+    """The real SmolLM2 served with speculation (the shipped EAGLE-3 head, static chains of 3; a 1,024-token
+    context, 64 blocks, 4 sequences) for test_server and test_server_structured."""
+    from functools import partial
+
+    from specserve.config import EngineConfig
+    from specserve.server.launch import build_engine, serve_in_thread
+
+    config = EngineConfig.from_kwargs(dtype="float32", max_model_len=1024, num_kv_blocks=64, max_num_seqs=4,
+                                      speculative_algorithm="EAGLE3", speculative_policy="static",
+                                      speculative_num_steps=3)
+    with serve_in_thread(partial(build_engine, config), startup_timeout=300) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

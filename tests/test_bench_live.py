@@ -4,11 +4,7 @@ short ShareGPT prompts, small outputs): every request accounted for, tokens coun
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-
 import pytest
-
-from specserve.server.launch import build_engine, serve_in_thread  # noqa: E402
 
 from specserve.bench.datasets import sample_sharegpt_requests  # noqa: E402
 from specserve.bench.serving import BenchConfig, run_benchmark  # noqa: E402
@@ -19,14 +15,8 @@ OUT_LEN = 8
 
 
 @pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
-    from functools import partial
-
-    from specserve.config import EngineConfig
-
-    config = EngineConfig(dtype="float32", max_model_len=512, num_kv_blocks=96, max_num_seqs=8)
-    with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
-        yield server.url
+def server_url(smollm2_server) -> str:
+    return smollm2_server.url  # (conftest: plain SmolLM2, 8 sequences, shared with test_server)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -16,11 +16,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 torch = pytest.importorskip("torch")
-
-from functools import partial  # noqa: E402
-
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.server.launch import build_engine, serve_in_thread  # noqa: E402
 
 MAX_MODEL_LEN = 512
 CHAT = [{"role": "user", "content": "List three colors."}]
@@ -47,10 +42,8 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    config = EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, max_num_seqs=8)
-    with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
-        yield Live(server)
+def live(smollm2_server) -> Live:
+    return Live(smollm2_server)  # (conftest: a MAX_MODEL_LEN context, 96 blocks, 8 sequences)
 
 
 def test_chat_stream_matches_nonstream_with_consistent_usage(live: Live) -> None:
@@ -226,20 +219,9 @@ def test_metrics_and_server_info_move(live: Live) -> None:
 
 
 @pytest.fixture(scope="module")
-def spec_live(tmp_path_factory) -> Iterator[Live]:
-    """A server speculating with an untrained (random) EAGLE-3 head: drafts are checked but rarely accepted."""
-    from specserve.config import SpeculativeConfig
-    from specserve.loader import load_model_source
-    from specserve.models.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    target = load_model_source(None).config
-    torch.manual_seed(0)
-    head_dir = tmp_path_factory.mktemp("random-eagle3")
-    Eagle3DraftModel(Eagle3Config.from_target(target, draft_vocab_size=target.vocab_size)).save_pretrained(head_dir)
-    spec = SpeculativeConfig(draft_model_path=str(head_dir), num_steps=3, policy="static")
-    config = EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, speculative=spec)
-    with serve_in_thread(partial(build_engine, config), startup_timeout=120) as server:
-        yield Live(server)
+def spec_live(smollm2_spec_server) -> Live:
+    """A server speculating (conftest: the shipped EAGLE-3 head, static chains of 3): drafts accepted and not."""
+    return Live(smollm2_spec_server)
 
 
 def test_speculation_stats_reach_usage_server_info_and_metrics(spec_live: Live) -> None:

@@ -5,17 +5,12 @@ round trip (streamed and not) and the 400s for bad schemas and tools."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from functools import partial
 
 import jsonschema
 import openai
 import pytest
 
 pytest.importorskip("xgrammar")
-
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.server.launch import build_engine, serve_in_thread  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -28,12 +23,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    config = EngineConfig.from_kwargs(dtype="float32", max_model_len=1024, num_kv_blocks=64, max_num_seqs=4,
-                                      speculative_algorithm="EAGLE3", speculative_policy="static",
-                                      speculative_num_steps=3)
-    with serve_in_thread(partial(build_engine, config), startup_timeout=300) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def client(smollm2_spec_server) -> openai.OpenAI:
+    # (conftest: static chains of 3, a 1,024-token context, 64 blocks, 4 sequences; shared with test_server)
+    return openai.OpenAI(base_url=smollm2_spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_tool_call_round_trip(client: openai.OpenAI) -> None:
