@@ -15,7 +15,7 @@ def test_no_output_after_a_request_finished():
                "Explain gravity briefly.", "Say hi."]
     for i in range(24):
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": rng.choice(prompts)}])
-        eng.add_request(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=rng.randint(3, 60),
+        eng.add_request(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=rng.randint(3, 30),
                                                      stop=["."] if i % 3 == 0 else None,
                                                      output_kind=RequestOutputKind.DELTA))
     finished, after = [], []
