@@ -35,14 +35,14 @@ def _tokens(llm, convs, params):
 
 def test_logit_bias_bans_and_forces_tokens(engines):
     plain = engines["plain"]
-    base = _tokens(plain, [CONV], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    base = _tokens(plain, [CONV], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     banned = set(base[:4])
     for name in ("plain", "chain"):
-        for sp in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={t: -100 for t in banned}),
-                   SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+        for sp in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={t: -100 for t in banned}),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
                                   logit_bias={t: -100 for t in banned})):
             out = _tokens(engines[name], [CONV], sp)[0]
-            assert len(out) == 12 and not banned & set(out), (name, out)
+            assert len(out) == 8 and not banned & set(out), (name, out)
         forced = _tokens(engines[name], [CONV], SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True,
                                                                logit_bias={1234: 100}))[0]
         assert forced == [1234] * 6
@@ -89,8 +89,8 @@ def test_min_tokens_masks_eos_and_stop_ids_at_every_row(engines):
 def test_seeded_text_is_the_same_alone_under_load_and_with_speculation(engines, chat_prompts):
     """Two seeded requests (one with penalties) give the same tokens alone and among 8 others (greedy,
     unseeded, other seeds, penalized), with speculation off, chain, tree and adaptive; other seeds differ."""
-    target = [SamplingParams(temperature=0.8, seed=1234, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=-7, max_tokens=10, ignore_eos=True,
+    target = [SamplingParams(temperature=0.8, seed=1234, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=-7, max_tokens=6, ignore_eos=True,
                              frequency_penalty=0.5, logit_bias={13: 2.0})]
     convs = [CONV, chat_prompts[0]]
     others = [SamplingParams(temperature=[0, 0.7, 1.0, 1.2][i % 4], seed=[None, 99 + i][i % 2], max_tokens=3 + i % 6,
@@ -99,7 +99,7 @@ def test_seeded_text_is_the_same_alone_under_load_and_with_speculation(engines, 
     words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
     other_prompts = [" ".join(words[: 1 + (5 * i) % 14]) * (1 + i % 2) for i in range(8)]
     prompt_ids = [engines["plain"].tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-    other_seed = SamplingParams(temperature=0.8, seed=1235, max_tokens=10, ignore_eos=True)  # target[0]'s, reseeded
+    other_seed = SamplingParams(temperature=0.8, seed=1235, max_tokens=6, ignore_eos=True)  # target[0]'s, reseeded
     want = _tokens(engines["plain"], convs, target)
     for name, llm in engines.items():
         if name == "adaptive":  # (alone with speculation: chain and tree are checked under load)
