@@ -250,20 +250,24 @@ def test_speculation_stats_reach_usage_server_info_and_metrics(spec_live: Live) 
     assert 0 < after["specserve:spec_step_share"] <= 1
 
 
-def test_cli_serve_subprocess_with_api_key() -> None:
+def test_cli_serve_subprocess_with_api_key(tmp_path) -> None:
     """`specserve serve` (cli -> server.launch.main) starts, guards /v1 with the key, answers, and stops.
 
-    Dummy weights: this checks the wiring; the model's output is checked above."""
+    The tiny model with dummy weights: this checks the wiring; the model's output is checked above (SmolLM2's
+    135M random weights took ~5 s of the start-up)."""
     import os
     import signal
     import socket
     import subprocess
     import sys
 
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"), vocab=64)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--max-model-len", "256",
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", model, "--port", str(port), "--max-model-len", "256",
            "--num-kv-blocks", "32", "--api-key", "k3y", "--served-model-name", "smol", "--speculative-algorithm",
            "NONE", "--load-format", "dummy", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
