@@ -7,6 +7,8 @@ check graph replay against the same loop run eagerly, and that changing k never 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -344,6 +346,7 @@ def test_adaptive_quick_decisions_launch_before_the_sync(tiny):
     assert llm.engine.stats.spec_draft_tokens > 0
 
 
+@functools.lru_cache(maxsize=None)  # (the same plain runs for each test of the module)
 def stop_mid_cycle(model: str) -> tuple[SamplingParams, list[list[int]]]:
     """Greedy params whose stop token only request 2 comes to (past its first few tokens: it stops
     there, mid-cycle; the others run to max_tokens 40), and plain decoding's outputs of PROMPTS."""
