@@ -102,7 +102,7 @@ def start(fn, *args) -> threading.Thread:
     return t
 
 
-@pytest.mark.parametrize("server", [("--shutdown-timeout", "3")], indirect=True)
+@pytest.mark.parametrize("server", [("--shutdown-timeout", "2")], indirect=True)  # (a 40-token stream: ~0.4 s)
 @pytest.mark.parametrize("group", [False, True], ids=["server", "process-group"])
 def test_sigterm_drains_streams_and_requests_then_exits_zero(server: Proc, group: bool) -> None:
     """SIGTERM to the server, or to its whole process group as systemd and `timeout` send it."""
