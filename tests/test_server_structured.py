@@ -5,6 +5,7 @@ round trip (streamed and not) and the 400s for bad schemas and tools."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -28,9 +29,20 @@ def client(smollm2_spec_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=smollm2_spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def _at_once(*calls) -> list:
+    """The calls' results, the requests sent together (batched: about the steps of the longest alone)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     kw = dict(model="default", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60)
-    r = client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    forced = dict(kw, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    # the call, the same streamed, and required with one call at most, together
+    r, chunks, required = _at_once(lambda: client.chat.completions.create(**forced),
+                                   lambda: list(client.chat.completions.create(**forced, stream=True)),
+                                   lambda: client.chat.completions.create(**kw, tool_choice="required",
+                                                                          parallel_tool_calls=False))
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -40,50 +52,49 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert r.usage.spec_draft_tokens > 0
 
     # streamed: the same call, in one delta with its index, id and name
-    chunks = list(client.chat.completions.create(
-        **kw, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [(0, "get_weather", args)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
 
     # required, one call at most: a call to one of the tools
-    r = client.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=False)
-    (call,) = r.choices[0].message.tool_calls
+    (call,) = required.choices[0].message.tool_calls
     assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
 
     # the result goes back as a tool message; the answer is text (auto: the model may call again or not)
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [choice.message.tool_calls[0].model_dump()]},
                      {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id,
                       "content": json.dumps({"temperature": 21, "unit": "celsius"})}]
-    r = client.chat.completions.create(model="default", messages=history, tools=TOOLS, temperature=0, max_tokens=12)
+    r, none = _at_once(lambda: client.chat.completions.create(model="default", messages=history, tools=TOOLS,
+                                                              temperature=0, max_tokens=12),
+                       lambda: client.chat.completions.create(model="default", messages=history, tools=TOOLS,
+                                                              tool_choice="none", temperature=0, max_tokens=8))
     msg = r.choices[0].message
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls") and (msg.content or msg.tool_calls)
-    r = client.chat.completions.create(model="default", messages=history, tools=TOOLS, tool_choice="none",
-                                       temperature=0, max_tokens=8)
-    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
 def test_response_format_and_guided_extras(client: openai.OpenAI) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
-    r = client.chat.completions.create(model="default", messages=ASK, response_format=rf, temperature=0, max_tokens=40)
+    schema = dict(model="default", messages=ASK, response_format=rf, temperature=0, max_tokens=40)
+    r, chunks, obj, choice, regex = _at_once(
+        lambda: client.chat.completions.create(**schema),
+        lambda: list(client.chat.completions.create(**schema, stream=True)),
+        lambda: client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Describe a dog in JSON."}],
+                                               response_format={"type": "json_object"}, temperature=0.7, seed=3, max_tokens=24),
+        lambda: client.completions.create(model="default", prompt="The capital of France is", max_tokens=8, temperature=0,
+                                          extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]}),
+        lambda: client.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=0,
+                                               extra_body={"guided_regex": "[0-9]{2} degrees"}))
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
-    chunks = client.chat.completions.create(model="default", messages=ASK, response_format=rf, temperature=0,
-                                            max_tokens=40, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
-    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Describe a dog in JSON."}],
-                                       response_format={"type": "json_object"}, temperature=0.7, seed=3, max_tokens=24)
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
     else:  # cut by max_tokens: what there is starts an object
-        assert r.choices[0].message.content.startswith("{")
-    r = client.completions.create(model="default", prompt="The capital of France is", max_tokens=8, temperature=0,
-                                  extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]})
-    assert r.choices[0].text in ("Paris", "Lyon", "Nice") and r.choices[0].finish_reason == "stop"
-    r = client.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=0,
-                                       extra_body={"guided_regex": "[0-9]{2} degrees"})
-    assert r.choices[0].message.content[:2].isdigit() and r.choices[0].message.content.endswith(" degrees")
+        assert obj.choices[0].message.content.startswith("{")
+    assert choice.choices[0].text in ("Paris", "Lyon", "Nice") and choice.choices[0].finish_reason == "stop"
+    assert regex.choices[0].message.content[:2].isdigit() and regex.choices[0].message.content.endswith(" degrees")
 
 
 @pytest.mark.parametrize("kw,words", [
