@@ -82,14 +82,14 @@ def test_processed_distributions(tiny, next_logits, spec):
     """N requests per case, all cases in one batch: chi-square p > 0.001 per case (5 cases x 2 engines).
     The same counts against the unprocessed (temperature 1) joint are refused for every case, so the
     test tells each processing step from none. With speculation, max_tokens K + 1 lets the first
-    verify check 2 drafted tokens, so both observed tokens can come from accepted drafts."""
+    verify check 2 drafted tokens, so both observed tokens can come from accepted drafts (plain: K)."""
     model, head = tiny
     kw = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head, speculative_policy="static",
               speculative_num_steps=3) if spec else {}
     llm = LLM(model=model, dtype="float32", max_num_seqs=4096, max_num_batched_tokens=16384, seed=5, kv_cache_memory_gb=0.05,
               **kw)
     names = list(CASES)
-    sps = [SamplingParams(max_tokens=K + 1, ignore_eos=True, **CASES[c]) for c in names for _ in range(N)]
+    sps = [SamplingParams(max_tokens=K + spec, ignore_eos=True, **CASES[c]) for c in names for _ in range(N)]
     outs = llm.generate([PROMPT] * len(sps), sps, use_tqdm=False)
     if spec:
         st = llm.engine.get_stats()
