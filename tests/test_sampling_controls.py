@@ -37,14 +37,13 @@ def test_logit_bias_bans_and_forces_tokens(engines):
     plain = engines["plain"]
     base = _tokens(plain, [CONV], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     banned = set(base[:4])
-    for name in ("plain", "chain"):
-        for sp in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={t: -100 for t in banned}),
-                   SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True,
-                                  logit_bias={t: -100 for t in banned})):
-            out = _tokens(engines[name], [CONV], sp)[0]
+    sps = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={t: -100 for t in banned}),
+           SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logit_bias={t: -100 for t in banned}),
+           SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, logit_bias={1234: 100})]
+    for name in ("plain", "chain"):  # (the three requests in one batch: each row its own bias)
+        *outs, forced = _tokens(engines[name], [CONV] * 3, sps)
+        for out in outs:
             assert len(out) == 8 and not banned & set(out), (name, out)
-        forced = _tokens(engines[name], [CONV], SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True,
-                                                               logit_bias={1234: 100}))[0]
         assert forced == [1234] * 6
     vocab = plain.engine.model_config.vocab_size
     with pytest.raises(ValueError, match="logit_bias keys"):
@@ -60,8 +59,8 @@ def test_greedy_with_penalties_and_bias_is_the_same_with_speculation(engines, ch
            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5),
            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=-1.0,
                           logit_bias={28: 3.0, 30: -5.0})]
-    ref = _tokens(engines["plain"], convs, sps)
-    unpenalized = _tokens(engines["plain"], convs, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    both = _tokens(engines["plain"], convs * 2, sps + [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3)
+    ref, unpenalized = both[:3], both[3:]  # (one batch: the plain engine's greedy tokens do not depend on it)
     assert all(r != u for r, u in zip(ref, unpenalized))
     for name in ("chain", "tree"):
         st0 = engines[name].engine.get_stats().spec_accepted_tokens
