@@ -49,12 +49,10 @@ def test_seeds_repeat_and_differ(llm):
         return [o.outputs[0].token_ids for o in llm.generate([prompt] * len(seeds), sps)]
 
     a = run([11])[0]
-    batch = run([12, 11, 13])
+    *batch, u0, u1 = run([12, 11, 13, None, None])  # (two unseeded requests among them)
     assert batch[1] == a
     assert len({tuple(t) for t in batch}) == 3  # 10 tokens at temperature 1: seeds differ
-    unseeded = [o.outputs[0].token_ids for o in llm.generate(
-        [prompt] * 2, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))]
-    assert unseeded[0] != unseeded[1]
+    assert u0 != u1
 
 
 def test_min_tokens_defers_every_stop(llm):
@@ -65,14 +63,14 @@ def test_min_tokens_defers_every_stop(llm):
     n = len(base.token_ids)
     assert base.finish_reason == "stop" and n < 8, base  # EOS comes early for this prompt
     mt = n + 6
-    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=mt + 4, min_tokens=mt))[0].outputs[0]
+    first = base.token_ids[0]
+    out, early = (o.outputs[0] for o in llm.chat([conv] * 2, [  # (one batch)
+        SamplingParams(temperature=0, max_tokens=mt + 4, min_tokens=mt),
+        SamplingParams(temperature=0, max_tokens=mt + 4, min_tokens=mt, stop_token_ids=[first], stop=[base.text[:2]])]))
     assert len(out.token_ids) >= mt
     assert out.token_ids[: n - 1] == base.token_ids[: n - 1]
     eos = set(llm.tokenizer.eos_token_ids)
     assert not eos & set(out.token_ids[:mt])  # EOS is masked, not just passed over
-    first = base.token_ids[0]
-    early = llm.chat(conv, SamplingParams(temperature=0, max_tokens=mt + 4, min_tokens=mt, stop_token_ids=[first],
-                                          stop=[base.text[:2]]))[0].outputs[0]
     assert len(early.token_ids) >= mt
     assert first not in early.token_ids[:mt] and not eos & set(early.token_ids[:mt])
     with pytest.raises(ValueError, match="min_tokens"):
@@ -88,8 +86,8 @@ def test_repetition_penalty_is_transformers(llm, chat_prompts):
     hf = hf_smollm2()
     conv = chat_prompts[0]
     ids = llm.tokenizer.apply_chat_template(conv)
-    got = llm.chat(conv, SamplingParams(repetition_penalty=1.4, max_tokens=16, **GREEDY))[0].outputs[0].token_ids
-    plain = llm.chat(conv, SamplingParams(max_tokens=16, **GREEDY))[0].outputs[0].token_ids
+    got, plain = (o.outputs[0].token_ids for o in llm.chat(  # (one batch)
+        [conv] * 2, [SamplingParams(repetition_penalty=1.4, max_tokens=16, **GREEDY), SamplingParams(max_tokens=16, **GREEDY)]))
     assert got != plain
     proc = RepetitionPenaltyLogitsProcessor(1.4)
     with torch.inference_mode():
@@ -103,9 +101,9 @@ def test_include_stop_str_in_output(llm):
     g = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     word = g.text.split()[2]
     cut = g.text.index(word)
-    for include in (False, True):
-        o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[word],
-                                                  include_stop_str_in_output=include))[0].outputs[0]
+    outs = llm.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=12, stop=[word],
+                                                      include_stop_str_in_output=include) for include in (False, True)])
+    for include, o in zip((False, True), (o.outputs[0] for o in outs)):
         assert o.finish_reason == "stop" and o.stop_reason == word
         assert o.text == g.text[: cut + len(word) * include]
 
