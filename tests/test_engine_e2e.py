@@ -61,13 +61,15 @@ def test_prefix_cache_hit_gives_same_output(llm, chat_prompts):
 
 def test_sampling_seed_reproducible_and_stop_strings(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=12)
-    # seed 123 alone, then again beside seed 124 (another call and another batch: the same tokens)
+    # seed 123 alone, then again beside seed 124 (another call and another batch: the same tokens), and
+    # the stop-string test's greedy text in that batch
     a = llm.generate(["Once upon a time"], sp)[0].outputs[0]
-    b, c = llm.generate(["Once upon a time"] * 2,
-                        [sp, SamplingParams(temperature=1.0, top_p=0.9, seed=124, max_tokens=12)])
+    b, c, g = llm.generate(["Once upon a time"] * 2 + ["The capital of France is"],
+                           [sp, SamplingParams(temperature=1.0, top_p=0.9, seed=124, max_tokens=12),
+                            SamplingParams(temperature=0, max_tokens=12)])
     assert a.token_ids == b.outputs[0].token_ids != c.outputs[0].token_ids
     # cut at a stop string that occurs in the greedy text
-    g = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    g = g.outputs[0]
     word = g.text.split()[1]
     s = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12, stop=[word]))[0]
     assert s.outputs[0].finish_reason == "stop" and s.outputs[0].stop_reason == word
