@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -41,6 +42,12 @@ class Live:
         return self.server.on_engine(fn, *args)
 
 
+def _at_once(*calls) -> list:
+    """The calls' results, the requests sent together (the server batches them)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 @pytest.fixture(scope="module")
 def live(smollm2_server) -> Live:
     return Live(smollm2_server)  # (conftest: a MAX_MODEL_LEN context, 96 blocks, 8 sequences)
@@ -48,13 +55,14 @@ def live(smollm2_server) -> Live:
 
 def test_chat_stream_matches_nonstream_with_consistent_usage(live: Live) -> None:
     kw = dict(model="default", messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-    r = live.client.chat.completions.create(**kw)
+    r, chunks = _at_once(lambda: live.client.chat.completions.create(**kw),
+                         lambda: list(live.client.chat.completions.create(**kw, stream=True,
+                                                                          stream_options={"include_usage": True})))
     text = r.choices[0].message.content
     prompt_len = len(live.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True))
     assert text and r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt_len, 12, prompt_len + 12)
 
-    chunks = list(live.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     usage = chunks[-1].usage
@@ -80,8 +88,6 @@ def test_completions_stop_string(live: Live) -> None:
 
 
 def test_stream_equals_nonstream_for_stop_strings_spanning_1_to_4_tokens(live: Live) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     from test_stop_strings import PARIS, spanning_stops
 
     kw = dict(model="default", messages=PARIS, max_tokens=12, temperature=0)
