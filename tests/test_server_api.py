@@ -271,28 +271,34 @@ def test_openai_client_sees_error_classes(live: Live) -> None:
     assert httpx.get(live.url + "/v1/nothing-here").status_code == 404
 
 
-def test_stream_interval_gathers_tokens_per_chunk() -> None:
-    with serve_in_thread(partial(FakeEngine, step_delay=0.001), stream_interval=4) as server:
-        body = {"prompt": "x", "max_tokens": 10, "temperature": 0, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-            lines = [line for line in r.iter_lines() if line]
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[str]:
+    """One server for the stream-interval and API-key tests (neither setting touches what the other checks)."""
+    with serve_in_thread(partial(FakeEngine, step_delay=0.001), stream_interval=4, api_key="s3cret") as server:
+        yield server.url
+
+
+def test_stream_interval_gathers_tokens_per_chunk(keyed: str) -> None:
+    body = {"prompt": "x", "max_tokens": 10, "temperature": 0, "stream": True}
+    with httpx.stream("POST", keyed + "/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": "Bearer s3cret"}) as r:
+        lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
     assert "".join(texts) == (TEXT * 2)[:10]
     assert all(len(t) >= 4 for t in texts[:-1]) and len(texts) <= 3  # 1 char = 1 token
 
 
-def test_api_key_required_on_v1_only() -> None:
-    with serve_in_thread(FakeEngine, api_key="s3cret") as server:
-        url = server.url
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
-        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            bad.models.list()
-        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
-        assert good.completions.create(model="default", prompt="x", max_tokens=1, temperature=0).choices[0].text == "t"
-        assert httpx.get(url + "/health").status_code == 200
+def test_api_key_required_on_v1_only(keyed: str) -> None:
+    url = keyed
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+    assert good.completions.create(model="default", prompt="x", max_tokens=1, temperature=0).choices[0].text == "t"
+    assert httpx.get(url + "/health").status_code == 200
 
 
 def test_queue_full_is_503_with_retry_after() -> None:
