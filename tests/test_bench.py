@@ -145,15 +145,19 @@ def test_ramp_windows_follow_the_schedule() -> None:
     assert any(w["mean_k"] == 3.0 for w in r["windows"])
 
 
-def test_ramp_split_over_client_processes() -> None:
+@pytest.fixture(scope="module")
+def two_clients():
+    """Two client processes, started once for the module's loads split over them (each load a run of its own)."""
+    clients = ClientProcesses(2)
+    yield clients
+    clients.close()
+
+
+def test_ramp_split_over_client_processes(two_clients) -> None:
     """Two client processes share each level (4 -> 2 + 2) on one clock: the windows see the whole level, never
     more (each process running the whole ramp would keep 8 in flight), and the parent's /metrics series."""
-    clients = ClientProcesses(2)
-    try:
-        res = _run(FakeSpec(ttft_s=0.02, itl_s=0.02), _requests(6, 4), ramp=RampSpec((1, 4, 1), 0.8), clients=clients,
-                   window_s=0.4, ignore_eos=True, save_requests=True)
-    finally:
-        clients.close()
+    res = _run(FakeSpec(ttft_s=0.02, itl_s=0.02), _requests(6, 4), ramp=RampSpec((1, 4, 1), 0.8), clients=two_clients,
+               window_s=0.4, ignore_eos=True, save_requests=True)
     r = res["ramp"]
     assert res["failed"] == 0 and res["completed"] > 0 and res["token_check"]["consistent"]
     assert [w["target_concurrency"] for w in r["windows"]] == [1, 1, 4, 4, 1, 1]
@@ -408,18 +412,14 @@ def test_datasets(tmp_path: Path) -> None:
     assert math.isinf(BenchConfig().request_rate)
 
 
-def test_client_processes_split_the_streams() -> None:
+def test_client_processes_split_the_streams(two_clients) -> None:
     """Two client processes share 4 streams: every request completes once, and the closed loop keeps 4 in
     flight (8 requests of TTFT 0.2 s + 5 x 0.05 s take two waves, not four or eight)."""
     reqs = [BenchRequest(prompt=f"prompt {i}", output_len=6) for i in range(8)]
     with ThreadedServer(make_app(FakeSpec(ttft_s=0.2, itl_s=0.05))) as srv:
-        clients = ClientProcesses(2)
-        try:
-            cfg = BenchConfig(base_url=srv.base_url, max_concurrency=4, disable_tqdm=True)
-            assert clients.parts(cfg, reqs) == 2
-            results, _, duration = clients.run(cfg, "fake-model", reqs)
-        finally:
-            clients.close()
+        cfg = BenchConfig(base_url=srv.base_url, max_concurrency=4, disable_tqdm=True)
+        assert two_clients.parts(cfg, reqs) == 2
+        results, _, duration = two_clients.run(cfg, "fake-model", reqs)
     assert [r.index for r in results] == list(range(8)) and all(r.success for r in results)
     assert sum(r.output_len for r in results) == 48
     assert 2 * 0.45 <= duration < 3 * 0.45 + 1.0, duration
