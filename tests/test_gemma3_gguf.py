@@ -4,6 +4,9 @@ prefill and decode past the 512-token window, and 16 greedy tokens of 5 prompts 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,7 +25,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def gemma_path() -> str:
-    return str(gguf_package.assemble())  # the four chunks joined (and checked against their sha256) once
+    # the four chunks joined (and checked against their sha256) in the session's cache, not under HOME
+    return str(gguf_package.assemble(Path(os.environ["SPECSERVE_CACHE_DIR"]) / "gemma-3-270m-q4_k_m.gguf"))
 
 
 @pytest.fixture(scope="module")
