@@ -42,8 +42,8 @@ class Live:
         return self.server.on_engine(fn, *args)
 
 
-def _at_once(*calls) -> list:
-    """The calls' results, the requests sent together (the server batches them)."""
+def at_once(*calls) -> list:
+    """The calls' results, the requests sent together (the server batches them: about the steps of the longest)."""
     with ThreadPoolExecutor(len(calls)) as pool:
         return [f.result() for f in [pool.submit(c) for c in calls]]
 
@@ -55,7 +55,7 @@ def live(smollm2_server) -> Live:
 
 def test_chat_stream_matches_nonstream_with_consistent_usage(live: Live) -> None:
     kw = dict(model="default", messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-    r, chunks = _at_once(lambda: live.client.chat.completions.create(**kw),
+    r, chunks = at_once(lambda: live.client.chat.completions.create(**kw),
                          lambda: list(live.client.chat.completions.create(**kw, stream=True,
                                                                           stream_options={"include_usage": True})))
     text = r.choices[0].message.content

@@ -5,13 +5,14 @@ round trip (streamed and not) and the 400s for bad schemas and tools."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
 
 pytest.importorskip("xgrammar")
+
+from test_server import at_once  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z ]{1,20}$"},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -29,17 +30,11 @@ def client(smollm2_spec_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=smollm2_spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _at_once(*calls) -> list:
-    """The calls' results, the requests sent together (batched: about the steps of the longest alone)."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return [f.result() for f in [pool.submit(c) for c in calls]]
-
-
 def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     kw = dict(model="default", messages=ASK, tools=TOOLS, temperature=0, max_tokens=60)
     forced = dict(kw, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     # the call, the same streamed, and required with one call at most, together
-    r, chunks, required = _at_once(lambda: client.chat.completions.create(**forced),
+    r, chunks, required = at_once(lambda: client.chat.completions.create(**forced),
                                    lambda: list(client.chat.completions.create(**forced, stream=True)),
                                    lambda: client.chat.completions.create(**kw, tool_choice="required",
                                                                           parallel_tool_calls=False))
@@ -65,7 +60,7 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [choice.message.tool_calls[0].model_dump()]},
                      {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id,
                       "content": json.dumps({"temperature": 21, "unit": "celsius"})}]
-    r, none = _at_once(lambda: client.chat.completions.create(model="default", messages=history, tools=TOOLS,
+    r, none = at_once(lambda: client.chat.completions.create(model="default", messages=history, tools=TOOLS,
                                                               temperature=0, max_tokens=12),
                        lambda: client.chat.completions.create(model="default", messages=history, tools=TOOLS,
                                                               tool_choice="none", temperature=0, max_tokens=8))
@@ -77,7 +72,7 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
 def test_response_format_and_guided_extras(client: openai.OpenAI) -> None:
     rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
     schema = dict(model="default", messages=ASK, response_format=rf, temperature=0, max_tokens=40)
-    r, chunks, obj, choice, regex = _at_once(
+    r, chunks, obj, choice, regex = at_once(
         lambda: client.chat.completions.create(**schema),
         lambda: list(client.chat.completions.create(**schema, stream=True)),
         lambda: client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Describe a dog in JSON."}],
